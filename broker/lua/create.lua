@@ -1,0 +1,39 @@
+-- Create a session on the least loaded live worker serving (mode, model) with free capacity.
+-- KEYS: 1 workers zset, 2 capacity hash, 3 pool zset (mode, model), 4 session hash, 5 sessions set
+-- ARGV: 1 session_id, 2 mode, 3 model, 4 lease_ms, 5 retention, 6 result_window
+-- Returns {'created', owner} | {'error', code, message}
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local lease = tonumber(ARGV[4])
+if redis.call('EXISTS', KEYS[4]) == 1 then
+  return {'error', 'invalid_request', 'session ' .. ARGV[1] .. ' already exists'}
+end
+local members = redis.call('ZRANGE', KEYS[3], 0, -1, 'WITHSCORES')
+local chosen = nil
+for i = 1, #members, 2 do
+  local wid = members[i]
+  local hb = redis.call('ZSCORE', KEYS[1], wid)
+  if hb and now - tonumber(hb) <= lease then
+    local cap = tonumber(redis.call('HGET', KEYS[2], wid) or '0')
+    if tonumber(members[i + 1]) < cap then
+      chosen = wid
+      break
+    end
+  end
+end
+if #members == 0 then
+  return {'error', 'invalid_request',
+          'unknown model or mode: no worker serves model ' .. ARGV[3] .. ' in mode ' .. ARGV[2]}
+end
+if not chosen then
+  return {'error', 'capacity_exhausted',
+          'no live worker with free capacity serves model ' .. ARGV[3] .. ' in mode ' .. ARGV[2]}
+end
+redis.call('ZINCRBY', KEYS[3], 1, chosen)
+redis.call('HSET', KEYS[4],
+  'mode', ARGV[2], 'model', ARGV[3], 'owner', chosen, 'epoch', 1,
+  'committed_step_id', -1, 'next_step_id', 0, 'context_length', 0, 'closed', 0,
+  'gen', 0, 'reset_pending', 0, 'retention', ARGV[5], 'result_window', ARGV[6],
+  'created_ms', now, 'updated_ms', now)
+redis.call('SADD', KEYS[5], ARGV[1])
+return {'created', chosen}

@@ -1,0 +1,46 @@
+-- Enqueue one step job into its owner's inbox, enforcing the step-id rules atomically.
+-- KEYS: 1 session hash, 2 inbox of the owner the client believes in, 3 log hash
+-- ARGV: 1 believed owner, 2 step_id, 3 contextual ('1'|'0'), 4 job_id, 5 reply_to, 6 payload,
+--       7 session_id, 8 attempt
+-- Returns {'queued', entry_id, committed} | {'stored', result, committed}
+--       | {'error', code, message, committed, context_length} | {'moved', owner}
+local s = redis.call('HMGET', KEYS[1], 'owner', 'epoch', 'committed_step_id', 'next_step_id',
+  'context_length', 'closed', 'gen', 'reset_pending', 'mode', 'model')
+local owner, committed, ctx = s[1], tonumber(s[3]), s[5]
+if not owner then
+  return {'error', 'session_not_found', 'session ' .. ARGV[7] .. ' does not exist', -1, 0}
+end
+if s[6] == '1' then
+  return {'error', 'session_closed', 'session ' .. ARGV[7] .. ' is closed', committed, ctx}
+end
+if owner ~= ARGV[1] then
+  return {'moved', owner}
+end
+local step = tonumber(ARGV[2])
+if ARGV[3] == '1' then
+  local nxt = tonumber(s[4])
+  if step ~= nxt then
+    if step <= committed and s[8] == '0' then
+      local stored = redis.call('HGET', KEYS[3], 'result:' .. step)
+      if stored then
+        return {'stored', stored, committed}
+      end
+      return {'error', 'step_already_committed',
+              'step ' .. step .. ' is already committed; highest committed step is ' .. committed,
+              committed, ctx}
+    end
+    if step < nxt then
+      return {'error', 'step_out_of_order',
+              'step ' .. step .. ' is already queued; expected step_id ' .. nxt, committed, ctx}
+    end
+    return {'error', 'step_out_of_order', 'expected step_id ' .. nxt .. ', got ' .. step, committed, ctx}
+  end
+  redis.call('HSET', KEYS[1], 'next_step_id', nxt + 1)
+end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local id = redis.call('XADD', KEYS[2], '*',
+  'kind', 'step', 'job_id', ARGV[4], 'session_id', ARGV[7], 'step_id', step,
+  'contextual', ARGV[3], 'epoch', s[2], 'gen', s[7], 'mode', s[9], 'model', s[10],
+  'reply_to', ARGV[5], 'enqueued_ms', now, 'attempt', ARGV[8], 'payload', ARGV[6])
+return {'queued', id, committed}

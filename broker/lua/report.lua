@@ -1,0 +1,21 @@
+-- Publish an outcome that commits nothing (an error, a stateless result), fenced like a commit.
+-- A contextual step's final failure lets the trainer retry the same step_id: next_step_id falls
+-- back to committed+1 unless a newer generation (a reset or an earlier fallback) was enqueued.
+-- KEYS: 1 session hash, 2 inbox, 3 reply stream
+-- ARGV: 1 worker id, 2 job epoch, 3 inbox entry id, 4 job_id, 5 result, 6 fallback gen ('' = none),
+--       7 reply ttl ms, 8 inbox group
+-- Returns {'published', committed} | {'fenced', owner, epoch}
+local s = redis.call('HMGET', KEYS[1], 'owner', 'epoch', 'committed_step_id', 'gen')
+if s[1] and (s[1] ~= ARGV[1] or s[2] ~= ARGV[2]) then
+  return {'fenced', s[1], s[2]}
+end
+local committed = tonumber(s[3] or '-1')
+if s[1] and ARGV[6] ~= '' and s[4] == ARGV[6] then
+  redis.call('HSET', KEYS[1], 'next_step_id', committed + 1, 'gen', tonumber(s[4]) + 1)
+end
+redis.call('XACK', KEYS[2], ARGV[8], ARGV[3])
+redis.call('XDEL', KEYS[2], ARGV[3])
+redis.call('XADD', KEYS[3], '*', 'kind', 'step', 'job_id', ARGV[4], 'committed', committed,
+  'result', ARGV[5])
+redis.call('PEXPIRE', KEYS[3], ARGV[7])
+return {'published', committed}

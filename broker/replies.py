@@ -1,0 +1,108 @@
+"""The trainer side of a reply stream: one reader task that resolves waiting futures by job id."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Reply:
+    """One entry of a reply stream, as the worker's script wrote it."""
+
+    kind: str
+    job_id: str
+    committed: int
+    result: bytes
+
+
+def parse_reply(fields: dict[bytes, bytes]) -> Reply:
+    return Reply(
+        kind=fields.get(b"kind", b"step").decode(),
+        job_id=fields.get(b"job_id", b"").decode(),
+        committed=int(fields.get(b"committed", b"-1")),
+        result=fields.get(b"result", b""),
+    )
+
+
+class ReplyReader:
+    """Reads one reply stream and hands each entry to the future registered for its job id.
+
+    Entries are deleted once read, so the stream only ever holds what no reader has seen yet.
+    Unknown job ids (a re-published duplicate, a caller that gave up) are dropped.
+    """
+
+    def __init__(self, redis: Redis, stream: str, *, block_ms: int = 1000, batch: int = 512) -> None:
+        self.redis = redis
+        self.stream = stream
+        self.block_ms = block_ms
+        self.batch = batch
+        self._waiters: dict[str, asyncio.Future[Reply]] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._last_id = b"0-0"
+        self._deletes: set[asyncio.Task[None]] = set()
+
+    def expect(self, job_id: str) -> asyncio.Future[Reply]:
+        fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
+        self._waiters[job_id] = fut
+        return fut
+
+    def forget(self, job_id: str) -> None:
+        self._waiters.pop(job_id, None)
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name=f"reply-reader:{self.stream}")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        for fut in self._waiters.values():
+            if not fut.done():
+                fut.cancel()
+        self._waiters.clear()
+
+    async def _run(self) -> None:
+        backoff = 0.05
+        while True:
+            try:
+                entries: Any = await self.redis.xread({self.stream: self._last_id}, count=self.batch,
+                                                 block=self.block_ms)
+                backoff = 0.05
+            except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+                log.warning("reply stream %s unreachable (%s); retrying in %.2fs", self.stream, exc, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+                continue
+            if entries:
+                self._dispatch(entries[0][1])
+
+    def _dispatch(self, items: list[tuple[bytes, dict[bytes, bytes]]]) -> None:
+        ids: list[Any] = []
+        for entry_id, fields in items:
+            ids.append(entry_id)
+            reply = parse_reply(fields)
+            fut = self._waiters.pop(reply.job_id, None)
+            if fut is not None and not fut.done():
+                fut.set_result(reply)
+        self._last_id = items[-1][0]
+        # Fire-and-forget delete: the stream only keeps unread entries.
+        task = asyncio.create_task(self._delete(ids))
+        self._deletes.add(task)
+        task.add_done_callback(self._deletes.discard)
+
+    async def _delete(self, ids: list[Any]) -> None:
+        with contextlib.suppress(Exception):
+            await self.redis.xdel(self.stream, *ids)

@@ -1,0 +1,151 @@
+"""Lua scripts shipped beside this module, each with one small typed wrapper.
+
+Scripts are registered once per client (EVALSHA, reloaded on NOSCRIPT by redis-py). Every key a
+script touches is passed in KEYS and built by :mod:`broker.keys`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+from typing import Any
+
+from redis.asyncio import Redis
+
+from broker.keys import INBOX_GROUP, CellKeys
+
+Reply = list[Any]
+
+
+@cache
+def lua_source(name: str) -> str:
+    return resources.files("broker").joinpath("lua", f"{name}.lua").read_text(encoding="utf-8")
+
+
+def _s(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+@dataclass(frozen=True)
+class ScriptReply:
+    """A script's answer: a status word and the values after it."""
+
+    status: str
+    values: tuple[Any, ...]
+
+    @classmethod
+    def of(cls, raw: Any) -> ScriptReply:
+        if not isinstance(raw, list) or not raw:
+            raise RuntimeError(f"unexpected script reply {raw!r}")
+        return cls(_s(raw[0]), tuple(raw[1:]))
+
+    def text(self, index: int) -> str:
+        return _s(self.values[index])
+
+    def integer(self, index: int) -> int:
+        return int(_s(self.values[index]))
+
+
+class Scripts:
+    """Typed calls of the cell's Lua scripts on one Redis connection pool."""
+
+    NAMES = (
+        "create", "enqueue", "control", "commit", "report", "apply_control",
+        "register", "heartbeat", "leave_pools",
+    )
+
+    def __init__(self, redis: Redis, keys: CellKeys) -> None:
+        self.redis = redis
+        self.keys = keys
+        self._scripts = {name: redis.register_script(lua_source(name)) for name in self.NAMES}
+
+    async def _call(self, name: str, keys: list[str], args: list[Any]) -> Any:
+        return await self._scripts[name](keys=keys, args=args)
+
+    # ------------------------------------------------------------------ trainer side
+
+    async def create(self, session_id: str, mode: str, model: str, *, lease_ms: int, retention: str,
+                     result_window: int) -> ScriptReply:
+        k = self.keys
+        raw = await self._call(
+            "create",
+            [k.workers, k.capacity, k.pool(mode, model), k.session(session_id), k.sessions],
+            [session_id, mode, model, lease_ms, retention, result_window],
+        )
+        return ScriptReply.of(raw)
+
+    async def enqueue(self, session_id: str, owner: str, *, step_id: int, contextual: bool, job_id: str,
+                      reply_to: str, payload: bytes, attempt: int = 0) -> ScriptReply:
+        k = self.keys
+        raw = await self._call(
+            "enqueue",
+            [k.session(session_id), k.inbox(owner), k.log(session_id)],
+            [owner, step_id, "1" if contextual else "0", job_id, reply_to, payload, session_id, attempt],
+        )
+        return ScriptReply.of(raw)
+
+    async def control(self, session_id: str, owner: str, *, kind: str, job_id: str,
+                      reply_to: str) -> ScriptReply:
+        k = self.keys
+        raw = await self._call(
+            "control", [k.session(session_id), k.inbox(owner)], [owner, kind, job_id, reply_to, session_id]
+        )
+        return ScriptReply.of(raw)
+
+    # ------------------------------------------------------------------ worker side
+
+    async def commit(self, *, session_id: str, worker_id: str, epoch: int, step_id: int, entry_id: str,
+                     result: bytes, context_length: int, job_id: str, reply_to: str,
+                     reply_ttl_ms: int) -> ScriptReply:
+        k = self.keys
+        raw = await self._call(
+            "commit",
+            [k.session(session_id), k.log(session_id), k.inbox(worker_id), k.reply(reply_to)],
+            [worker_id, epoch, step_id, entry_id, result, context_length, job_id, reply_ttl_ms, INBOX_GROUP],
+        )
+        return ScriptReply.of(raw)
+
+    async def report(self, *, session_id: str, worker_id: str, epoch: int, entry_id: str, job_id: str,
+                     result: bytes, fallback_gen: int | None, reply_to: str,
+                     reply_ttl_ms: int) -> ScriptReply:
+        k = self.keys
+        raw = await self._call(
+            "report",
+            [k.session(session_id), k.inbox(worker_id), k.reply(reply_to)],
+            [worker_id, epoch, entry_id, job_id, result, "" if fallback_gen is None else fallback_gen,
+             reply_ttl_ms, INBOX_GROUP],
+        )
+        return ScriptReply.of(raw)
+
+    async def apply_control(self, *, session_id: str, worker_id: str, epoch: int, entry_id: str,
+                            job_id: str, kind: str, mode: str, model: str, reply_to: str,
+                            grace_ms: int, reply_ttl_ms: int) -> ScriptReply:
+        k = self.keys
+        raw = await self._call(
+            "apply_control",
+            [k.session(session_id), k.log(session_id), k.inbox(worker_id), k.reply(reply_to),
+             k.pool(mode, model), k.sessions],
+            [worker_id, epoch, entry_id, job_id, kind, grace_ms, reply_ttl_ms, INBOX_GROUP, session_id],
+        )
+        return ScriptReply.of(raw)
+
+    async def register(self, worker_id: str, *, capacity: int, pools: list[str], ttl_ms: int,
+                       fields: dict[str, str]) -> int:
+        k = self.keys
+        flat = [item for pair in fields.items() for item in pair]
+        raw = await self._call(
+            "register",
+            [k.workers, k.capacity, k.worker(worker_id), k.inbox(worker_id), *pools],
+            [worker_id, capacity, ttl_ms, INBOX_GROUP, *flat],
+        )
+        return int(raw)
+
+    async def heartbeat(self, worker_id: str, *, ttl_ms: int, fields: dict[str, str]) -> tuple[int, bool]:
+        k = self.keys
+        flat = [item for pair in fields.items() for item in pair]
+        raw = await self._call("heartbeat", [k.workers, k.worker(worker_id)], [worker_id, ttl_ms, *flat])
+        return int(raw[0]), bool(int(raw[1]))
+
+    async def leave_pools(self, worker_id: str, *, pools: list[str], state: str) -> None:
+        await self._call("leave_pools", [self.keys.worker(worker_id), *pools], [worker_id, state])

@@ -1,0 +1,44 @@
+"""Size limits every decode enforces, so a bad or hostile payload fails cleanly."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# numpy dtype names allowed on the wire; "bfloat16" is carried as its raw 16-bit pattern.
+DEFAULT_DTYPES: frozenset[str] = frozenset(
+    {
+        "bool",
+        "uint8",
+        "int8",
+        "uint16",
+        "int16",
+        "uint32",
+        "int32",
+        "int64",
+        "float16",
+        "float32",
+        "float64",
+        "bfloat16",
+    }
+)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds on one message. Defaults fit DreamZero-sized latents with room to spare."""
+
+    max_payload_bytes: int = 64 * 1024 * 1024
+    max_array_elements: int = 16 * 1024 * 1024
+    max_array_ndim: int = 8
+    max_token_ids: int = 1 << 20
+    max_images: int = 16
+    max_container_len: int = 1 << 20
+    dtypes: frozenset[str] = field(default=DEFAULT_DTYPES)
+
+    def __post_init__(self) -> None:
+        for name in ("max_payload_bytes", "max_array_elements", "max_array_ndim", "max_token_ids"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"Limits.{name} must be positive")
+
+
+DEFAULT_LIMITS = Limits()

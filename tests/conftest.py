@@ -1,0 +1,35 @@
+"""Fixtures: a private real Redis server per test session, a random key prefix per test."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+
+from broker import FleetClient
+from broker.embedded import RedisServer, running_redis
+from tests.support import WorkerPool, worker_pool
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    with running_redis() as server:
+        yield server
+
+
+@pytest.fixture
+def prefix() -> str:
+    return f"t{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+async def fleet(redis_server: RedisServer, prefix: str) -> AsyncIterator[FleetClient]:
+    async with FleetClient(redis_server.url, prefix=prefix) as client:
+        yield client
+
+
+@pytest.fixture
+async def workers(redis_server: RedisServer, prefix: str) -> AsyncIterator[WorkerPool]:
+    async with worker_pool(redis_server.url, prefix) as pool:
+        yield pool

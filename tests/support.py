@@ -1,0 +1,77 @@
+"""Helpers for tests: in-process workers and small inputs."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from workers.engines.base import Engine
+from workers.settings import WorkerSettings
+from workers.worker import Worker
+
+
+@dataclass
+class RunningWorker:
+    worker: Worker
+    task: asyncio.Task[None]
+
+    @property
+    def id(self) -> str:
+        return self.worker.id
+
+
+@dataclass
+class WorkerPool:
+    url: str
+    prefix: str
+    running: list[RunningWorker] = field(default_factory=list)
+
+    async def add(self, engine: Engine, **overrides: Any) -> RunningWorker:
+        settings = WorkerSettings(redis_url=self.url, prefix=self.prefix, **overrides)
+        worker = Worker(engine, settings)
+        await worker.start()
+        task = asyncio.create_task(worker.serve())
+        running = RunningWorker(worker, task)
+        self.running.append(running)
+        return running
+
+    async def stop(self, running: RunningWorker) -> None:
+        running.worker.request_stop()
+        await running.task
+        await running.worker.shutdown()
+        self.running.remove(running)
+
+    async def stop_all(self) -> None:
+        for running in list(self.running):
+            with contextlib.suppress(Exception):
+                await self.stop(running)
+
+
+@contextlib.asynccontextmanager
+async def worker_pool(url: str, prefix: str) -> AsyncIterator[WorkerPool]:
+    pool = WorkerPool(url, prefix)
+    try:
+        yield pool
+    finally:
+        await pool.stop_all()
+
+
+def image(seed: int = 0, h: int = 24, w: int = 32) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, size=(h, w, 3), dtype=np.uint8)
+
+
+def world_step(i: int, prompt: str = "pick the cup", seed: int = 0) -> dict[str, Any]:
+    """Keyword arguments of Session.step for a world-model step."""
+    return {
+        "observation": {
+            "prompt": prompt,
+            "images": {"observation/exterior_image_1_left": image(seed * 1000 + i)},
+            "state": [0.01 * i] * 8,
+        },
+        "action": {"joint_positions": [0.1 * ((i + j) % 5) for j in range(7)], "gripper_position": [0.5]},
+    }

@@ -1,0 +1,80 @@
+"""The engine interface: what a worker needs from anything that executes steps.
+
+Engines are the only place that imports torch / vllm / vllm_omni, always lazily.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from schemas.messages import Mode, StepInput
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """One step for the engine.
+
+    ``session_key`` names the engine-side context. ``reset`` asks the engine to start that context
+    fresh before running (first step after create/reset). ``stateless`` runs from a fresh context
+    and keeps nothing afterwards (``use_session_context=False``).
+    """
+
+    session_key: str
+    model: str
+    step: StepInput
+    reset: bool = False
+    stateless: bool = False
+
+
+@dataclass(frozen=True)
+class EngineOutput:
+    """What the engine produced: ``output`` goes to the trainer as is (ndarrays allowed)."""
+
+    output: Mapping[str, Any]
+    context_length: int
+
+
+class Engine(abc.ABC):
+    """Executes batches of steps. Implementations must be:
+
+    - transactional per request: a request that raises leaves its session's context unchanged;
+    - batch-invariant: a request's output does not depend on what else is in the batch;
+    - deterministic: randomness comes from the request's seed or a fixed default only.
+    """
+
+    kind: str = "abstract"
+
+    @abc.abstractmethod
+    def models(self) -> Mapping[str, Mode]:
+        """The models this engine serves and the mode of each."""
+
+    async def start(self) -> None:
+        """Load weights, warm up. Called once before the first batch."""
+
+    async def close(self) -> None:
+        """Free everything. Called once on shutdown."""
+
+    @abc.abstractmethod
+    async def run_batch(
+        self, model: str, requests: Sequence[EngineRequest]
+    ) -> list[EngineOutput | BaseException]:
+        """Run one batch of one model; one output or exception per request, in order.
+
+        Raise (or return) ``schemas.errors.InvalidRequestError`` for input that can never succeed;
+        any other exception counts as a (possibly transient) inference error.
+        """
+
+    @abc.abstractmethod
+    def drop_session(self, session_key: str) -> None:
+        """Forget a session's context (reset/close/handover). Unknown keys are ignored."""
+
+    def max_batch_size(self, model: str) -> int:
+        return 32
+
+    @property
+    def policy_version(self) -> int:
+        """The weight version that produces results now."""
+        return 0

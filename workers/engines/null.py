@@ -1,0 +1,64 @@
+"""An engine that does (almost) nothing: for tests of the fleet itself and for benchmarks.
+
+Each session's context is the list of step inputs it has seen, so the output tells whether the
+fleet delivered every step, once, in order: ``context`` is how many steps the session has run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from schemas.errors import InvalidRequestError
+from schemas.messages import Mode, TokenStep, WorldStep
+from workers.engines.base import Engine, EngineOutput, EngineRequest
+
+
+@dataclass(frozen=True)
+class NullEngineConfig:
+    latent_shape: tuple[int, ...] = (1, 4)
+    delay_ms: float = 0.0  # simulated compute per batch
+    fail_prompt: str = "fail"  # a world step with this prompt raises a (transient-looking) error
+
+
+class NullEngine(Engine):
+    kind = "null"
+
+    def __init__(self, config: NullEngineConfig | None = None) -> None:
+        self.config = config or NullEngineConfig()
+        self._contexts: dict[str, int] = {}
+        self.batch_sizes: list[int] = []
+
+    def models(self) -> Mapping[str, Mode]:
+        return {"null-world": Mode.WORLD_MODEL_ENV, "null-lm": Mode.TOKENS}
+
+    async def run_batch(self, model: str, requests: Sequence[EngineRequest]) -> list[EngineOutput | BaseException]:
+        self.batch_sizes.append(len(requests))
+        if self.config.delay_ms:
+            await asyncio.sleep(self.config.delay_ms / 1000.0)
+        return [self._one(req) for req in requests]
+
+    def _one(self, req: EngineRequest) -> EngineOutput | BaseException:
+        step = req.step
+        seen = 0 if (req.reset or req.stateless) else self._contexts.get(req.session_key, 0)
+        if isinstance(step, WorldStep):
+            if step.observation.prompt == self.config.fail_prompt:
+                return RuntimeError("null engine was asked to fail")
+            if step.observation.prompt == "invalid":
+                return InvalidRequestError("null engine rejects the prompt 'invalid'")
+            latent = np.full(self.config.latent_shape, float(seen), dtype=np.float32)
+            output: dict[str, object] = {"video_latent": latent, "context": seen}
+        elif isinstance(step, TokenStep):
+            output = {"token_ids": list(step.token_ids), "logprobs": [0.0] * len(step.token_ids),
+                      "finish_reason": "length", "context": seen}
+        else:  # pragma: no cover - schemas only build these two
+            return InvalidRequestError(f"unsupported step {type(step).__name__}")
+        if not req.stateless:
+            self._contexts[req.session_key] = seen + 1
+        return EngineOutput(output=output, context_length=seen + 1)
+
+    def drop_session(self, session_key: str) -> None:
+        self._contexts.pop(session_key, None)

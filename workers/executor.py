@@ -1,0 +1,178 @@
+"""Runs one job end to end: decode, engine (with retries), then commit or report through Lua.
+
+Kept apart from the worker loop so the exactly-once rules live in one small place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from dataclasses import dataclass
+
+from broker.scripts import Scripts
+from schemas.codec import decode, encode
+from schemas.errors import ErrorCode, FleetError, InvalidRequestError
+from schemas.messages import Latency, StepResult, parse_step_input
+from workers.batcher import Batcher
+from workers.engines.base import Engine, EngineOutput, EngineRequest
+from workers.jobs import Job
+from workers.settings import WorkerSettings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SessionState:
+    """What this worker knows of a session it owns."""
+
+    committed: int
+    engine_ready: bool = False  # the engine holds the context of every committed step
+
+
+class Fenced(Exception):
+    """This worker no longer owns the session (lease epoch or owner moved on)."""
+
+
+class StepExecutor:
+    def __init__(self, settings: WorkerSettings, scripts: Scripts, engine: Engine,
+                 batchers: dict[str, Batcher]) -> None:
+        self.settings = settings
+        self.scripts = scripts
+        self.engine = engine
+        self.batchers = batchers
+        self.worker_id = settings.worker_id
+        self.committed_steps = 0
+        self.failed_steps = 0
+
+    # ------------------------------------------------------------------ publishing
+
+    async def report(self, job: Job, result: StepResult, *, fallback: bool) -> None:
+        """Publish a result that commits nothing; ``fallback`` lets the trainer retry the step."""
+        reply = await self.scripts.report(
+            session_id=job.session_id, worker_id=self.worker_id, epoch=job.epoch, entry_id=job.entry_id,
+            job_id=job.job_id, result=encode(result.to_wire()), fallback_gen=job.gen if fallback else None,
+            reply_to=job.reply_to, reply_ttl_ms=self.settings.reply_ttl_ms,
+        )
+        if reply.status == "fenced":
+            raise Fenced(job.session_id)
+
+    async def fail(self, job: Job, code: ErrorCode, message: str, state: SessionState | None, *,
+                   fallback: bool, attempt: int = 0) -> None:
+        self.failed_steps += 1
+        result = StepResult.failure(
+            job.session_id, job.step_id, code, message,
+            committed_step_id=state.committed if state else -1, worker_id=self.worker_id, attempt=attempt,
+            policy_version=self.engine.policy_version,
+        )
+        await self.report(job, result, fallback=fallback)
+
+    # ------------------------------------------------------------------ steps
+
+    async def run_step(self, job: Job, state: SessionState | None) -> None:
+        """A contextual step (``state`` given) or a stateless one (``state`` None)."""
+        picked_ms = time.time() * 1000.0
+        if state is not None:
+            if job.step_id <= state.committed:
+                await self._answer_duplicate(job, state)
+                return
+            if job.step_id != state.committed + 1:
+                await self.fail(job, ErrorCode.STEP_OUT_OF_ORDER,
+                                f"expected step_id {state.committed + 1}, got {job.step_id} "
+                                "(an earlier step of this session failed; resubmit from there)",
+                                state, fallback=False)
+                return
+            if state.committed >= 0 and not state.engine_ready:
+                await self.fail(job, ErrorCode.CONTEXT_LOST,
+                                "this worker holds no engine context for the session", state, fallback=True)
+                return
+        try:
+            step = parse_step_input(job.mode, decode(job.payload, self.settings.limits), self.settings.limits)
+        except FleetError as exc:
+            await self.fail(job, exc.code, exc.message, state, fallback=True)
+            return
+        request = EngineRequest(
+            session_key=job.session_id if state is not None else f"{job.session_id}:stateless",
+            model=job.model, step=step, reset=state is not None and state.committed == -1,
+            stateless=state is None,
+        )
+        outcome = await self._run_engine(job, request, state)
+        if outcome is None:
+            return
+        out, attempt, engine_ms = outcome
+        result = StepResult(
+            session_id=job.session_id, step_id=job.step_id, ok=True,
+            committed_step_id=job.step_id if state is not None else (-1),
+            output=out.output, context_length=out.context_length,
+            latency=Latency(queue_ms=max(0.0, picked_ms - job.enqueued_ms), engine_ms=engine_ms),
+            worker_id=self.worker_id, attempt=attempt, policy_version=self.engine.policy_version,
+        )
+        if state is None:
+            await self.report(job, result, fallback=False)
+            return
+        await self._commit(job, result, state)
+
+    async def _run_engine(self, job: Job, request: EngineRequest,
+                          state: SessionState | None) -> tuple[EngineOutput, int, float] | None:
+        batcher = self.batchers.get(job.model)
+        if batcher is None:
+            await self.fail(job, ErrorCode.INVALID_REQUEST, f"this worker does not serve model {job.model!r}",
+                            state, fallback=True)
+            return None
+        attempts = self.settings.max_attempts
+        for attempt in range(1, attempts + 1):
+            started = time.perf_counter()
+            try:
+                out = await batcher.run(request)
+                return out, attempt, (time.perf_counter() - started) * 1000.0
+            except InvalidRequestError as exc:  # never retried
+                await self.fail(job, exc.code, exc.message, state, fallback=True, attempt=attempt)
+                return None
+            except Exception as exc:
+                if attempt == attempts:
+                    await self.fail(job, ErrorCode.INFERENCE_ERROR, f"{type(exc).__name__}: {exc}", state,
+                                    fallback=True, attempt=attempt)
+                    return None
+                delay = self.settings.retry_backoff_ms / 1000.0 * (2 ** (attempt - 1))
+                log.warning("step %s/%d attempt %d failed (%s); retrying in %.3fs",
+                            job.session_id, job.step_id, attempt, exc, delay)
+                await asyncio.sleep(delay * (0.5 + random.random()))
+        return None  # pragma: no cover - the loop always returns
+
+    async def _commit(self, job: Job, result: StepResult, state: SessionState) -> None:
+        reply = await self.scripts.commit(
+            session_id=job.session_id, worker_id=self.worker_id, epoch=job.epoch, step_id=job.step_id,
+            entry_id=job.entry_id, result=encode(result.to_wire()), context_length=result.context_length,
+            job_id=job.job_id, reply_to=job.reply_to, reply_ttl_ms=self.settings.reply_ttl_ms,
+        )
+        if reply.status == "committed":
+            state.committed = job.step_id
+            state.engine_ready = True
+            self.committed_steps += 1
+            return
+        if reply.status == "fenced":
+            raise Fenced(job.session_id)
+        # The engine ran a step that did not commit: its context is no longer the committed one.
+        state.engine_ready = False
+        self.engine.drop_session(job.session_id)
+        if reply.status == "duplicate":  # committed earlier; the stored result went out again
+            state.committed = max(state.committed, job.step_id)
+            return
+        state.committed = reply.integer(0)
+        await self.fail(job, ErrorCode.STEP_OUT_OF_ORDER, f"step {job.step_id} could not commit "
+                        f"(committed step is {state.committed})", state, fallback=False)
+
+    async def _answer_duplicate(self, job: Job, state: SessionState) -> None:
+        """A job for a step that is already committed: re-publish the stored result, never re-run."""
+        reply = await self.scripts.commit(
+            session_id=job.session_id, worker_id=self.worker_id, epoch=job.epoch, step_id=job.step_id,
+            entry_id=job.entry_id, result=b"", context_length=0, job_id=job.job_id, reply_to=job.reply_to,
+            reply_ttl_ms=self.settings.reply_ttl_ms,
+        )
+        if reply.status == "fenced":
+            raise Fenced(job.session_id)
+        if reply.status != "duplicate":
+            await self.fail(job, ErrorCode.STEP_ALREADY_COMMITTED,
+                            f"step {job.step_id} is already committed and its result is no longer stored",
+                            state, fallback=False)

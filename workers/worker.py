@@ -1,0 +1,293 @@
+"""The worker process: register, heartbeat, read the inbox, run each session's jobs in order.
+
+One reader fills per-session lanes (bounded by ``max_inflight``); lanes of different sessions run
+concurrently and meet in the per-model batchers; commits go through the fenced Lua script.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from broker.keys import INBOX_GROUP, CellKeys
+from broker.scripts import Scripts
+from schemas.codec import encode
+from schemas.errors import ErrorCode
+from schemas.messages import StepResult
+from workers.batcher import Batcher
+from workers.engines.base import Engine
+from workers.executor import Fenced, SessionState, StepExecutor
+from workers.jobs import BadJob, Job, parse_job
+from workers.settings import WorkerSettings
+
+log = logging.getLogger(__name__)
+
+
+class Worker:
+    """``async with Worker(engine, settings) as w: await w.serve()``; ``request_stop()`` drains."""
+
+    def __init__(self, engine: Engine, settings: WorkerSettings) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.id = settings.worker_id
+        self.keys = CellKeys(settings.prefix, settings.cell)
+        self.state = "starting"
+        self._redis: Redis | None = None
+        self._scripts: Scripts | None = None
+        self._executor: StepExecutor | None = None
+        self._batchers: dict[str, Batcher] = {}
+        self._sessions: dict[str, SessionState] = {}
+        self._lanes: dict[str, collections.deque[Job]] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._inflight = asyncio.Semaphore(settings.max_inflight)
+        self._active = 0
+        self._idle = asyncio.Event()
+        self._stop = asyncio.Event()
+        self._pools = [self.keys.pool(mode.value, model) for model, mode in engine.models().items()]
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def __aenter__(self) -> Worker:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.shutdown()
+
+    @property
+    def executor(self) -> StepExecutor:
+        assert self._executor is not None, "worker not started"
+        return self._executor
+
+    async def start(self) -> None:
+        self._redis = Redis.from_url(self.settings.redis_url, decode_responses=False)
+        self._scripts = Scripts(self._redis, self.keys)
+        await self.engine.start()
+        self._batchers = {
+            model: Batcher(self.engine, model, max_batch=self.engine.max_batch_size(model),
+                           wait_ms=self.settings.batch_wait_ms)
+            for model in self.engine.models()
+        }
+        self._executor = StepExecutor(self.settings, self._scripts, self.engine, self._batchers)
+        await self._scripts.register(
+            self.id, capacity=self.settings.capacity, pools=self._pools, ttl_ms=3 * self.settings.lease_ms,
+            fields=self._describe("active"),
+        )
+        self.state = "active"
+        self._idle.set()
+        self._spawn(self._heartbeat_loop(), "heartbeat")
+        log.info("worker %s serving %s", self.id, ", ".join(self.engine.models()))
+
+    def request_stop(self) -> None:
+        """Stop reading new jobs; :meth:`serve` then finishes in-flight jobs and returns."""
+        self._stop.set()
+
+    async def serve(self) -> None:
+        """Read and run jobs until :meth:`request_stop`, then finish what was read."""
+        reader = asyncio.create_task(self._read_loop(), name="reader")
+        await self._stop.wait()
+        self.state = "draining"
+        with contextlib.suppress(Exception):
+            await self._scripts_or_fail().leave_pools(self.id, pools=self._pools, state="draining")
+        reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reader
+        try:
+            await asyncio.wait_for(self._idle.wait(), self.settings.drain_timeout_s)
+        except TimeoutError:
+            log.warning("drain timeout: %d jobs still running", self._active)
+
+    async def shutdown(self) -> None:
+        self._stop.set()
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        for batcher in self._batchers.values():
+            await batcher.close()
+        if self._redis is not None:
+            with contextlib.suppress(Exception):
+                await self._scripts_or_fail().leave_pools(self.id, pools=self._pools, state="stopped")
+            await self._redis.aclose()
+            self._redis = None
+        await self.engine.close()
+        self.state = "stopped"
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _scripts_or_fail(self) -> Scripts:
+        assert self._scripts is not None, "worker not started"
+        return self._scripts
+
+    def _redis_or_fail(self) -> Redis:
+        assert self._redis is not None, "worker not started"
+        return self._redis
+
+    def _spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def _describe(self, state: str) -> dict[str, str]:
+        models = self.engine.models()
+        ex = self._executor
+        return {
+            "state": state,
+            "engine": self.engine.kind,
+            "models": ",".join(models),
+            "modes": ",".join(sorted({m.value for m in models.values()})),
+            "capacity": str(self.settings.capacity),
+            "load": str(len(self._sessions)),
+            "policy_version": str(self.engine.policy_version),
+            "committed_steps": str(ex.committed_steps if ex else 0),
+        }
+
+    async def _heartbeat_loop(self) -> None:
+        interval = self.settings.heartbeat_ms / 1000.0
+        while True:
+            try:
+                _, registered = await self._scripts_or_fail().heartbeat(
+                    self.id, ttl_ms=3 * self.settings.lease_ms, fields=self._describe(self.state))
+                if not registered:
+                    log.error("worker %s is no longer registered (declared dead); stopping", self.id)
+                    self.request_stop()
+            except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+                log.warning("heartbeat failed: %s", exc)
+            await asyncio.sleep(interval)
+
+    # ------------------------------------------------------------------ reading
+
+    async def _read_loop(self) -> None:
+        redis = self._redis_or_fail()
+        inbox = self.keys.inbox(self.id)
+        cursor = "0"  # first our own pending entries (none for a fresh incarnation), then new ones
+        backoff = 0.05
+        while not self._stop.is_set():
+            try:
+                resp: Any = await redis.xreadgroup(INBOX_GROUP, self.id, {inbox: cursor},
+                                              count=self.settings.read_count, block=self.settings.block_ms)
+                backoff = 0.05
+            except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+                log.warning("inbox read failed (%s); retrying in %.2fs", exc, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(2 * backoff, 2.0)
+                continue
+            entries = resp[0][1] if resp else []
+            if cursor == "0" and not entries:
+                cursor = ">"
+            for entry_id, fields in entries:
+                if not fields:  # deleted while pending
+                    continue
+                await self._inflight.acquire()
+                self._dispatch(parse_job(entry_id, fields))
+
+    def _dispatch(self, job: Job | BadJob) -> None:
+        self._active += 1
+        self._idle.clear()
+        if isinstance(job, BadJob):
+            self._spawn(self._finish(self._dead_letter(job)), "bad-job")
+        elif job.kind == "step" and not job.contextual:
+            self._spawn(self._finish(self._guard(job, self.executor.run_step(job, None))), "stateless")
+        else:
+            lane = self._lanes.get(job.session_id)
+            if lane is None:
+                lane = self._lanes[job.session_id] = collections.deque()
+                self._spawn(self._lane(job.session_id, lane), f"lane:{job.session_id}")
+            lane.append(job)
+
+    async def _finish(self, coro: Any) -> None:
+        try:
+            await coro
+        finally:
+            self._inflight.release()
+            self._active -= 1
+            if self._active == 0:
+                self._idle.set()
+
+    async def _lane(self, session_id: str, lane: collections.deque[Job]) -> None:
+        """One session's jobs, strictly in inbox order, one at a time."""
+        try:
+            while lane:
+                job = lane.popleft()
+                await self._finish(self._guard(job, self._process(job)))
+        finally:
+            if self._lanes.get(session_id) is lane:
+                del self._lanes[session_id]
+
+    # ------------------------------------------------------------------ processing
+
+    async def _guard(self, job: Job, coro: Any) -> None:
+        try:
+            await coro
+        except Fenced:
+            log.warning("session %s is no longer ours; dropping it", job.session_id)
+            self._forget(job.session_id)
+        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            # The job stays pending in our inbox group; it is not lost.
+            log.error("redis unavailable while running %s/%d: %s", job.session_id, job.step_id, exc)
+        except Exception:
+            log.exception("job %s of session %s failed unexpectedly", job.job_id, job.session_id)
+            with contextlib.suppress(Exception):
+                await self.executor.fail(job, ErrorCode.INFERENCE_ERROR, "internal worker error",
+                                         self._sessions.get(job.session_id), fallback=True)
+
+    async def _process(self, job: Job) -> None:
+        state = await self._session_state(job.session_id)
+        if job.kind == "step":
+            await self.executor.run_step(job, state)
+            return
+        self.engine.drop_session(job.session_id)
+        reply = await self._scripts_or_fail().apply_control(
+            session_id=job.session_id, worker_id=self.id, epoch=job.epoch, entry_id=job.entry_id,
+            job_id=job.job_id, kind=job.kind, mode=job.mode.value, model=job.model, reply_to=job.reply_to,
+            grace_ms=self.settings.close_grace_ms, reply_ttl_ms=self.settings.reply_ttl_ms,
+        )
+        if reply.status == "fenced":
+            raise Fenced(job.session_id)
+        if job.kind == "close":
+            self._forget(job.session_id)
+        else:
+            state.committed = -1
+            state.engine_ready = False
+
+    async def _session_state(self, session_id: str) -> SessionState:
+        state = self._sessions.get(session_id)
+        if state is None:
+            raw = await self._redis_or_fail().hget(self.keys.session(session_id), "committed_step_id")
+            state = SessionState(committed=int(raw) if raw is not None else -1)
+            self._sessions[session_id] = state
+        return state
+
+    def _forget(self, session_id: str) -> None:
+        self._sessions.pop(session_id, None)
+        self.engine.drop_session(session_id)
+        self.engine.drop_session(f"{session_id}:stateless")
+
+    async def _dead_letter(self, job: BadJob) -> None:
+        """A malformed entry: dead-letter it with the reason and answer whoever it names."""
+        log.warning("malformed job %s: %s", job.entry_id, job.reason)
+        redis = self._redis_or_fail()
+        inbox = self.keys.inbox(self.id)
+        async with redis.pipeline(transaction=True) as pipe:
+            pipe.xadd(self.keys.dead, {"reason": f"invalid_request: {job.reason}", "entry_id": job.entry_id,
+                                       "worker_id": self.id, "job_id": job.job_id or "",
+                                       "session_id": job.session_id or "", "attempts": "0"})
+            pipe.xack(inbox, INBOX_GROUP, job.entry_id)
+            pipe.xdel(inbox, job.entry_id)
+            if job.reply_to and job.job_id:
+                result = StepResult.failure(job.session_id or "", -1, ErrorCode.INVALID_REQUEST,
+                                            f"malformed job: {job.reason}", worker_id=self.id)
+                reply = self.keys.reply(job.reply_to)
+                pipe.xadd(reply, {"kind": "step", "job_id": job.job_id, "committed": "-1",
+                                  "result": encode(result.to_wire())})
+                pipe.pexpire(reply, self.settings.reply_ttl_ms)
+            await pipe.execute()
