@@ -50,6 +50,7 @@ class ReplyReader:
         self._task: asyncio.Task[None] | None = None
         self._last_id = b"0-0"
         self._deletes: set[asyncio.Task[None]] = set()
+        self._stopping = False
 
     def expect(self, job_id: str) -> asyncio.Future[Reply]:
         fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
@@ -64,6 +65,7 @@ class ReplyReader:
             self._task = asyncio.create_task(self._run(), name=f"reply-reader:{self.stream}")
 
     async def stop(self) -> None:
+        self._stopping = True
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -76,12 +78,14 @@ class ReplyReader:
 
     async def _run(self) -> None:
         backoff = 0.05
-        while True:
+        while not self._stopping:
             try:
                 entries: Any = await self.redis.xread({self.stream: self._last_id}, count=self.batch,
                                                  block=self.block_ms)
                 backoff = 0.05
             except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+                if self._stopping:  # redis-py may turn our own cancellation into a connection error
+                    return
                 log.warning("reply stream %s unreachable (%s); retrying in %.2fs", self.stream, exc, backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)

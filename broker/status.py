@@ -1,0 +1,61 @@
+"""A cell's health from Redis alone: workers, their liveness and load, sessions, dead letters."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from redis.asyncio import Redis
+
+from broker.keys import INBOX_GROUP, CellKeys
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    worker_id: str
+    heartbeat_age_ms: int
+    fields: dict[str, str]
+    inbox_length: int
+    inbox_pending: int
+
+
+@dataclass(frozen=True)
+class CellReport:
+    workers: list[WorkerInfo] = field(default_factory=list)
+    live_sessions: int = 0
+    dead_letters: int = 0
+
+
+async def cell_status(url: str, *, prefix: str = "rf", cell: str = "0") -> CellReport:
+    keys = CellKeys(prefix, cell)
+    redis = Redis.from_url(url, decode_responses=True)
+    try:
+        now_s, now_us = await redis.time()
+        now_ms = int(now_s) * 1000 + int(now_us) // 1000
+        beats: Any = await redis.zrange(keys.workers, 0, -1, withscores=True)
+        infos = []
+        for wid, score in beats:
+            fields: Any = await redis.hgetall(keys.worker(wid))
+            inbox = keys.inbox(wid)
+            length = await redis.xlen(inbox)
+            pending = 0
+            if length:
+                summary: Any = await redis.xpending(inbox, INBOX_GROUP)
+                pending = int(summary.get("pending", 0)) if isinstance(summary, dict) else 0
+            infos.append(WorkerInfo(wid, now_ms - int(score), dict(fields), int(length), pending))
+        return CellReport(workers=infos, live_sessions=int(await redis.scard(keys.sessions)),
+                          dead_letters=int(await redis.xlen(keys.dead)))
+    finally:
+        await redis.aclose()
+
+
+def format_status(report: CellReport, lease_ms: int = 5000) -> str:
+    lines = [f"{'worker':<40} {'state':<9} {'alive':<6} {'beat_ms':>8} {'load':>5} {'inbox':>6} {'pending':>7}"]
+    for w in report.workers:
+        alive = "yes" if w.heartbeat_age_ms <= lease_ms else "NO"
+        lines.append(f"{w.worker_id:<40} {w.fields.get('state', '?'):<9} {alive:<6} {w.heartbeat_age_ms:>8} "
+                     f"{w.fields.get('load', '?'):>5} {w.inbox_length:>6} {w.inbox_pending:>7}")
+    lines.append(f"sessions={report.live_sessions} dead_letters={report.dead_letters} "
+                 f"checked_at={time.strftime('%H:%M:%S')}")
+    return "\n".join(lines)

@@ -1,0 +1,131 @@
+"""``rollout-fleet``: worker, demo, redis (embedded, foreground) and status commands."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from broker.client import DEFAULT_URL
+from workers.engines.registry import ENGINES
+
+
+def _add_redis(p: argparse.ArgumentParser, default: str | None = DEFAULT_URL) -> None:
+    p.add_argument("--redis-url", default=default, help=f"Redis URL (default: {default or 'embedded'})")
+    p.add_argument("--prefix", default="rf", help="key prefix (default: rf)")
+    p.add_argument("--cell", default="0", help="cell hash tag (default: 0)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rollout-fleet", description=__doc__)
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    w = sub.add_parser("worker", help="run a worker process")
+    _add_redis(w)
+    w.add_argument("--engine", choices=ENGINES, default="reference")
+    w.add_argument("--device", default=None, help="reference engines: cpu (default) or cuda")
+    w.add_argument("--latent-shape", default=None, help="reference world latent shape, e.g. 1,16,2,44,80")
+    w.add_argument("--worker-id", default=None)
+    w.add_argument("--capacity", type=int, default=256, help="sessions this worker may own")
+    w.add_argument("--heartbeat-ms", type=int, default=1000)
+    w.add_argument("--lease-ms", type=int, default=5000)
+    w.add_argument("--max-attempts", type=int, default=3)
+    w.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight jobs")
+
+    d = sub.add_parser("demo", help="a local fleet: embedded Redis, worker processes and a trainer loop")
+    _add_redis(d, default=None)
+    d.add_argument("--workers", type=int, default=2)
+    d.add_argument("--sessions", type=int, default=16)
+    d.add_argument("--steps", type=int, default=40)
+    d.add_argument("--mode", choices=("world_model_env", "tokens", "both"), default="both")
+    d.add_argument("--engine", choices=ENGINES, default="reference")
+    d.add_argument("--latent-shape", default=None, help="world latent shape (default 1,16,2,44,80)")
+    d.add_argument("--no-progress", action="store_true")
+
+    r = sub.add_parser("redis", help="run the embedded Redis server in the foreground")
+    r.add_argument("--port", type=int, default=6379)
+    r.add_argument("--dir", default=None, help="data directory (default: a temporary one)")
+    r.add_argument("--appendonly", action="store_true", help="AOF with appendfsync always")
+
+    s = sub.add_parser("status", help="workers and sessions of a cell, from Redis alone")
+    _add_redis(s)
+    return parser
+
+
+def _shape(text: str | None) -> tuple[int, ...] | None:
+    return None if text is None else tuple(int(x) for x in text.split(","))
+
+
+def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    opts: dict[str, Any] = {}
+    shape = _shape(getattr(args, "latent_shape", None))
+    if args.engine == "reference":
+        if getattr(args, "device", None):
+            opts["device"] = args.device
+        if shape:
+            opts["latent_shape"] = shape
+    elif shape:
+        opts["latent_shape"] = shape
+    return opts
+
+
+def _cmd_worker(args: argparse.Namespace) -> int:
+    from workers.runner import run_worker
+    from workers.settings import WorkerSettings
+
+    settings = WorkerSettings.from_mapping({
+        "redis_url": args.redis_url, "prefix": args.prefix, "cell": args.cell, "worker_id": args.worker_id,
+        "capacity": args.capacity, "heartbeat_ms": args.heartbeat_ms, "lease_ms": args.lease_ms,
+        "max_attempts": args.max_attempts, "drain_timeout_s": args.drain_timeout,
+    })
+    run_worker(args.engine, settings, _engine_options(args))
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from workers.demo import DemoConfig, run_demo
+
+    config = DemoConfig(redis_url=args.redis_url, workers=args.workers, sessions=args.sessions, steps=args.steps,
+                        mode=args.mode, engine=args.engine, engine_options=_engine_options(args),
+                        progress=not args.no_progress)
+    return run_demo(config)
+
+
+def _cmd_redis(args: argparse.Namespace) -> int:
+    from broker.embedded import RedisServer
+
+    server = RedisServer(port=args.port, directory=args.dir, appendonly=args.appendonly).start()
+    print(f"redis listening at {server.url} (data in {server.directory}); Ctrl-C to stop", flush=True)
+    try:
+        signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+        assert server.process is not None
+        server.process.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.cleanup()
+    return 0
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from broker.status import cell_status, format_status
+
+    report = asyncio.run(cell_status(args.redis_url, prefix=args.prefix, cell=args.cell))
+    print(format_status(report))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    commands = {"worker": _cmd_worker, "demo": _cmd_demo, "redis": _cmd_redis, "status": _cmd_status}
+    return commands[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""The main job on the embedded default: Redis + worker processes + a trainer loop, then a summary.
+
+The trainer steps every session one step at a time (the next action depends on the last
+observation), all sessions concurrently, and checks at the end that Redis holds every commit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from broker import FleetClient, Session
+from broker.embedded import RedisServer
+from schemas.messages import StepResult
+
+MODELS = {"reference": ("reference-world", "reference-lm"), "null": ("null-world", "null-lm")}
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    redis_url: str | None = None
+    workers: int = 2
+    sessions: int = 16
+    steps: int = 40
+    mode: str = "both"
+    engine: str = "reference"
+    engine_options: dict[str, Any] = field(default_factory=dict)
+    progress: bool = True
+
+
+@dataclass
+class Tally:
+    latencies_ms: list[float] = field(default_factory=list)
+    committed: int = 0
+    failed: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+
+    def add(self, result: StepResult) -> None:
+        if result.ok:
+            self.committed += 1
+            self.latencies_ms.append(result.latency.total_ms)
+        else:
+            self.failed += 1
+            code = result.error.code.value if result.error else "unknown"
+            self.errors[code] = self.errors.get(code, 0) + 1
+
+
+def _world_inputs(session_index: int, step: int) -> dict[str, Any]:
+    rng = np.random.default_rng(session_index * 100_003 + step)
+    return {
+        "observation": {
+            "prompt": "put the red block in the bowl",
+            "images": {"observation/exterior_image_1_left": rng.integers(0, 256, (64, 64, 3), dtype=np.uint8),
+                       "observation/wrist_image_left": rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)},
+            "state": rng.uniform(-1, 1, 8).tolist(),
+        },
+        "action": {"joint_positions": rng.uniform(-1, 1, 7).tolist(), "gripper_position": [float(step % 2)]},
+    }
+
+
+def _token_inputs(session_index: int, step: int) -> dict[str, Any]:
+    from schemas.reference_tokenizer import ReferenceTokenizer
+
+    tok = ReferenceTokenizer()
+    if step == 0:
+        messages = [{"role": "user", "content": f"Problem {session_index}: what is {session_index} + 7?"}]
+        ids = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    else:
+        ids = tok.encode(f"\nobservation {step}: try again\n")
+    return {"token_ids": list(ids), "sampling": {"max_tokens": 16, "temperature": 1.0, "seed": session_index}}
+
+
+async def _drive(session: Session, index: int, steps: int, tally: Tally, bar: tqdm[Any] | None) -> None:
+    make = _world_inputs if session.mode.value == "world_model_env" else _token_inputs
+    for step in range(steps):
+        result = await session.step(step, **make(index, step))
+        tally.add(result)
+        if bar is not None:
+            bar.update(1)
+        if not result.ok:
+            return
+
+
+def _modes(config: DemoConfig) -> list[tuple[str, str]]:
+    world, lm = MODELS[config.engine]
+    if config.mode == "world_model_env":
+        return [(world, "world_model_env")]
+    if config.mode == "tokens":
+        return [(lm, "tokens")]
+    return [(world, "world_model_env"), (lm, "tokens")]
+
+
+async def _trainer(config: DemoConfig, url: str, prefix: str) -> tuple[Tally, int, float]:
+    tally = Tally()
+    async with FleetClient(url, prefix=prefix) as fleet:
+        kinds = _modes(config)
+        sessions = [await fleet.create_session(model=kinds[i % len(kinds)][0], mode=kinds[i % len(kinds)][1])
+                    for i in range(config.sessions)]
+        bar = tqdm(total=config.sessions * config.steps, desc="steps", unit="step",
+                   disable=not config.progress, file=sys.stderr)
+        started = time.perf_counter()
+        await asyncio.gather(*[_drive(s, i, config.steps, tally, bar) for i, s in enumerate(sessions)])
+        elapsed = time.perf_counter() - started
+        bar.close()
+        in_redis = 0
+        for s in sessions:
+            in_redis += (await s.status()).committed_step_id + 1
+            await s.close()
+    return tally, in_redis, elapsed
+
+
+async def _wait_for_workers(url: str, prefix: str, count: int, procs: list[subprocess.Popen[bytes]],
+                            timeout: float = 180.0) -> None:
+    from broker.status import cell_status
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(p.poll() is not None for p in procs):
+            raise RuntimeError("a worker process exited during start-up (see its log above)")
+        report = await cell_status(url, prefix=prefix)
+        if sum(1 for w in report.workers if w.fields.get("state") == "active") >= count:
+            return
+        await asyncio.sleep(0.2)
+    raise TimeoutError(f"{count} workers did not register within {timeout}s")
+
+
+def _spawn_workers(config: DemoConfig, url: str, prefix: str) -> list[subprocess.Popen[bytes]]:
+    cmd = [sys.executable, "-m", "workers.cli", "--log-level", "WARNING", "worker", "--redis-url", url,
+           "--prefix", prefix, "--engine", config.engine]
+    shape = config.engine_options.get("latent_shape")
+    if shape:
+        cmd += ["--latent-shape", ",".join(str(x) for x in shape)]
+    if config.engine_options.get("device"):
+        cmd += ["--device", str(config.engine_options["device"])]
+    env = dict(os.environ)
+    return [subprocess.Popen(cmd, env=env) for _ in range(config.workers)]
+
+
+def _stop_workers(procs: list[subprocess.Popen[bytes]]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()  # SIGTERM: the worker drains and exits
+    for p in procs:
+        try:
+            p.wait(60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+def summarize(tally: Tally, expected: int, in_redis: int, elapsed: float) -> tuple[str, bool]:
+    lat = np.array(tally.latencies_ms) if tally.latencies_ms else np.zeros(1)
+    lost = expected - in_redis
+    line = (f"committed={in_redis} failed={tally.failed} lost={lost} steps/s={tally.committed / elapsed:.1f} "
+            f"p50_ms={np.percentile(lat, 50):.2f} p99_ms={np.percentile(lat, 99):.2f}")
+    return line, lost == 0 and tally.failed == 0
+
+
+def run_demo(config: DemoConfig) -> int:
+    server = None if config.redis_url else RedisServer().start()
+    url = config.redis_url or (server.url if server else "")
+    prefix = f"demo-{uuid.uuid4().hex[:8]}"
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        print(f"rollout-fleet demo: redis {url}, {config.workers} workers ({config.engine}), "
+              f"{config.sessions} sessions x {config.steps} steps, mode {config.mode}", flush=True)
+        procs = _spawn_workers(config, url, prefix)
+        asyncio.run(_wait_for_workers(url, prefix, config.workers, procs))
+        tally, in_redis, elapsed = asyncio.run(_trainer(config, url, prefix))
+        line, ok = summarize(tally, config.sessions * config.steps, in_redis, elapsed)
+        if tally.errors:
+            print("errors: " + json.dumps(tally.errors), flush=True)
+        print(line, flush=True)
+        return 0 if ok else 1
+    finally:
+        _stop_workers(procs)
+        if server is not None:
+            with contextlib.suppress(Exception):
+                server.cleanup()

@@ -1,0 +1,222 @@
+"""The reference engine: two small deterministic torch models that run anywhere on CPU.
+
+- ``reference-world`` (Mode.WORLD_MODEL_ENV): ``ReferenceWorldModel``; output ``{"video_latent": float32
+  ndarray of config.latent_shape}``, context length = steps in the session.
+- ``reference-lm`` (Mode.TOKENS): ``ReferenceLanguageModel``; output ``{"token_ids", "logprobs",
+  "finish_reason"}`` plus ``"routed_experts"`` (int16, (rows, layers, top_k)) when requested;
+  context length = tokens in the session.
+
+Results are deterministic and bitwise batch invariant on CPU (see ``torch_ops``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+
+from schemas.errors import InvalidRequestError
+from schemas.messages import Mode
+from workers.engines.base import Engine, EngineOutput, EngineRequest
+from workers.engines.reference_lm import LMJob, LMSessionState, ReferenceLanguageModel, ReferenceLMConfig
+from workers.engines.reference_world import (
+    ReferenceWorldConfig,
+    ReferenceWorldModel,
+)
+
+WORLD_MODEL = "reference-world"
+LM_MODEL = "reference-lm"
+Result = EngineOutput | BaseException
+_P = TypeVar("_P")
+_NOT_RUN = RuntimeError("reference engine: request was not run")  # placeholder, always replaced
+
+
+@dataclass(frozen=True)
+class ReferenceEngineConfig:
+    """``seed`` fixes both models' weights. ``threads`` is torch's intra-op thread count: 1 keeps
+    every reduction in one thread, so results stay bitwise batch invariant."""
+
+    seed: int = 0
+    latent_shape: tuple[int, ...] = (1, 16, 2, 44, 80)
+    device: str = "cpu"
+    threads: int = 1
+    lm: ReferenceLMConfig = field(default_factory=ReferenceLMConfig)
+    max_batch_size: int = 32
+
+    def __post_init__(self) -> None:
+        # Options may come from YAML / CLI: accept a list for the shape and a mapping for ``lm``.
+        object.__setattr__(self, "latent_shape", tuple(int(d) for d in self.latent_shape))
+        if isinstance(self.lm, Mapping):
+            lm_options: Mapping[str, Any] = self.lm
+            object.__setattr__(self, "lm", ReferenceLMConfig(**lm_options))
+        if self.threads < 1 or self.max_batch_size < 1:
+            raise ValueError("threads and max_batch_size must be >= 1")
+
+
+@dataclass(frozen=True)
+class WorldSessionState:
+    hidden: torch.Tensor
+    steps: int
+
+
+class ReferenceEngine(Engine):
+    """Serves ``reference-world`` and ``reference-lm`` with per-session contexts."""
+
+    kind = "reference"
+
+    def __init__(self, config: ReferenceEngineConfig | None = None) -> None:
+        self.config = config or ReferenceEngineConfig()
+        self._world: ReferenceWorldModel | None = None
+        self._lm: ReferenceLanguageModel | None = None
+        self._world_sessions: dict[str, WorldSessionState] = {}
+        self._lm_sessions: dict[str, LMSessionState] = {}
+        self._async_lock = asyncio.Lock()
+        self._lock = threading.Lock()  # sessions and torch work: one batch at a time
+
+    def models(self) -> Mapping[str, Mode]:
+        return {WORLD_MODEL: Mode.WORLD_MODEL_ENV, LM_MODEL: Mode.TOKENS}
+
+    def max_batch_size(self, model: str) -> int:
+        return self.config.max_batch_size
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self._build)
+
+    async def close(self) -> None:
+        with self._lock:
+            self._world_sessions.clear()
+            self._lm_sessions.clear()
+            self._world = None
+            self._lm = None
+
+    def _build(self) -> None:
+        with self._lock:
+            if self._world is not None and self._lm is not None:
+                return
+            # Single-threaded: a multi-threaded reduction splits its work by the total size, which
+            # would make a row's bits depend on the batch. This is process wide, on purpose.
+            torch.set_num_threads(self.config.threads)
+            cfg = self.config
+            self._world = ReferenceWorldModel(ReferenceWorldConfig(latent_shape=cfg.latent_shape),
+                                              seed=cfg.seed, device=cfg.device)
+            self._lm = ReferenceLanguageModel(cfg.lm, seed=cfg.seed, device=cfg.device)
+
+    def drop_session(self, session_key: str) -> None:
+        with self._lock:
+            self._world_sessions.pop(session_key, None)
+            self._lm_sessions.pop(session_key, None)
+
+    def session_keys(self) -> list[str]:
+        """Keys of all stored contexts (for tests and diagnostics)."""
+        with self._lock:
+            return sorted({*self._world_sessions, *self._lm_sessions})
+
+    async def run_batch(self, model: str, requests: Sequence[EngineRequest]) -> list[Result]:
+        """Run a batch in a worker thread (one at a time) so the event loop stays free."""
+        async with self._async_lock:
+            return await asyncio.to_thread(self.run_direct, model, requests)
+
+    def run_direct(self, model: str, requests: Sequence[EngineRequest]) -> list[Result]:
+        """The synchronous core of ``run_batch``: also the direct call the fidelity tests use."""
+        self._build()
+        if model not in self.models():
+            error = InvalidRequestError(f"unknown model {model!r}; expected one of: {', '.join(self.models())}")
+            return [error for _ in requests]
+        with self._lock:
+            results: list[Result | None] = [None] * len(requests)
+            # A session may appear more than once: run such batches in waves, in request order.
+            for wave in _waves(requests):
+                batch = [requests[i] for i in wave]
+                outs = self._run_world(batch) if model == WORLD_MODEL else self._run_lm(batch)
+                for i, out in zip(wave, outs, strict=True):
+                    results[i] = out
+            return [_NOT_RUN if r is None else r for r in results]
+
+    # ------------------------------------------------------------------ world model
+
+    def _run_world(self, requests: Sequence[EngineRequest]) -> list[Result]:
+        model = self._world
+        assert model is not None
+        prepared = _prepare(requests, lambda request: (self._world_state(request), model.prepare(request.step)))
+        ready = [(i, item) for i, item in enumerate(prepared) if not isinstance(item, BaseException)]
+        outputs = _guarded(lambda: model.forward([(s.hidden if s else None, p) for _, (s, p) in ready]),
+                           len(ready))
+        results: list[Result] = [p if isinstance(p, BaseException) else _NOT_RUN for p in prepared]
+        for (i, (state, _)), out in zip(ready, outputs, strict=True):
+            if isinstance(out, BaseException):
+                results[i] = out
+                continue
+            latent, hidden = out
+            request = requests[i]
+            steps = (state.steps if state else 0) + 1
+            if not request.stateless:
+                self._world_sessions[request.session_key] = WorldSessionState(hidden=hidden, steps=steps)
+            results[i] = EngineOutput(output={"video_latent": latent}, context_length=steps)
+        return results
+
+    def _world_state(self, request: EngineRequest) -> WorldSessionState | None:
+        if request.reset or request.stateless:
+            return None
+        return self._world_sessions.get(request.session_key)
+
+    # ------------------------------------------------------------------ language model
+
+    def _run_lm(self, requests: Sequence[EngineRequest]) -> list[Result]:
+        model = self._lm
+        assert model is not None
+        prepared = _prepare(requests, lambda request: model.prepare(self._lm_state(request), request.step))
+        ready = [(i, job) for i, job in enumerate(prepared) if isinstance(job, LMJob)]
+        outputs = _guarded(lambda: model.run([job for _, job in ready]), len(ready))
+        results: list[Result] = [p if isinstance(p, BaseException) else _NOT_RUN for p in prepared]
+        for (i, _), out in zip(ready, outputs, strict=True):
+            if isinstance(out, BaseException):
+                results[i] = out
+                continue
+            request = requests[i]
+            if not request.stateless:
+                self._lm_sessions[request.session_key] = out.state
+            results[i] = EngineOutput(output=out.output(), context_length=out.context_length)
+        return results
+
+    def _lm_state(self, request: EngineRequest) -> LMSessionState | None:
+        if request.reset or request.stateless:
+            return None
+        return self._lm_sessions.get(request.session_key)
+
+
+def _prepare(requests: Sequence[EngineRequest], fn: Callable[[EngineRequest], _P]) -> list[_P | BaseException]:
+    """``fn`` per request; an error (InvalidRequestError for bad input) becomes that request's result."""
+    out: list[_P | BaseException] = []
+    for request in requests:
+        try:
+            out.append(fn(request))
+        except Exception as exc:
+            out.append(exc)
+    return out
+
+
+def _guarded(fn: Callable[[], Sequence[Any]], count: int) -> list[Any]:
+    """Run the batched forward; if it fails unexpectedly, every request in it gets the error."""
+    if count == 0:
+        return []
+    try:
+        return list(fn())
+    except Exception as exc:
+        return [exc] * count
+
+
+def _waves(requests: Sequence[EngineRequest]) -> list[list[int]]:
+    """Split a batch (as indices) so each session key appears at most once per wave."""
+    waves: list[list[int]] = []
+    seen: dict[str, int] = {}
+    for index, request in enumerate(requests):
+        wave = seen.get(request.session_key, -1) + 1
+        seen[request.session_key] = wave
+        if wave == len(waves):
+            waves.append([])
+        waves[wave].append(index)
+    return waves
