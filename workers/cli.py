@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import signal
 import sys
@@ -30,6 +31,8 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("--engine", choices=ENGINES, default="reference")
     w.add_argument("--device", default=None, help="reference engines: cpu (default) or cuda")
     w.add_argument("--latent-shape", default=None, help="reference world latent shape, e.g. 1,16,2,44,80")
+    w.add_argument("--engine-opt", action="append", default=[], metavar="KEY=VALUE",
+                   help="engine option (value parsed as JSON when it can be), repeatable")
     w.add_argument("--worker-id", default=None)
     w.add_argument("--capacity", type=int, default=256, help="sessions this worker may own")
     w.add_argument("--heartbeat-ms", type=int, default=1000)
@@ -61,8 +64,21 @@ def _shape(text: str | None) -> tuple[int, ...] | None:
     return None if text is None else tuple(int(x) for x in text.split(","))
 
 
-def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
+def _parse_opts(items: Sequence[str]) -> dict[str, Any]:
     opts: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--engine-opt expects KEY=VALUE, got {item!r}")
+        try:
+            opts[key] = json.loads(value)
+        except json.JSONDecodeError:
+            opts[key] = value
+    return opts
+
+
+def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    opts: dict[str, Any] = _parse_opts(getattr(args, "engine_opt", []))
     shape = _shape(getattr(args, "latent_shape", None))
     if args.engine == "reference":
         if getattr(args, "device", None):
@@ -90,8 +106,9 @@ def _cmd_worker(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from workers.demo import DemoConfig, run_demo
 
-    config = DemoConfig(redis_url=args.redis_url, workers=args.workers, sessions=args.sessions, steps=args.steps,
-                        mode=args.mode, engine=args.engine, engine_options=_engine_options(args),
+    config = DemoConfig(redis_url=args.redis_url, prefix=args.prefix, workers=args.workers,
+                        sessions=args.sessions, steps=args.steps, mode=args.mode, engine=args.engine,
+                        engine_options=_engine_options(args),
                         progress=not args.no_progress)
     return run_demo(config)
 

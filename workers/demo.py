@@ -13,7 +13,6 @@ import os
 import subprocess
 import sys
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +29,8 @@ MODELS = {"reference": ("reference-world", "reference-lm"), "null": ("null-world
 @dataclass(frozen=True)
 class DemoConfig:
     redis_url: str | None = None
-    workers: int = 2
+    prefix: str = "rf"
+    workers: int = 2  # worker processes to start; 0 uses the workers already serving the cell
     sessions: int = 16
     steps: int = 40
     mode: str = "both"
@@ -169,13 +169,13 @@ def summarize(tally: Tally, expected: int, in_redis: int, elapsed: float) -> tup
 def run_demo(config: DemoConfig) -> int:
     server = None if config.redis_url else RedisServer().start()
     url = config.redis_url or (server.url if server else "")
-    prefix = f"demo-{uuid.uuid4().hex[:8]}"
+    prefix = config.prefix
     procs: list[subprocess.Popen[bytes]] = []
     try:
         print(f"rollout-fleet demo: redis {url}, {config.workers} workers ({config.engine}), "
               f"{config.sessions} sessions x {config.steps} steps, mode {config.mode}", flush=True)
         procs = _spawn_workers(config, url, prefix)
-        asyncio.run(_wait_for_workers(url, prefix, config.workers, procs))
+        asyncio.run(_wait_for_workers(url, prefix, max(1, config.workers), procs))
         tally, in_redis, elapsed = asyncio.run(_trainer(config, url, prefix))
         line, ok = summarize(tally, config.sessions * config.steps, in_redis, elapsed)
         if tally.errors:

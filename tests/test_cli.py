@@ -1,0 +1,57 @@
+"""The CLI as a user runs it: the demo (the README's main job), the embedded Redis, status."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+import redis
+
+from broker.embedded import RedisServer, free_port
+
+pytestmark = pytest.mark.slow
+CLI = [sys.executable, "-m", "workers.cli"]
+
+
+def test_demo_runs_both_modes_and_reports_no_loss() -> None:
+    out = subprocess.run([*CLI, "demo", "--sessions", "4", "--steps", "6", "--no-progress",
+                          "--latent-shape", "1,4,2,8,10"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    last = out.stdout.strip().splitlines()[-1]
+    m = re.fullmatch(r"committed=(\d+) failed=(\d+) lost=(\d+) steps/s=[\d.]+ p50_ms=[\d.]+ p99_ms=[\d.]+", last)
+    assert m, last
+    assert m.groups() == ("24", "0", "0")
+
+
+def test_demo_exits_non_zero_when_steps_fail() -> None:
+    # a capacity of 1 session per worker cannot place 4 sessions: the demo must not report success
+    out = subprocess.run([*CLI, "demo", "--engine", "null", "--workers", "1", "--sessions", "3", "--steps", "2",
+                          "--no-progress", "--redis-url", "redis://127.0.0.1:1/0"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+
+
+def test_redis_command_serves_until_sigterm() -> None:
+    port = free_port()
+    proc = subprocess.Popen([*CLI, "redis", "--port", str(port)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        assert "redis listening" in proc.stdout.readline()
+        with redis.Redis(port=port) as client:
+            assert client.ping()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(20)
+        if proc.stdout is not None:
+            proc.stdout.close()
+    assert proc.returncode == 0
+
+
+def test_status_command(redis_server: RedisServer) -> None:
+    out = subprocess.run([*CLI, "status", "--redis-url", redis_server.url, "--prefix", "nothing-here"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "sessions=0 dead_letters=0" in out.stdout

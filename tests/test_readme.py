@@ -1,0 +1,29 @@
+"""The README's trainer example runs as written against a real fleet."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from broker.embedded import RedisServer
+from tests.support import WorkerPool
+from workers.engines.reference import ReferenceEngine
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def _example() -> str:
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    assert blocks, "README has no python example"
+    return blocks[0]
+
+
+@pytest.mark.asyncio
+async def test_readme_example(redis_server: RedisServer, workers: WorkerPool) -> None:
+    await workers.add(ReferenceEngine(), prefix="rf")
+    namespace: dict[str, Any] = {}
+    exec(compile(_example(), "README.md", "exec"), namespace)
+    await namespace["main"](redis_server.url)
