@@ -16,6 +16,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
+from broker.aio import resolve
 from broker.keys import CellKeys
 from broker.replies import Reply, ReplyReader
 from broker.scripts import ScriptReply, Scripts
@@ -136,7 +137,7 @@ class FleetClient:
         return Session(self, session_id, model=st.model, mode=st.mode, owner=st.owner)
 
     async def status(self, session_id: str) -> SessionStatus:
-        raw: Any = await self.redis.hgetall(self.keys.session(session_id))
+        raw: Any = await resolve(self.redis.hgetall(self.keys.session(session_id)))
         if not raw:
             raise error_for(ErrorCode.SESSION_NOT_FOUND, f"session {session_id!r} does not exist")
         h = {k.decode(): v.decode() for k, v in raw.items()}

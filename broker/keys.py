@@ -40,6 +40,11 @@ class CellKeys:
         """ZSET worker id -> sessions owned, for workers serving (mode, model)."""
         return f"{self.base}:pool:{mode}:{model}"
 
+    @property
+    def pool_index(self) -> str:
+        """SET of every pool key ever registered (so a dead worker can be removed from all)."""
+        return f"{self.base}:pools"
+
     def inbox(self, worker_id: str) -> str:
         """STREAM of step and control jobs for the sessions one worker owns."""
         return f"{self.base}:inbox:{worker_id}"
@@ -61,6 +66,16 @@ class CellKeys:
         return f"{self.base}:dead"
 
     @property
+    def supervisor_lock(self) -> str:
+        """STRING lock so that one supervisor at a time runs a reaping pass."""
+        return f"{self.base}:lock:reap"
+
+    @property
+    def arq_queue(self) -> str:
+        """arq queue of the cell's control-plane jobs (supervisor cron, replays)."""
+        return f"{self.base}:arq"
+
+    @property
     def sessions(self) -> str:
-        """SET of live session ids (for status and reaping)."""
+        """HASH session id -> owner of every live session (failover finds a worker's sessions here)."""
         return f"{self.base}:sessions"

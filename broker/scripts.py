@@ -52,8 +52,9 @@ class Scripts:
 
     NAMES = (
         "create", "enqueue", "control", "commit", "report", "apply_control",
-        "register", "heartbeat", "leave_pools",
+        "register", "heartbeat", "leave_pools", "failover", "retire",
     )
+    DEAD_MAXLEN = 100_000  # dead-letter stream bound (approximate trim)
 
     def __init__(self, redis: Redis, keys: CellKeys) -> None:
         self.redis = redis
@@ -96,25 +97,50 @@ class Scripts:
     # ------------------------------------------------------------------ worker side
 
     async def commit(self, *, session_id: str, worker_id: str, epoch: int, step_id: int, entry_id: str,
-                     result: bytes, context_length: int, job_id: str, reply_to: str,
-                     reply_ttl_ms: int) -> ScriptReply:
+                     result: bytes, context_length: int, job_id: str, reply_to: str, reply_ttl_ms: int,
+                     record: bytes = b"", keep_records: int = -1) -> ScriptReply:
+        """Commit a step; ``record`` (kept per ``keep_records``: -1 all, N last N, 0 none) is what a
+        new owner replays to rebuild the session's context."""
         k = self.keys
         raw = await self._call(
             "commit",
             [k.session(session_id), k.log(session_id), k.inbox(worker_id), k.reply(reply_to)],
-            [worker_id, epoch, step_id, entry_id, result, context_length, job_id, reply_ttl_ms, INBOX_GROUP],
+            [worker_id, epoch, step_id, entry_id, result, context_length, job_id, reply_ttl_ms, INBOX_GROUP,
+             record, keep_records],
         )
         return ScriptReply.of(raw)
 
     async def report(self, *, session_id: str, worker_id: str, epoch: int, entry_id: str, job_id: str,
-                     result: bytes, fallback_gen: int | None, reply_to: str,
-                     reply_ttl_ms: int) -> ScriptReply:
+                     result: bytes, fallback_gen: int | None, reply_to: str, reply_ttl_ms: int,
+                     dead_letter: dict[str, Any] | None = None) -> ScriptReply:
+        """Publish a non-committing outcome; ``dead_letter`` fields also dead-letter the job."""
         k = self.keys
+        flat = [item for pair in (dead_letter or {}).items() for item in pair]
         raw = await self._call(
             "report",
-            [k.session(session_id), k.inbox(worker_id), k.reply(reply_to)],
+            [k.session(session_id), k.inbox(worker_id), k.reply(reply_to), k.dead],
             [worker_id, epoch, entry_id, job_id, result, "" if fallback_gen is None else fallback_gen,
-             reply_ttl_ms, INBOX_GROUP],
+             reply_ttl_ms, INBOX_GROUP, self.DEAD_MAXLEN, *flat],
+        )
+        return ScriptReply.of(raw)
+
+    async def failover(self, *, session_id: str, mode: str, model: str, old: str, new: str, lease_ms: int,
+                       reason: str) -> ScriptReply:
+        k = self.keys
+        raw = await self._call(
+            "failover",
+            [k.workers, k.capacity, k.pool(mode, model), k.session(session_id), k.inbox(old), k.inbox(new),
+             k.sessions],
+            [old, new, lease_ms, session_id, reason, INBOX_GROUP],
+        )
+        return ScriptReply.of(raw)
+
+    async def retire(self, worker_id: str, *, pools: list[str], lease_ms: int, reason: str) -> ScriptReply:
+        k = self.keys
+        raw = await self._call(
+            "retire",
+            [k.workers, k.capacity, k.worker(worker_id), k.inbox(worker_id), k.dead, *pools],
+            [worker_id, lease_ms, reason, self.DEAD_MAXLEN],
         )
         return ScriptReply.of(raw)
 
@@ -136,7 +162,7 @@ class Scripts:
         flat = [item for pair in fields.items() for item in pair]
         raw = await self._call(
             "register",
-            [k.workers, k.capacity, k.worker(worker_id), k.inbox(worker_id), *pools],
+            [k.workers, k.capacity, k.worker(worker_id), k.inbox(worker_id), k.pool_index, *pools],
             [worker_id, capacity, ttl_ms, INBOX_GROUP, *flat],
         )
         return int(raw)

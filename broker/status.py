@@ -44,7 +44,7 @@ async def cell_status(url: str, *, prefix: str = "rf", cell: str = "0") -> CellR
                 summary: Any = await redis.xpending(inbox, INBOX_GROUP)
                 pending = int(summary.get("pending", 0)) if isinstance(summary, dict) else 0
             infos.append(WorkerInfo(wid, now_ms - int(score), dict(fields), int(length), pending))
-        return CellReport(workers=infos, live_sessions=int(await redis.scard(keys.sessions)),
+        return CellReport(workers=infos, live_sessions=int(await redis.hlen(keys.sessions)),
                           dead_letters=int(await redis.xlen(keys.dead)))
     finally:
         await redis.aclose()

@@ -9,25 +9,47 @@ import asyncio
 import logging
 import random
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
-from broker.scripts import Scripts
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from broker.scripts import ScriptReply, Scripts
 from schemas.codec import decode, encode
 from schemas.errors import ErrorCode, FleetError, InvalidRequestError
 from schemas.messages import Latency, StepResult, parse_step_input
 from workers.batcher import Batcher
 from workers.engines.base import Engine, EngineOutput, EngineRequest
 from workers.jobs import Job
+from workers.rebuild import ContextLost, rebuild_context, records_kept, step_record
 from workers.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
+
+
+async def until_redis_answers(call: Callable[[], Awaitable[T]], what: str) -> T:
+    """Retry a Redis call with backoff until Redis answers. Only for calls that are safe to repeat:
+    the commit, report and control scripts are (a repeated commit is answered as a duplicate)."""
+    delay = 0.05
+    while True:
+        try:
+            return await call()
+        except REDIS_ERRORS as exc:
+            log.warning("%s: redis unavailable (%s); retrying in %.2fs", what, exc, delay)
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 2.0)
 
 
 @dataclass
 class SessionState:
-    """What this worker knows of a session it owns."""
+    """What this worker knows of a session it owns, at one lease epoch."""
 
     committed: int
+    epoch: int
     engine_ready: bool = False  # the engine holds the context of every committed step
 
 
@@ -45,28 +67,34 @@ class StepExecutor:
         self.worker_id = settings.worker_id
         self.committed_steps = 0
         self.failed_steps = 0
+        self.rebuilt_steps = 0
+        self.rebuild_ms: list[float] = []
 
     # ------------------------------------------------------------------ publishing
 
-    async def report(self, job: Job, result: StepResult, *, fallback: bool) -> None:
+    async def report(self, job: Job, result: StepResult, *, fallback: bool,
+                     dead_letter: dict[str, object] | None = None) -> None:
         """Publish a result that commits nothing; ``fallback`` lets the trainer retry the step."""
-        reply = await self.scripts.report(
+        payload = encode(result.to_wire())
+        reply = await until_redis_answers(lambda: self.scripts.report(
             session_id=job.session_id, worker_id=self.worker_id, epoch=job.epoch, entry_id=job.entry_id,
-            job_id=job.job_id, result=encode(result.to_wire()), fallback_gen=job.gen if fallback else None,
-            reply_to=job.reply_to, reply_ttl_ms=self.settings.reply_ttl_ms,
-        )
+            job_id=job.job_id, result=payload, fallback_gen=job.gen if fallback else None,
+            reply_to=job.reply_to, reply_ttl_ms=self.settings.reply_ttl_ms, dead_letter=dead_letter,
+        ), f"report {job.session_id}/{job.step_id}")
         if reply.status == "fenced":
             raise Fenced(job.session_id)
 
     async def fail(self, job: Job, code: ErrorCode, message: str, state: SessionState | None, *,
-                   fallback: bool, attempt: int = 0) -> None:
+                   fallback: bool, attempt: int = 0, dead_letter: bool = False) -> None:
         self.failed_steps += 1
         result = StepResult.failure(
             job.session_id, job.step_id, code, message,
             committed_step_id=state.committed if state else -1, worker_id=self.worker_id, attempt=attempt,
             policy_version=self.engine.policy_version,
         )
-        await self.report(job, result, fallback=fallback)
+        fields = (job.dead_letter_fields(f"{code.value}: {message}", attempt, self.worker_id,
+                                         int(time.time() * 1000)) if dead_letter else None)
+        await self.report(job, result, fallback=fallback, dead_letter=fields)
 
     # ------------------------------------------------------------------ steps
 
@@ -83,9 +111,7 @@ class StepExecutor:
                                 "(an earlier step of this session failed; resubmit from there)",
                                 state, fallback=False)
                 return
-            if state.committed >= 0 and not state.engine_ready:
-                await self.fail(job, ErrorCode.CONTEXT_LOST,
-                                "this worker holds no engine context for the session", state, fallback=True)
+            if state.committed >= 0 and not state.engine_ready and not await self._rebuild(job, state):
                 return
         try:
             step = parse_step_input(job.mode, decode(job.payload, self.settings.limits), self.settings.limits)
@@ -132,7 +158,7 @@ class StepExecutor:
             except Exception as exc:
                 if attempt == attempts:
                     await self.fail(job, ErrorCode.INFERENCE_ERROR, f"{type(exc).__name__}: {exc}", state,
-                                    fallback=True, attempt=attempt)
+                                    fallback=True, attempt=attempt, dead_letter=True)
                     return None
                 delay = self.settings.retry_backoff_ms / 1000.0 * (2 ** (attempt - 1))
                 log.warning("step %s/%d attempt %d failed (%s); retrying in %.3fs",
@@ -140,12 +166,33 @@ class StepExecutor:
                 await asyncio.sleep(delay * (0.5 + random.random()))
         return None  # pragma: no cover - the loop always returns
 
+    async def _rebuild(self, job: Job, state: SessionState) -> bool:
+        """Rebuild the engine context of a session this worker took over; False if it failed."""
+        batcher = self.batchers.get(job.model)
+        try:
+            if batcher is None:
+                raise ContextLost(f"this worker does not serve model {job.model!r}")
+            self.rebuild_ms.append(await rebuild_context(
+                self.scripts.redis, self.scripts.keys, batcher, session_id=job.session_id, model=job.model,
+                mode=job.mode, committed=state.committed))
+            self.rebuilt_steps += state.committed + 1
+        except ContextLost as exc:
+            self.engine.drop_session(job.session_id)
+            await self.fail(job, ErrorCode.CONTEXT_LOST, exc.message, state, fallback=True)
+            return False
+        state.engine_ready = True
+        return True
+
     async def _commit(self, job: Job, result: StepResult, state: SessionState) -> None:
-        reply = await self.scripts.commit(
+        assert result.output is not None
+        payload = encode(result.to_wire())
+        record = step_record(job.payload, result.output)
+        reply: ScriptReply = await until_redis_answers(lambda: self.scripts.commit(
             session_id=job.session_id, worker_id=self.worker_id, epoch=job.epoch, step_id=job.step_id,
-            entry_id=job.entry_id, result=encode(result.to_wire()), context_length=result.context_length,
+            entry_id=job.entry_id, result=payload, context_length=result.context_length,
             job_id=job.job_id, reply_to=job.reply_to, reply_ttl_ms=self.settings.reply_ttl_ms,
-        )
+            record=record, keep_records=records_kept(job.mode, job.retention),
+        ), f"commit {job.session_id}/{job.step_id}")
         if reply.status == "committed":
             state.committed = job.step_id
             state.engine_ready = True
@@ -165,11 +212,11 @@ class StepExecutor:
 
     async def _answer_duplicate(self, job: Job, state: SessionState) -> None:
         """A job for a step that is already committed: re-publish the stored result, never re-run."""
-        reply = await self.scripts.commit(
+        reply = await until_redis_answers(lambda: self.scripts.commit(
             session_id=job.session_id, worker_id=self.worker_id, epoch=job.epoch, step_id=job.step_id,
             entry_id=job.entry_id, result=b"", context_length=0, job_id=job.job_id, reply_to=job.reply_to,
             reply_ttl_ms=self.settings.reply_ttl_ms,
-        )
+        ), f"duplicate {job.session_id}/{job.step_id}")
         if reply.status == "fenced":
             raise Fenced(job.session_id)
         if reply.status != "duplicate":

@@ -23,6 +23,16 @@ class Job:
     enqueued_ms: int
     attempt: int
     payload: bytes
+    retention: str = "full"
+
+    def dead_letter_fields(self, reason: str, attempts: int, worker_id: str, failed_ms: int) -> dict[str, object]:
+        """Everything a replay needs, plus why and how often it failed."""
+        return {
+            "reason": reason, "attempts": attempts, "worker_id": worker_id, "failed_ms": failed_ms,
+            "kind": self.kind, "job_id": self.job_id, "session_id": self.session_id, "step_id": self.step_id,
+            "contextual": "1" if self.contextual else "0", "mode": self.mode.value, "model": self.model,
+            "reply_to": self.reply_to, "enqueued_ms": self.enqueued_ms, "payload": self.payload,
+        }
 
 
 @dataclass(frozen=True)
@@ -68,6 +78,7 @@ def parse_job(entry_id: bytes | str, fields: dict[bytes, bytes]) -> Job | BadJob
             enqueued_ms=int(_text(fields, "enqueued_ms")),
             attempt=int(_text(fields, "attempt")),
             payload=fields.get(b"payload", b""),
+            retention=fields.get(b"retention", b"full").decode("utf-8"),
         )
     except (ValueError, UnicodeDecodeError) as exc:
         def opt(name: str) -> str | None:

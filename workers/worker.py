@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import logging
 from typing import Any
 
@@ -16,6 +17,8 @@ from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from broker.aio import resolve
+from broker.failover import fail_over
 from broker.keys import INBOX_GROUP, CellKeys
 from broker.scripts import Scripts
 from schemas.codec import encode
@@ -23,9 +26,9 @@ from schemas.errors import ErrorCode
 from schemas.messages import StepResult
 from workers.batcher import Batcher
 from workers.engines.base import Engine
-from workers.executor import Fenced, SessionState, StepExecutor
+from workers.executor import Fenced, SessionState, StepExecutor, until_redis_answers
 from workers.jobs import BadJob, Job, parse_job
-from workers.settings import WorkerSettings
+from workers.settings import WorkerSettings, new_worker_id
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +105,14 @@ class Worker:
         try:
             await asyncio.wait_for(self._idle.wait(), self.settings.drain_timeout_s)
         except TimeoutError:
-            log.warning("drain timeout: %d jobs still running", self._active)
+            # Their jobs are still pending in our inbox: they move with the handover and run again
+            # on the new owner; a late commit from here is refused by the epoch fence.
+            log.warning("drain timeout: %d jobs still running; handing over anyway", self._active)
+        if self.settings.handover_on_stop:
+            try:
+                await self._hand_over()
+            except Exception:
+                log.exception("drain handover failed; sessions fail over after the lease instead")
 
     async def shutdown(self) -> None:
         self._stop.set()
@@ -157,21 +167,46 @@ class Worker:
             try:
                 _, registered = await self._scripts_or_fail().heartbeat(
                     self.id, ttl_ms=3 * self.settings.lease_ms, fields=self._describe(self.state))
-                if not registered:
-                    log.error("worker %s is no longer registered (declared dead); stopping", self.id)
-                    self.request_stop()
+                if not registered and not self._stop.is_set():
+                    await self._reincarnate()
             except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
                 log.warning("heartbeat failed: %s", exc)
             await asyncio.sleep(interval)
+
+    async def _reincarnate(self) -> None:
+        """We were declared dead (paused or cut off past the lease) and our sessions moved on. Drop
+        every session, and come back as a new incarnation with a new id and an empty inbox; any
+        late commit of the old incarnation is refused by the epoch/owner fence."""
+        old = self.id
+        for session_id in list(self._sessions):
+            self._forget(session_id)
+        self.id = new_worker_id()
+        self.settings = dataclasses.replace(self.settings, worker_id=self.id)
+        self.executor.worker_id = self.id
+        await self._scripts_or_fail().register(
+            self.id, capacity=self.settings.capacity, pools=self._pools, ttl_ms=3 * self.settings.lease_ms,
+            fields=self._describe(self.state))
+        log.warning("worker %s was declared dead; re-registered as %s", old, self.id)
+
+    async def _hand_over(self) -> None:
+        """Drain: move every session (and its unread jobs) to live workers now, without a lease wait."""
+        report = await fail_over(self._scripts_or_fail(), self.id, lease_ms=self.settings.lease_ms,
+                                 reason="handover")
+        for session_id in report.moved:
+            self._forget(session_id)
+        if report.stuck:
+            log.warning("drain: %d sessions found no live worker; they fail over once one exists",
+                        len(report.stuck))
+        log.info("drain: handed over %d sessions (%d queued jobs)", len(report.moved), report.jobs_moved)
 
     # ------------------------------------------------------------------ reading
 
     async def _read_loop(self) -> None:
         redis = self._redis_or_fail()
-        inbox = self.keys.inbox(self.id)
         cursor = "0"  # first our own pending entries (none for a fresh incarnation), then new ones
         backoff = 0.05
         while not self._stop.is_set():
+            inbox = self.keys.inbox(self.id)  # changes when the worker re-registers as a new incarnation
             try:
                 resp: Any = await redis.xreadgroup(INBOX_GROUP, self.id, {inbox: cursor},
                                               count=self.settings.read_count, block=self.settings.block_ms)
@@ -241,30 +276,39 @@ class Worker:
                                          self._sessions.get(job.session_id), fallback=True)
 
     async def _process(self, job: Job) -> None:
-        state = await self._session_state(job.session_id)
+        state = await self._session_state(job)
         if job.kind == "step":
             await self.executor.run_step(job, state)
             return
         self.engine.drop_session(job.session_id)
-        reply = await self._scripts_or_fail().apply_control(
+        reply = await until_redis_answers(lambda: self._scripts_or_fail().apply_control(
             session_id=job.session_id, worker_id=self.id, epoch=job.epoch, entry_id=job.entry_id,
             job_id=job.job_id, kind=job.kind, mode=job.mode.value, model=job.model, reply_to=job.reply_to,
             grace_ms=self.settings.close_grace_ms, reply_ttl_ms=self.settings.reply_ttl_ms,
-        )
+        ), f"{job.kind} {job.session_id}")
         if reply.status == "fenced":
             raise Fenced(job.session_id)
         if job.kind == "close":
             self._forget(job.session_id)
         else:
             state.committed = -1
-            state.engine_ready = False
+            state.engine_ready = True  # an empty context: the next step starts fresh (reset=True)
 
-    async def _session_state(self, session_id: str) -> SessionState:
-        state = self._sessions.get(session_id)
-        if state is None:
-            raw = await self._redis_or_fail().hget(self.keys.session(session_id), "committed_step_id")
-            state = SessionState(committed=int(raw) if raw is not None else -1)
-            self._sessions[session_id] = state
+    async def _session_state(self, job: Job) -> SessionState:
+        """This worker's view of the job's session at the job's epoch; read from Redis when the
+        session is new here or its epoch moved (a failover in or out). Raises Fenced for a job of
+        a session this worker does not own at that epoch."""
+        state = self._sessions.get(job.session_id)
+        if state is not None and state.epoch == job.epoch:
+            return state
+        raw: Any = await until_redis_answers(lambda: resolve(self._redis_or_fail().hmget(
+            self.keys.session(job.session_id), ["committed_step_id", "epoch", "owner"])), "session state")
+        if raw[2] is None or raw[2].decode() != self.id or int(raw[1]) != job.epoch:
+            raise Fenced(job.session_id)
+        # A new epoch means the engine's context (if any) may be stale: rebuild before the next step.
+        self.engine.drop_session(job.session_id)
+        state = SessionState(committed=int(raw[0]), epoch=job.epoch)
+        self._sessions[job.session_id] = state
         return state
 
     def _forget(self, session_id: str) -> None:

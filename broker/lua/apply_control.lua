@@ -1,7 +1,7 @@
 -- The owner applies a reset or close control job from its inbox, fenced like a commit.
 -- reset: committed -> -1, context 0, stored results dropped. close: the worker's load drops, the
 -- session and its log expire after the grace TTL.
--- KEYS: 1 session hash, 2 log hash, 3 inbox, 4 reply stream, 5 pool zset, 6 sessions set
+-- KEYS: 1 session hash, 2 log hash, 3 inbox, 4 reply stream, 5 pool zset, 6 sessions hash
 -- ARGV: 1 worker id, 2 job epoch, 3 inbox entry id, 4 job_id, 5 kind, 6 grace ttl ms,
 --       7 reply ttl ms, 8 inbox group, 9 session_id
 -- Returns {'applied', committed} | {'fenced', owner, epoch}
@@ -19,7 +19,7 @@ if s[1] then
     redis.call('HSET', KEYS[1], 'committed_step_id', -1, 'context_length', 0, 'reset_pending', pending)
   else
     redis.call('ZINCRBY', KEYS[5], -1, ARGV[1])
-    redis.call('SREM', KEYS[6], ARGV[9])
+    redis.call('HDEL', KEYS[6], ARGV[9])
     redis.call('PEXPIRE', KEYS[1], ARGV[6])
     redis.call('PEXPIRE', KEYS[2], ARGV[6])
   end

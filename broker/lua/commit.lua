@@ -1,7 +1,8 @@
 -- Commit step k of a session: the exactly-once point. Fenced by owner and lease epoch.
 -- KEYS: 1 session hash, 2 log hash, 3 inbox, 4 reply stream
 -- ARGV: 1 worker id, 2 job epoch, 3 step_id, 4 inbox entry id, 5 result, 6 context_length,
---       7 job_id, 8 reply ttl ms, 9 inbox group
+--       7 job_id, 8 reply ttl ms, 9 inbox group, 10 step record for context rebuild ('' = none),
+--       11 records kept (-1 = all, N = the last N)
 -- Returns {'committed'} | {'duplicate'} | {'duplicate_unstored', committed}
 --       | {'fenced', owner, epoch} | {'out_of_order', committed}
 local s = redis.call('HMGET', KEYS[1], 'owner', 'epoch', 'committed_step_id', 'result_window')
@@ -35,6 +36,13 @@ redis.call('HSET', KEYS[2], 'result:' .. step, ARGV[5])
 local window = tonumber(s[4] or '1')
 if step - window >= 0 then
   redis.call('HDEL', KEYS[2], 'result:' .. (step - window))
+end
+local keep = tonumber(ARGV[11])
+if ARGV[10] ~= '' and keep ~= 0 then
+  redis.call('HSET', KEYS[2], 'input:' .. step, ARGV[10])
+  if keep > 0 and step - keep >= 0 then
+    redis.call('HDEL', KEYS[2], 'input:' .. (step - keep))
+  end
 end
 publish(ARGV[5], step)
 return {'committed'}

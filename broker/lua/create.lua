@@ -1,5 +1,5 @@
 -- Create a session on the least loaded live worker serving (mode, model) with free capacity.
--- KEYS: 1 workers zset, 2 capacity hash, 3 pool zset (mode, model), 4 session hash, 5 sessions set
+-- KEYS: 1 workers zset, 2 capacity hash, 3 pool zset (mode, model), 4 session hash, 5 sessions hash (session id -> owner)
 -- ARGV: 1 session_id, 2 mode, 3 model, 4 lease_ms, 5 retention, 6 result_window
 -- Returns {'created', owner} | {'error', code, message}
 local t = redis.call('TIME')
@@ -35,5 +35,5 @@ redis.call('HSET', KEYS[4],
   'committed_step_id', -1, 'next_step_id', 0, 'context_length', 0, 'closed', 0,
   'gen', 0, 'reset_pending', 0, 'retention', ARGV[5], 'result_window', ARGV[6],
   'created_ms', now, 'updated_ms', now)
-redis.call('SADD', KEYS[5], ARGV[1])
+redis.call('HSET', KEYS[5], ARGV[1], chosen)
 return {'created', chosen}

@@ -5,7 +5,7 @@
 -- Returns {'queued', entry_id, committed} | {'stored', result, committed}
 --       | {'error', code, message, committed, context_length} | {'moved', owner}
 local s = redis.call('HMGET', KEYS[1], 'owner', 'epoch', 'committed_step_id', 'next_step_id',
-  'context_length', 'closed', 'gen', 'reset_pending', 'mode', 'model')
+  'context_length', 'closed', 'gen', 'reset_pending', 'mode', 'model', 'retention')
 local owner, committed, ctx = s[1], tonumber(s[3]), s[5]
 if not owner then
   return {'error', 'session_not_found', 'session ' .. ARGV[7] .. ' does not exist', -1, 0}
@@ -42,5 +42,6 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local id = redis.call('XADD', KEYS[2], '*',
   'kind', 'step', 'job_id', ARGV[4], 'session_id', ARGV[7], 'step_id', step,
   'contextual', ARGV[3], 'epoch', s[2], 'gen', s[7], 'mode', s[9], 'model', s[10],
-  'reply_to', ARGV[5], 'enqueued_ms', now, 'attempt', ARGV[8], 'payload', ARGV[6])
+  'reply_to', ARGV[5], 'enqueued_ms', now, 'attempt', ARGV[8], 'retention', s[11] or 'full',
+  'payload', ARGV[6])
 return {'queued', id, committed}

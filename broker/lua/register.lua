@@ -1,5 +1,5 @@
 -- Register a worker (a new incarnation) and join the placement pools it serves.
--- KEYS: 1 workers zset, 2 capacity hash, 3 worker hash, 4 inbox, 5.. pool zsets
+-- KEYS: 1 workers zset, 2 capacity hash, 3 worker hash, 4 inbox, 5 pool index set, 6.. pool zsets
 -- ARGV: 1 worker id, 2 capacity, 3 worker hash ttl ms, 4 inbox group, 5.. field/value pairs
 -- Returns now (ms, Redis clock)
 local t = redis.call('TIME')
@@ -10,7 +10,8 @@ redis.call('DEL', KEYS[3])
 redis.call('HSET', KEYS[3], 'registered_ms', now, 'heartbeat_ms', now, unpack(ARGV, 5))
 redis.call('PEXPIRE', KEYS[3], ARGV[3])
 pcall(redis.call, 'XGROUP', 'CREATE', KEYS[4], ARGV[4], '0', 'MKSTREAM')
-for i = 5, #KEYS do
+for i = 6, #KEYS do
   redis.call('ZADD', KEYS[i], 'NX', 0, ARGV[1])
+  redis.call('SADD', KEYS[5], KEYS[i])
 end
 return now

@@ -1,9 +1,11 @@
 -- Publish an outcome that commits nothing (an error, a stateless result), fenced like a commit.
 -- A contextual step's final failure lets the trainer retry the same step_id: next_step_id falls
 -- back to committed+1 unless a newer generation (a reset or an earlier fallback) was enqueued.
--- KEYS: 1 session hash, 2 inbox, 3 reply stream
+-- A job that failed for good is also dead-lettered (atomically), with the reason and attempts.
+-- KEYS: 1 session hash, 2 inbox, 3 reply stream, 4 dead-letter stream
 -- ARGV: 1 worker id, 2 job epoch, 3 inbox entry id, 4 job_id, 5 result, 6 fallback gen ('' = none),
---       7 reply ttl ms, 8 inbox group
+--       7 reply ttl ms, 8 inbox group, 9 dead-letter maxlen, 10.. dead-letter field/value pairs (none
+--       when the job is not dead-lettered)
 -- Returns {'published', committed} | {'fenced', owner, epoch}
 local s = redis.call('HMGET', KEYS[1], 'owner', 'epoch', 'committed_step_id', 'gen')
 if s[1] and (s[1] ~= ARGV[1] or s[2] ~= ARGV[2]) then
@@ -12,6 +14,9 @@ end
 local committed = tonumber(s[3] or '-1')
 if s[1] and ARGV[6] ~= '' and s[4] == ARGV[6] then
   redis.call('HSET', KEYS[1], 'next_step_id', committed + 1, 'gen', tonumber(s[4]) + 1)
+end
+if #ARGV > 9 then
+  redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[9], '*', unpack(ARGV, 10))
 end
 redis.call('XACK', KEYS[2], ARGV[8], ARGV[3])
 redis.call('XDEL', KEYS[2], ARGV[3])

@@ -1,0 +1,116 @@
+"""Failover: move a dead (or draining) worker's sessions, with their jobs, to live workers.
+
+Reading which sessions a worker owns and which workers could take them is advisory; every move is
+one atomic Lua call (``failover.lua``) that re-checks ownership, the old owner's lease and the new
+owner's liveness and capacity. Running it twice, or from two supervisors at once, is harmless.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from broker.aio import resolve
+from broker.scripts import Scripts
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class FailoverReport:
+    worker_id: str
+    reason: str
+    moved: dict[str, str] = field(default_factory=dict)  # session id -> new owner
+    jobs_moved: int = 0
+    stuck: list[str] = field(default_factory=list)  # sessions no live worker could take yet
+    alive: bool = False  # the worker heartbeated again: nothing was (or will be) moved
+    retired: bool = False
+    orphans: int = 0
+
+
+async def redis_now_ms(scripts: Scripts) -> int:
+    secs, micros = await scripts.redis.time()
+    return int(secs) * 1000 + int(micros) // 1000
+
+
+async def expired_workers(scripts: Scripts, lease_ms: int) -> list[str]:
+    """Workers whose last heartbeat is older than the lease (by the Redis clock)."""
+    now = await redis_now_ms(scripts)
+    raw: Any = await scripts.redis.zrangebyscore(scripts.keys.workers, "-inf", now - lease_ms - 1)
+    return [w.decode() if isinstance(w, bytes) else str(w) for w in raw]
+
+
+async def sessions_of(scripts: Scripts, worker_id: str) -> list[str]:
+    owned: list[str] = []
+    async for sid, owner in scripts.redis.hscan_iter(scripts.keys.sessions):
+        if owner.decode() == worker_id:
+            owned.append(sid.decode())
+    return owned
+
+
+async def _candidates(scripts: Scripts, mode: str, model: str, exclude: str, lease_ms: int) -> list[str]:
+    """Live workers of the session's pool with free capacity, least loaded first."""
+    redis, keys = scripts.redis, scripts.keys
+    now = await redis_now_ms(scripts)
+    members: Any = await redis.zrange(keys.pool(mode, model), 0, -1, withscores=True)
+    out = []
+    for raw_wid, load in members:
+        wid = raw_wid.decode()
+        if wid == exclude:
+            continue
+        beat = await redis.zscore(keys.workers, wid)
+        cap = await resolve(redis.hget(keys.capacity, wid))
+        if beat is not None and now - beat <= lease_ms and cap is not None and load < int(cap):
+            out.append(wid)
+    return out
+
+
+async def _move(scripts: Scripts, sid: str, worker_id: str, lease_ms: int, reason: str,
+                report: FailoverReport) -> None:
+    fields: Any = await resolve(scripts.redis.hmget(scripts.keys.session(sid), ["mode", "model"]))
+    if fields[0] is None:
+        return
+    mode, model = fields[0].decode(), fields[1].decode()
+    for candidate in await _candidates(scripts, mode, model, worker_id, lease_ms):
+        reply = await scripts.failover(session_id=sid, mode=mode, model=model, old=worker_id, new=candidate,
+                                       lease_ms=lease_ms, reason=reason)
+        if reply.status == "moved":
+            report.moved[sid] = candidate
+            report.jobs_moved += reply.integer(1)
+            log.info("session %s: %s -> %s (epoch %s, %s jobs)", sid, worker_id, candidate, reply.text(0),
+                     reply.text(1))
+            return
+        if reply.status == "alive":
+            report.alive = True
+            return
+        if reply.status in ("skip", "gone"):
+            return
+    report.stuck.append(sid)
+
+
+async def fail_over(scripts: Scripts, worker_id: str, *, lease_ms: int, reason: str = "expired") -> FailoverReport:
+    """Move every session of ``worker_id``; retire the worker once it owns none.
+
+    ``reason`` is ``expired`` (only if its lease ran out) or ``handover`` (the worker drains itself).
+    """
+    report = FailoverReport(worker_id, reason)
+    for sid in await sessions_of(scripts, worker_id):
+        await _move(scripts, sid, worker_id, lease_ms, reason, report)
+        if report.alive:
+            return report
+    if report.stuck:
+        log.warning("%d sessions of %s wait for a live worker with capacity", len(report.stuck), worker_id)
+        return report
+    pools: Any = await resolve(scripts.redis.smembers(scripts.keys.pool_index))
+    retired = await scripts.retire(worker_id, pools=sorted(p.decode() for p in pools), lease_ms=lease_ms,
+                                   reason="expired" if reason == "expired" else "drained")
+    report.alive = retired.status == "alive"
+    report.retired = retired.status == "retired"
+    report.orphans = retired.integer(0) if report.retired else 0
+    return report
+
+
+async def reap(scripts: Scripts, *, lease_ms: int) -> list[FailoverReport]:
+    """One pass: fail over every worker whose lease expired."""
+    return [await fail_over(scripts, wid, lease_ms=lease_ms) for wid in await expired_workers(scripts, lease_ms)]

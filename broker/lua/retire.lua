@@ -1,0 +1,28 @@
+-- Remove a worker that owns no sessions any more (dead, or drained): its heartbeat entry, its
+-- capacity, its description, its pools and its inbox. Entries left in the inbox belong to no live
+-- session; they go to the dead-letter stream with the reason 'orphaned', never silently away.
+-- KEYS: 1 workers zset, 2 capacity hash, 3 worker hash, 4 inbox, 5 dead-letter stream, 6.. pools
+-- ARGV: 1 worker id, 2 lease ms, 3 reason ('expired'|'drained'), 4 dead-letter maxlen
+-- Returns {'retired', orphans} | {'alive'}
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+if ARGV[3] == 'expired' then
+  local hb = redis.call('ZSCORE', KEYS[1], ARGV[1])
+  if hb and now - tonumber(hb) <= tonumber(ARGV[2]) then
+    return {'alive'}
+  end
+end
+local orphans = 0
+for _, entry in ipairs(redis.call('XRANGE', KEYS[4], '-', '+')) do
+  local fields = entry[2]
+  redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[4], '*', 'reason', 'orphaned: its session no longer exists',
+    'worker_id', ARGV[1], 'failed_ms', now, unpack(fields))
+  orphans = orphans + 1
+end
+redis.call('ZREM', KEYS[1], ARGV[1])
+redis.call('HDEL', KEYS[2], ARGV[1])
+redis.call('DEL', KEYS[3], KEYS[4])
+for i = 6, #KEYS do
+  redis.call('ZREM', KEYS[i], ARGV[1])
+end
+return {'retired', orphans}
