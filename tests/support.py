@@ -46,6 +46,18 @@ class WorkerPool:
         await running.worker.shutdown()
         self.running.remove(running)
 
+    async def kill(self, running: RunningWorker) -> None:
+        """Die like SIGKILL: no drain, no handover, no deregistration; the heartbeat just stops."""
+        worker = running.worker
+        running.task.cancel()
+        for task in list(worker._tasks):
+            task.cancel()
+        await asyncio.gather(running.task, *worker._tasks, return_exceptions=True)
+        if worker._redis is not None:
+            await worker._redis.aclose()
+            worker._redis = None
+        self.running.remove(running)
+
     async def stop_all(self) -> None:
         for running in list(self.running):
             with contextlib.suppress(Exception):

@@ -15,6 +15,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from broker.aio import resolve
@@ -94,7 +95,7 @@ class Worker:
 
     async def serve(self) -> None:
         """Read and run jobs until :meth:`request_stop`, then finish what was read."""
-        reader = asyncio.create_task(self._read_loop(), name="reader")
+        reader = self._spawn(self._read_loop(), "reader")
         await self._stop.wait()
         self.state = "draining"
         with contextlib.suppress(Exception):
@@ -211,7 +212,9 @@ class Worker:
                 resp: Any = await redis.xreadgroup(INBOX_GROUP, self.id, {inbox: cursor},
                                               count=self.settings.read_count, block=self.settings.block_ms)
                 backoff = 0.05
-            except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            except (RedisConnectionError, RedisTimeoutError, OSError, ResponseError) as exc:
+                # ResponseError: our inbox was deleted under a blocked read (we were retired as dead);
+                # the heartbeat re-registers us as a new incarnation with a new inbox.
                 log.warning("inbox read failed (%s); retrying in %.2fs", exc, backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(2 * backoff, 2.0)

@@ -1,0 +1,2 @@
+"""Adapters that put trainer frameworks on the fleet: vime (multi-turn token rollouts) and an
+RLinf-style world-model backend. Each imports nothing heavier than the trainer client."""

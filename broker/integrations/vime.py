@@ -1,0 +1,155 @@
+"""A vime custom generate function that rolls out on the fleet instead of a vLLM router.
+
+Point vime's ``--custom-generate-function-path`` at ``broker.integrations.vime.generate``. It runs
+the multi-turn driver (``broker.multiturn``) with the environment module named by
+``args.rollout_interaction_env_path`` (a module path or a ``.py`` file exposing
+``build_env(sample=, args=)``) and fills the vime ``Sample`` in place.
+
+Fleet settings come from ``args`` attributes, all optional:
+
+- ``fleet_redis_url`` (default ``redis://127.0.0.1:6379/0``), ``fleet_prefix`` (``rf``),
+  ``fleet_cell`` (``0``): one FleetClient per (url, prefix, cell) and event loop, reused;
+- ``fleet_model`` (``reference-lm``), ``fleet_step_timeout`` (seconds, none by default),
+  ``fleet_tokenizer`` (an HF-like tokenizer; default the reference tokenizer).
+
+vime's own ``max_turns``, ``rollout_max_context_len``, ``apply_chat_template_kwargs``,
+``append_eos_token_after_stop_str_in_multi_turn`` and ``use_rollout_routing_replay`` (with
+``num_layers`` / ``moe_router_topk`` checked against the routed experts) apply as in vime.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import importlib.util
+import sys
+import weakref
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from broker.client import DEFAULT_URL, FleetClient
+from broker.multiturn import ChatTokenizer, MultiTurnConfig, RolloutSample, run_multiturn
+from schemas.reference_tokenizer import ReferenceTokenizer
+
+DEFAULT_MODEL = "reference-lm"
+_FleetKey = tuple[str, str, str]
+_FLEETS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[_FleetKey, asyncio.Task[FleetClient]]] = (
+    weakref.WeakKeyDictionary())
+
+
+async def fleet_for(url: str = DEFAULT_URL, prefix: str = "rf", cell: str = "0") -> FleetClient:
+    """The connected FleetClient of (url, prefix, cell) on the running loop, created once."""
+    loop = asyncio.get_running_loop()
+    clients = _FLEETS.setdefault(loop, {})
+    key = (url, prefix, cell)
+    task = clients.get(key)
+    if task is None:
+        task = loop.create_task(_connect(url, prefix, cell))
+        clients[key] = task
+    try:
+        return await asyncio.shield(task)
+    except Exception:
+        if clients.get(key) is task and task.done():
+            del clients[key]  # a failed connect is retried by the next call
+        raise
+
+
+async def _connect(url: str, prefix: str, cell: str) -> FleetClient:
+    client = FleetClient(url, prefix=prefix, cell=cell)
+    await client.connect()
+    return client
+
+
+async def close_fleets() -> None:
+    """Close the clients ``fleet_for`` made on the running loop (call at shutdown)."""
+    clients = _FLEETS.pop(asyncio.get_running_loop(), {})
+    for task in clients.values():
+        if task.done() and not task.cancelled() and task.exception() is None:
+            await task.result().aclose()
+        else:
+            task.cancel()
+
+
+def load_env_module(target: str) -> ModuleType:
+    """A module by import path, or a ``.py`` file by filesystem path."""
+    path = Path(target)
+    if path.suffix != ".py" or not path.exists():
+        return importlib.import_module(target)
+    spec = importlib.util.spec_from_file_location(f"rollout_env_{path.stem}", path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import an environment module from {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _check_request(args: Any, sample: Any) -> None:
+    if getattr(args, "partial_rollout", False):
+        raise ValueError("partial rollout is not supported for interaction rollouts")
+    pending = type(sample).Status.PENDING
+    if sample.status != pending:
+        raise ValueError(f"the fleet rollout needs a pending sample, got {sample.status}")
+    if sample.response or sample.response_length or sample.loss_mask or sample.rollout_log_probs:
+        raise ValueError("the fleet rollout does not accept a sample with a response already")
+    if not getattr(args, "rollout_interaction_env_path", None):
+        raise ValueError("args.rollout_interaction_env_path must name the environment module")
+
+
+def _messages(sample: Any) -> list[dict[str, Any]]:
+    if (getattr(sample, "multimodal_inputs", None) or {}).get("images"):
+        raise ValueError("multimodal prompts are not supported on the fleet yet (reference-lm is text only)")
+    if isinstance(sample.prompt, list):
+        return [dict(message) for message in sample.prompt]
+    return [{"role": "user", "content": str(sample.prompt).replace("<image>", "").lstrip()}]
+
+
+def _config(args: Any, sample: Any, sampling_params: dict[str, Any]) -> MultiTurnConfig:
+    return MultiTurnConfig.from_sampling_params(
+        sampling_params,
+        model=getattr(args, "fleet_model", None) or DEFAULT_MODEL,
+        max_turns=args.max_turns,
+        context_limit=getattr(args, "rollout_max_context_len", None),
+        append_eos_after_stop=getattr(args, "append_eos_token_after_stop_str_in_multi_turn", True),
+        return_routed_experts=bool(getattr(args, "use_rollout_routing_replay", False)),
+        tools=sample.metadata.get("tools"),
+        chat_template_kwargs=dict(getattr(args, "apply_chat_template_kwargs", None) or {}),
+        step_timeout=getattr(args, "fleet_step_timeout", None),
+    )
+
+
+def _fill(args: Any, sample: Any, result: RolloutSample) -> Any:
+    sample.tokens = result.tokens
+    sample.response = result.response
+    sample.response_length = result.response_length
+    sample.loss_mask = result.loss_mask
+    sample.rollout_log_probs = result.rollout_log_probs
+    sample.status = type(sample).Status(result.status.value)
+    sample.weight_versions = [*(sample.weight_versions or []), *(str(v) for v in result.weight_versions)]
+    sample.metadata.update(result.metadata)
+    experts = result.routed_experts
+    if experts is not None:
+        expected = (getattr(args, "num_layers", experts.shape[1]), getattr(args, "moe_router_topk", experts.shape[2]))
+        if tuple(experts.shape[1:]) != tuple(expected):
+            raise ValueError(f"routed experts are {experts.shape[1:]} per token; args expect {expected}")
+        sample.rollout_routed_experts = experts
+    return sample
+
+
+async def generate(args: Any, sample: Any, sampling_params: dict[str, Any]) -> Any:
+    """vime's custom generate signature: roll ``sample`` out on the fleet and return it filled."""
+    _check_request(args, sample)
+    sample.metadata = dict(sample.metadata or {})
+    config = _config(args, sample, sampling_params)
+    fleet = await fleet_for(getattr(args, "fleet_redis_url", None) or DEFAULT_URL,
+                            getattr(args, "fleet_prefix", None) or "rf", str(getattr(args, "fleet_cell", None) or "0"))
+    messages = _messages(sample)
+    tokenizer: ChatTokenizer | None = getattr(args, "fleet_tokenizer", None)
+    build_env = getattr(load_env_module(args.rollout_interaction_env_path), "build_env", None)
+    if not callable(build_env):
+        raise ValueError("the environment module must expose a callable build_env(sample, args)")
+    env = build_env(sample=sample, args=args)
+    result = await run_multiturn(fleet, env, messages, config,
+                                 tokenizer=tokenizer if tokenizer is not None else ReferenceTokenizer())
+    return _fill(args, sample, result)

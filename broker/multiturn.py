@@ -1,0 +1,412 @@
+"""Multi-turn token rollouts on the fleet: the trainer side of an interaction rollout.
+
+One fleet session per sample and one step per turn. Step 0 carries the rendered prompt; every
+later step carries only the tokens the worker has not seen yet (the boundary of the next user
+turn, and an EOS the driver appended after a stop string), because the worker keeps the
+session's context. The sample's token list and the worker's context therefore stay identical,
+token for token, which is what makes the log probs and routed experts line up for training.
+
+    async with FleetClient(url) as fleet:
+        sample = await run_multiturn(fleet, env, [{"role": "user", "content": question}],
+                                     MultiTurnConfig(max_turns=3, max_new_tokens=256))
+        sample.tokens, sample.loss_mask, sample.rollout_log_probs, sample.status
+
+Budgets follow the vime rollout: ``max_new_tokens`` bounds the whole response (generated and
+observation tokens), a context limit shrinks it further, each turn asks for what is left, and an
+observation that would leave no room to answer truncates the sample.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Protocol
+
+import numpy as np
+from redis.exceptions import RedisError
+
+from broker.client import FleetClient, Session
+from schemas.errors import FleetError
+from schemas.messages import StepResult
+from schemas.reference_tokenizer import ReferenceTokenizer
+
+logger = logging.getLogger(__name__)
+
+DUMMY_MESSAGES: tuple[Mapping[str, str], ...] = (
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "I am a user."},
+    {"role": "assistant", "content": "I am an assistant."},
+)
+_SEED_SPACE = 1 << 62
+
+
+class ChatTokenizer(Protocol):
+    """What the driver needs of a tokenizer (a Hugging Face tokenizer or ReferenceTokenizer)."""
+
+    @property
+    def eos_token_id(self) -> Any: ...
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], tokenize: bool = ...,
+                            add_generation_prompt: bool = ..., tools: Sequence[Any] | None = ...,
+                            **kwargs: Any) -> Any: ...
+
+    def encode(self, text: str, /) -> list[int]: ...
+
+    def decode(self, ids: Iterable[int], /, skip_special_tokens: bool = ...) -> str: ...
+
+
+class Environment(Protocol):
+    """An interaction environment: ``step`` takes the model's text of one turn."""
+
+    def reset(self) -> Any: ...
+
+    def step(self, response: str, /) -> tuple[Any, bool, Any]: ...
+
+    def format_observation(self, observation: Any, /) -> Mapping[str, Any]: ...
+
+    def close(self) -> None: ...
+
+
+class RolloutStatus(StrEnum):
+    COMPLETED = "completed"
+    TRUNCATED = "truncated"
+    ABORTED = "aborted"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class MultiTurnConfig:
+    """How one sample rolls out. ``seed`` None draws a fresh seed per sample (kept in metadata);
+    turn ``k`` samples with ``seed + k``. ``stop`` strings must be single tokens: the fleet's
+    engines stop on token ids."""
+
+    model: str = "reference-lm"
+    max_turns: int = 4
+    max_new_tokens: int = 256
+    context_limit: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    append_eos_after_stop: bool = True
+    return_routed_experts: bool = False
+    tools: Sequence[Any] | None = None
+    chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    step_timeout: float | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_turns, bool) or not isinstance(self.max_turns, int) or self.max_turns <= 0:
+            raise ValueError(f"max_turns must be a positive integer, got {self.max_turns!r}")
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be non-negative, got {self.max_new_tokens}")
+        if self.context_limit is not None and self.context_limit < 0:
+            raise ValueError(f"context_limit must be non-negative, got {self.context_limit}")
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if self.return_routed_experts and self.append_eos_after_stop and self.stop:
+            raise ValueError("routed experts cannot cover an EOS the driver appends after a stop string; "
+                             "set append_eos_after_stop=False or drop the stop strings")
+
+    @classmethod
+    def from_sampling_params(cls, params: Mapping[str, Any], **fields: Any) -> MultiTurnConfig:
+        """From vime/sglang-style sampling params (``max_new_tokens``, ``temperature``, ``top_p``,
+        ``top_k`` (-1 = off), ``stop``, ``stop_token_ids``, ``seed``); ``fields`` win."""
+        values: dict[str, Any] = {}
+        for key in ("max_new_tokens", "temperature", "top_p", "top_k", "seed"):
+            if params.get(key) is not None:
+                values[key] = params[key]
+        if params.get("stop"):
+            values["stop"] = params["stop"]
+        if params.get("stop_token_ids"):
+            values["stop_token_ids"] = tuple(params["stop_token_ids"])
+        values.update(fields)
+        return cls(**values)
+
+
+@dataclass
+class RolloutSample:
+    """The result of one rollout, shaped like a vime ``Sample``. ``tokens`` = prompt + response;
+    ``loss_mask`` / ``rollout_log_probs`` cover the response; ``response`` decodes the generated
+    tokens only; ``routed_experts`` is ``(len(tokens) - 1, layers, top_k)`` when asked for."""
+
+    tokens: list[int]
+    prompt_length: int
+    session_id: str = ""
+    response: str = ""
+    response_length: int = 0
+    loss_mask: list[int] = field(default_factory=list)
+    rollout_log_probs: list[float] = field(default_factory=list)
+    status: RolloutStatus = RolloutStatus.TRUNCATED
+    metadata: dict[str, Any] = field(default_factory=dict)
+    weight_versions: list[int] = field(default_factory=list)
+    routed_experts: np.ndarray | None = None
+    turns: int = 0
+
+    def append(self, tokens: Sequence[int], log_probs: Sequence[float] | None = None) -> None:
+        """Response tokens: generated ones with their log probs (trainable), others without."""
+        if log_probs is not None and len(log_probs) != len(tokens):
+            raise ValueError(f"{len(log_probs)} log probs for {len(tokens)} tokens")
+        self.tokens.extend(tokens)
+        self.response_length += len(tokens)
+        self.loss_mask.extend([0 if log_probs is None else 1] * len(tokens))
+        self.rollout_log_probs.extend([0.0] * len(tokens) if log_probs is None else log_probs)
+
+
+@dataclass(frozen=True)
+class _Turn:
+    tokens: list[int]
+    log_probs: list[float]
+    finish: str
+    text: str
+
+
+def observation_token_ids(tokenizer: ChatTokenizer, message: Mapping[str, Any], context: Sequence[int], *,
+                          tools: Sequence[Any] | None = None,
+                          template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+    """The tokens that open the next user turn and the assistant's reply after ``context``.
+
+    Renders a dummy conversation with and without ``message`` and takes the suffix from the last
+    EOS of the dummy prefix (which closes the previous assistant turn); that leading EOS is dropped
+    when ``context`` already ends with it. Generated ids are never re-rendered.
+    """
+    kwargs = dict(template_kwargs or {})
+    prefix = _template_ids(tokenizer.apply_chat_template(
+        list(DUMMY_MESSAGES), tools=tools, tokenize=True, add_generation_prompt=False, **kwargs))
+    rendered = _template_ids(tokenizer.apply_chat_template(
+        [*DUMMY_MESSAGES, message], tools=tools, tokenize=True, add_generation_prompt=True, **kwargs))
+    if rendered[: len(prefix)] != prefix:
+        raise ValueError("the chat template is not prefix stable")
+    eos = _eos_id(tokenizer)
+    if eos not in prefix:
+        raise ValueError(f"the dummy conversation has no eos_token_id={eos}")
+    last_eos = len(prefix) - 1 - prefix[::-1].index(eos)
+    boundary = prefix[last_eos:] + rendered[len(prefix):]
+    return boundary[1:] if context and context[-1] == eos else boundary
+
+
+def _template_ids(value: Any) -> list[int]:
+    if isinstance(value, Mapping):
+        value = value.get("input_ids")
+    if not isinstance(value, list) or not all(type(t) is int for t in value):
+        raise TypeError("apply_chat_template(tokenize=True) must return a list of token ids")
+    return list(value)
+
+
+def _eos_id(tokenizer: ChatTokenizer) -> int:
+    eos = tokenizer.eos_token_id
+    if isinstance(eos, bool) or not isinstance(eos, int):
+        raise ValueError("tokenizer.eos_token_id must be an integer")
+    return eos
+
+
+def _check_text_message(message: Mapping[str, Any]) -> None:
+    content = message.get("content")
+    if isinstance(content, str):
+        return
+    if not isinstance(content, list) or not all(
+            isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+        raise ValueError(f"observations must be text (a string or text parts), got {content!r}")
+
+
+def _stop_ids(tokenizer: ChatTokenizer, stop: Sequence[str]) -> list[int]:
+    ids: list[int] = []
+    for text in stop:
+        encoded = tokenizer.encode(text)
+        if len(encoded) != 1:
+            raise ValueError(f"stop string {text!r} is {len(encoded)} tokens; the fleet stops on single tokens")
+        ids.append(encoded[0])
+    return ids
+
+
+def _parse_output(result: StepResult, tokenizer: ChatTokenizer) -> _Turn:
+    output = result.output or {}
+    finish = str(output.get("finish_reason"))
+    if finish in ("abort", "cancelled"):
+        return _Turn([], [], "abort", "")
+    if finish not in ("stop", "length"):
+        raise ValueError(f"unsupported finish_reason {finish!r}")
+    tokens, log_probs = output.get("token_ids"), output.get("logprobs")
+    if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
+        raise TypeError("output.token_ids must be a list of integers")
+    if not isinstance(log_probs, list) or len(log_probs) != len(tokens):
+        raise ValueError(f"token/logprob count mismatch: {len(tokens)} tokens, "
+                         f"{len(log_probs) if isinstance(log_probs, list) else log_probs!r} logprobs")
+    text = tokenizer.decode(tokens, skip_special_tokens=False) if tokens else ""
+    return _Turn(tokens, [float(x) for x in log_probs], finish, text)
+
+
+class _Rollout:
+    """The turn loop of one sample on one session."""
+
+    def __init__(self, session: Session, config: MultiTurnConfig, tokenizer: ChatTokenizer,
+                 sample: RolloutSample, seed: int) -> None:
+        self.session, self.config, self.tokenizer, self.sample, self.seed = session, config, tokenizer, sample, seed
+        self.sent = 0  # tokens of sample.tokens the worker's context holds
+        self.generated: list[int] = []
+        self.routed: list[np.ndarray] = []
+        self.stop_ids = [*config.stop_token_ids, *_stop_ids(tokenizer, config.stop)]
+        budget = config.max_new_tokens
+        if config.context_limit is not None:
+            budget = min(budget, max(0, config.context_limit - sample.prompt_length))
+        self.budget = budget
+
+    @property
+    def remaining(self) -> int:
+        return self.budget - self.sample.response_length
+
+    def finish(self, status: RolloutStatus, reason: str | None = None, **details: Any) -> bool:
+        self.sample.status = status
+        if reason is not None:
+            self.sample.metadata["multiturn_truncation"] = {"reason": reason, **details}
+        return True
+
+    async def run(self, env: Environment) -> None:
+        for turn_index in range(self.config.max_turns):
+            if self.remaining <= 0:
+                self.finish(RolloutStatus.TRUNCATED, "insufficient_budget", remaining_budget=self.remaining)
+                return
+            turn = await self._generate(turn_index)
+            if turn is None:
+                return
+            if turn.finish == "abort":
+                self.finish(RolloutStatus.ABORTED)
+                return
+            if self._append_generated(turn):
+                return
+            if turn.finish == "length":
+                self.finish(RolloutStatus.TRUNCATED, "length", remaining_budget=self.remaining)
+                return
+            if self._advance_environment(env, turn, turn_index):
+                return
+
+    async def _generate(self, turn_index: int) -> _Turn | None:
+        cfg = self.config
+        sampling = {"max_tokens": self.remaining, "temperature": cfg.temperature, "top_p": cfg.top_p,
+                    "top_k": cfg.top_k, "seed": (self.seed + turn_index) % _SEED_SPACE,
+                    "stop_token_ids": self.stop_ids}
+        result = await self.session.step(turn_index, token_ids=self.sample.tokens[self.sent:], sampling=sampling,
+                                         return_routed_experts=cfg.return_routed_experts, timeout=cfg.step_timeout)
+        self.sample.turns = turn_index + 1
+        if not result.ok:
+            error = result.error
+            self.sample.metadata["error"] = {"code": error.code.value if error else "unknown",
+                                             "message": error.message if error else "", "step_id": turn_index}
+            self.finish(RolloutStatus.FAILED)
+            return None
+        turn = _parse_output(result, self.tokenizer)
+        self.sample.weight_versions.append(result.policy_version)
+        self.sample.metadata.setdefault("finish_reasons", []).append(turn.finish)
+        if turn.finish != "abort":
+            self.sent = len(self.sample.tokens) + len(turn.tokens)
+            self._collect_routed(result)
+        return turn
+
+    def _collect_routed(self, result: StepResult) -> None:
+        if not self.config.return_routed_experts:
+            return
+        routed = (result.output or {}).get("routed_experts")
+        if not isinstance(routed, np.ndarray) or routed.ndim != 3:
+            raise ValueError("the step result has no routed_experts array (rows, layers, top_k)")
+        self.routed.append(routed)
+        rows = sum(chunk.shape[0] for chunk in self.routed)
+        if rows != self.sent - 1:
+            raise ValueError(f"routed experts cover {rows} positions; the context has {self.sent} tokens")
+
+    def _append_generated(self, turn: _Turn) -> bool:
+        if len(turn.tokens) > self.remaining:
+            raise ValueError(f"the engine generated {len(turn.tokens)} tokens; {self.remaining} were asked for")
+        self.sample.append(turn.tokens, turn.log_probs)
+        self.generated.extend(turn.tokens)
+        eos = _eos_id(self.tokenizer)
+        needs_eos = (self.config.append_eos_after_stop and turn.finish == "stop" and bool(self.config.stop)
+                     and turn.text.endswith(self.config.stop) and not (turn.tokens and turn.tokens[-1] == eos))
+        if not needs_eos:
+            return False
+        if self.remaining <= 0:
+            return self.finish(RolloutStatus.TRUNCATED, "insufficient_budget_for_stop_eos",
+                               remaining_budget=self.remaining)
+        self.sample.append([eos])  # not trainable; reaches the worker with the next step
+        return False
+
+    def _advance_environment(self, env: Environment, turn: _Turn, turn_index: int) -> bool:
+        observation, done, info = env.step(turn.text)
+        if isinstance(info, Mapping):
+            self.sample.metadata["env_info"] = dict(info)
+        if done:
+            return self.finish(RolloutStatus.COMPLETED)
+        if turn_index + 1 >= self.config.max_turns:
+            return self.finish(RolloutStatus.TRUNCATED, "max_turns", max_turns=self.config.max_turns)
+        message = env.format_observation(observation)
+        _check_text_message(message)
+        ids = observation_token_ids(self.tokenizer, message, self.sample.tokens, tools=self.config.tools,
+                                    template_kwargs=self.config.chat_template_kwargs)
+        if len(ids) < self.remaining:
+            self.sample.append(ids)
+            return False
+        return self.finish(RolloutStatus.TRUNCATED, "insufficient_budget_for_next_turn",
+                           observation_tokens=len(ids), remaining_budget=self.remaining)
+
+    def finalize(self) -> RolloutSample:
+        sample = self.sample
+        sample.response = self.tokenizer.decode(self.generated, skip_special_tokens=False)
+        if self.config.return_routed_experts and self.routed:
+            experts = np.concatenate(self.routed, axis=0)
+            if experts.shape[0] != len(sample.tokens) - 1:
+                raise ValueError(f"routed experts have {experts.shape[0]} rows for {len(sample.tokens)} tokens")
+            sample.routed_experts = experts
+        return sample
+
+
+async def run_multiturn(fleet: FleetClient, env: Environment, messages: Sequence[Mapping[str, Any]],
+                        config: MultiTurnConfig | None = None, *, tokenizer: ChatTokenizer | None = None,
+                        session_id: str | None = None) -> RolloutSample:
+    """Roll out one sample: ``env.reset()``, the prompt as step 0, then model turn / env turn until
+    the env is done or a budget ends. ``env.close()`` and the session's close always run.
+
+    A failed step ends the sample with status ``failed`` (``metadata["error"]``); bad
+    configuration, a malformed engine answer or a session that cannot be created raise.
+    """
+    config = config or MultiTurnConfig()
+    tok: ChatTokenizer = tokenizer if tokenizer is not None else ReferenceTokenizer()
+    active: BaseException | None = None
+    try:
+        env.reset()
+        prompt = _template_ids(tok.apply_chat_template(
+            list(messages), tools=config.tools, tokenize=True, add_generation_prompt=True,
+            **dict(config.chat_template_kwargs)))
+        if not prompt:
+            raise ValueError("the rendered prompt is empty")
+        return await _run_session(fleet, env, prompt, config, tok, session_id)
+    except BaseException as error:
+        active = error
+        raise
+    finally:
+        try:
+            env.close()
+        except BaseException as close_error:
+            if active is None:
+                raise
+            raise active from close_error
+
+
+async def _run_session(fleet: FleetClient, env: Environment, prompt: list[int], config: MultiTurnConfig,
+                       tokenizer: ChatTokenizer, session_id: str | None) -> RolloutSample:
+    seed = config.seed if config.seed is not None else random.SystemRandom().randrange(_SEED_SPACE)
+    session = await fleet.create_session(config.model, "tokens", session_id=session_id)
+    sample = RolloutSample(tokens=list(prompt), prompt_length=len(prompt), session_id=session.session_id,
+                           metadata={"fleet_session_id": session.session_id, "sampling_seed": seed})
+    try:
+        rollout = _Rollout(session, config, tokenizer, sample, seed)
+        await rollout.run(env)
+        return rollout.finalize()
+    finally:
+        with contextlib.suppress(FleetError, RedisError, OSError):
+            await session.close()

@@ -1,0 +1,140 @@
+"""Worker loss: lease expiry, failover with jobs in order, context rebuild, drain handover."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import numpy as np
+import pytest
+from redis.asyncio import Redis
+
+from broker import FleetClient
+from broker.embedded import RedisServer
+from broker.failover import reap
+from broker.keys import CellKeys
+from broker.scripts import Scripts
+from schemas.errors import ErrorCode
+from tests.support import WorkerPool, world_step
+from workers.engines.null import NullEngine, NullEngineConfig
+from workers.engines.reference import ReferenceEngine, ReferenceEngineConfig
+
+pytestmark = pytest.mark.asyncio
+FAST = {"heartbeat_ms": 100, "lease_ms": 500}
+SHAPE = (1, 4, 2, 8, 10)
+
+
+@pytest.fixture
+async def scripts(redis_server: RedisServer, prefix: str) -> AsyncIterator[Scripts]:
+    redis = Redis.from_url(redis_server.url)
+    yield Scripts(redis, CellKeys(prefix))
+    await redis.aclose()
+
+
+async def reap_until_moved(scripts: Scripts, dead: str, timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while asyncio.get_running_loop().time() < deadline:
+        reports = await reap(scripts, lease_ms=FAST["lease_ms"])
+        if any(r.worker_id == dead and r.retired for r in reports):
+            return
+        await asyncio.sleep(0.1)
+    pytest.fail(f"{dead} was not failed over")
+
+
+def ref() -> ReferenceEngine:
+    return ReferenceEngine(ReferenceEngineConfig(latent_shape=SHAPE))
+
+
+async def test_sessions_of_a_dead_worker_continue_on_a_live_one_with_the_same_results(
+    fleet: FleetClient, workers: WorkerPool, scripts: Scripts
+) -> None:
+    a = await workers.add(ref(), **FAST)
+    s = await fleet.create_session(model="reference-world", mode="world_model_env")
+    t = await fleet.create_session(model="reference-lm", mode="tokens")
+    assert s.owner == t.owner == a.id
+    b = await workers.add(ref(), **FAST)
+    control = await fleet.create_session(model="reference-world", mode="world_model_env")  # lands on b
+    ctl_t = await fleet.create_session(model="reference-lm", mode="tokens")
+    assert control.owner == ctl_t.owner == b.id
+    tok = {"token_ids": [1, 2, 3], "sampling": {"max_tokens": 6, "seed": 3}}
+    for i in range(3):
+        assert (await s.step(i, **world_step(i))).ok and (await control.step(i, **world_step(i))).ok
+        assert (await t.step(i, **tok)).ok and (await ctl_t.step(i, **tok)).ok
+    await workers.kill(a)
+    await reap_until_moved(scripts, a.id)
+    r, c = await asyncio.gather(s.step(3, **world_step(3)), control.step(3, **world_step(3)))
+    assert r.ok and r.worker_id == b.id and s.owner == b.id
+    assert np.array_equal(r.output["video_latent"], c.output["video_latent"])  # context rebuilt exactly
+    rt, ct = await asyncio.gather(t.step(3, **tok), ctl_t.step(3, **tok))
+    assert rt.ok and rt.output["token_ids"] == ct.output["token_ids"] and rt.output["logprobs"] == ct.output["logprobs"]
+    assert (await s.status()).epoch == 2
+    assert b.worker.executor.rebuilt_steps == 6
+
+
+async def test_queued_jobs_move_in_order_and_nothing_runs_twice(
+    fleet: FleetClient, workers: WorkerPool, scripts: Scripts
+) -> None:
+    a = await workers.add(NullEngine(NullEngineConfig(delay_ms=200)), **FAST)
+    s = await fleet.create_session(model="null-world", mode="world_model_env")
+    futs = [s.submit(i, **world_step(i)) for i in range(8)]
+    await asyncio.sleep(0.1)  # a has read step 0 and is inside the engine
+    await workers.kill(a)
+    b = await workers.add(NullEngine(), **FAST)
+    await reap_until_moved(scripts, a.id)
+    results = await asyncio.wait_for(asyncio.gather(*futs), 20)
+    assert all(r.ok for r in results), [r.error for r in results]
+    assert [r.output["context"] for r in results] == list(range(8))
+    assert {r.worker_id for r in results} == {b.id}
+    assert (await s.status()).committed_step_id == 7
+
+
+async def test_world_session_without_retained_inputs_reports_context_lost(
+    fleet: FleetClient, workers: WorkerPool, scripts: Scripts
+) -> None:
+    a = await workers.add(ref(), **FAST)
+    s = await fleet.create_session(model="reference-world", mode="world_model_env", retention="none")
+    kept = await fleet.create_session(model="reference-world", mode="world_model_env", retention="last:2")
+    for i in range(3):
+        assert (await s.step(i, **world_step(i))).ok and (await kept.step(i, **world_step(i))).ok
+    await workers.add(ref(), **FAST)
+    await workers.kill(a)
+    await reap_until_moved(scripts, a.id)
+    r = await s.step(3, **world_step(3))
+    assert r.error and r.error.code is ErrorCode.CONTEXT_LOST and r.committed_step_id == 2
+    r = await kept.step(3, **world_step(3))  # last:2 of 3 steps cannot rebuild either
+    assert r.error and r.error.code is ErrorCode.CONTEXT_LOST
+    assert await s.reset() == -1
+    assert (await s.step(0, **world_step(0))).ok
+
+
+async def test_a_live_worker_with_a_long_step_is_never_taken_over(
+    fleet: FleetClient, workers: WorkerPool, scripts: Scripts
+) -> None:
+    a = await workers.add(NullEngine(NullEngineConfig(delay_ms=1500)), **FAST)  # 3 leases long
+    s = await fleet.create_session(model="null-world", mode="world_model_env")
+    await workers.add(NullEngine(), **FAST)
+    assert s.owner == a.id
+    fut = s.submit(0, **world_step(0))
+    for _ in range(10):
+        assert all(not r.moved for r in await reap(scripts, lease_ms=FAST["lease_ms"]))
+        await asyncio.sleep(0.1)
+    r = await fut
+    assert r.ok and r.worker_id == a.id and (await s.status()).epoch == 1
+
+
+async def test_drain_hands_sessions_over_without_waiting_for_the_lease(
+    fleet: FleetClient, workers: WorkerPool
+) -> None:
+    a = await workers.add(NullEngine(NullEngineConfig(delay_ms=50)), lease_ms=60_000)
+    sessions = [await fleet.create_session(model="null-world", mode="world_model_env") for _ in range(4)]
+    b = await workers.add(NullEngine(), lease_ms=60_000)
+    futs = [[s.submit(i, **world_step(i)) for i in range(5)] for s in sessions]
+    await asyncio.sleep(0.05)
+    await workers.stop(a)  # SIGTERM path: finish in-flight, hand over, exit
+    for s, fs in zip(sessions, futs, strict=True):
+        results = await asyncio.wait_for(asyncio.gather(*fs), 10)
+        assert all(r.ok for r in results), [r.error for r in results]
+        assert [r.output["context"] for r in results] == list(range(5))
+        more = await s.step(5, **world_step(5))
+        assert more.ok and more.worker_id == b.id
+    assert await fleet.redis.zscore(fleet.keys.workers, a.id) is None  # retired at once
