@@ -57,6 +57,23 @@ def _parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("status", help="workers and sessions of a cell, from Redis alone")
     _add_redis(s)
+
+    sv = sub.add_parser("supervisor", help="arq supervisor: lease reaper/failover, trimming, replay jobs")
+    _add_redis(sv)
+    sv.add_argument("--lease-ms", type=int, default=5000, help="must match the workers' lease")
+    sv.add_argument("--interval", type=int, default=1, help="seconds between reaping passes")
+
+    rp = sub.add_parser("replay", help="list, show and re-enqueue dead-lettered jobs")
+    _add_redis(rp)
+    rp.add_argument("action", choices=("list", "show", "run"))
+    rp.add_argument("ids", nargs="*", help="dead-letter entry ids (show/run)")
+    rp.add_argument("--session", default=None)
+    rp.add_argument("--code", default=None, help="error code, e.g. inference_error")
+    rp.add_argument("--older-than", type=float, default=None, help="seconds")
+    rp.add_argument("--newer-than", type=float, default=None, help="seconds")
+    rp.add_argument("--limit", type=int, default=1000)
+    rp.add_argument("--dry-run", action="store_true")
+    rp.add_argument("--json", action="store_true", help="print JSON lines")
     return parser
 
 
@@ -137,10 +154,25 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_supervisor(args: argparse.Namespace) -> int:
+    from broker.supervisor import SupervisorSettings, run_supervisor
+
+    run_supervisor(SupervisorSettings(redis_url=args.redis_url, prefix=args.prefix, cell=args.cell,
+                                      lease_ms=args.lease_ms, interval_s=args.interval))
+    return 0
+
+
+def _cmd_replay(args: argparse.Namespace) -> int:
+    from broker.replay_cli import run_replay_command
+
+    return asyncio.run(run_replay_command(args))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    commands = {"worker": _cmd_worker, "demo": _cmd_demo, "redis": _cmd_redis, "status": _cmd_status}
+    commands = {"worker": _cmd_worker, "demo": _cmd_demo, "redis": _cmd_redis, "status": _cmd_status,
+                "supervisor": _cmd_supervisor, "replay": _cmd_replay}
     return commands[args.command](args)
 
 

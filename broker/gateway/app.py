@@ -1,0 +1,242 @@
+"""The vLLM-Omni RL rollout HTTP API in front of the fleet (FastAPI).
+
+Routes, bodies, status codes and error codes are the reference's (``/v1/realtime/sessions``):
+a step error comes back as a ``RolloutStepResponse`` with ``error`` — HTTP 404
+``session_not_found``, 410 ``session_closed``, 400 ``invalid_request`` / ``step_already_committed``
+/ ``step_out_of_order``, and HTTP 200 for the others (``inference_error``, ``timeout``,
+``context_lost``); control routes answer 404 / 410 as vLLM's ``{"error": {...}}`` body, and a
+malformed body is a 400 of the same shape. Differences a client can only gain from: a re-sent,
+already committed step returns its stored result (header ``X-Rollout-Duplicate: true``) while it
+is in the session's result window, and ``Accept: application/msgpack`` returns the fleet's
+msgpack ``StepResult`` (latents as raw ndarrays) instead of base64 JSON.
+
+    rollout-fleet gateway --redis-url redis://127.0.0.1:6379/0 --port 8000
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from http import HTTPStatus
+from typing import Any
+
+import uvicorn
+from fastapi import APIRouter, FastAPI, HTTPException, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from broker.client import FleetClient, Session
+from broker.gateway.convert import fleet_action, fleet_observation, http_status, step_response
+from broker.gateway.models import (
+    CloseSessionResponse,
+    CreateSessionRequest,
+    CreateSessionResponse,
+    ErrorInfo,
+    ErrorResponse,
+    ResetSessionResponse,
+    RolloutStepRequest,
+    RolloutStepResponse,
+    SessionStatusResponse,
+)
+from schemas.codec import encode
+from schemas.errors import (
+    CapacityExhaustedError,
+    FleetError,
+    InvalidRequestError,
+    SessionClosedError,
+    SessionNotFoundError,
+)
+from schemas.limits import DEFAULT_LIMITS, Limits
+from schemas.messages import StepResult
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "reference-world"
+MSGPACK = "application/msgpack"
+DUPLICATE_HEADER = "X-Rollout-Duplicate"
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorResponse}, 404: {"model": ErrorResponse}, 410: {"model": ErrorResponse},
+}
+router = APIRouter()
+
+
+class Gateway:
+    """One app's state: the fleet client and handles of the sessions it has seen (LRU)."""
+
+    def __init__(self, fleet: FleetClient, *, model_default: str, step_timeout: float | None,
+                 limits: Limits, max_handles: int = 4096) -> None:
+        self.fleet, self.model_default, self.step_timeout, self.limits = fleet, model_default, step_timeout, limits
+        self.max_handles = max_handles
+        self._handles: OrderedDict[str, Session] = OrderedDict()
+
+    def remember(self, session: Session) -> Session:
+        self._handles[session.session_id] = session
+        self._handles.move_to_end(session.session_id)
+        while len(self._handles) > self.max_handles:
+            self._handles.popitem(last=False)
+        return session
+
+    def forget(self, session_id: str) -> None:
+        self._handles.pop(session_id, None)
+
+    async def session(self, session_id: str) -> Session:
+        """A handle on the session; raises SessionNotFoundError."""
+        handle = self._handles.get(session_id)
+        if handle is not None:
+            self._handles.move_to_end(session_id)
+            return handle
+        return self.remember(await self.fleet.attach(session_id))
+
+    async def step(self, session_id: str, body: RolloutStepRequest) -> StepResult:
+        try:
+            session = await self.session(session_id)
+            observation = fleet_observation(body.observation, self.limits)
+            action = fleet_action(body.action)
+        except FleetError as exc:
+            return StepResult.failure(session_id, body.step_id, exc.code, exc.message)
+        return await session.step(body.step_id, observation=observation, action=action,
+                                  use_session_context=body.use_session_context, timeout=self.step_timeout)
+
+
+def _gateway(request: Request) -> Gateway:
+    gateway: Gateway = request.app.state.gateway
+    return gateway
+
+
+def _not_found(session_id: str) -> HTTPException:
+    return HTTPException(status_code=404, detail=f"Session {session_id!r} not found.")
+
+
+def _closed(session_id: str) -> HTTPException:
+    return HTTPException(status_code=410, detail=f"Session {session_id!r} is closed.")
+
+
+def _step_reply(request: Request, result: StepResult) -> Response:
+    headers = {DUPLICATE_HEADER: "true"} if result.duplicate else None
+    if MSGPACK in request.headers.get("accept", "") or "application/x-msgpack" in request.headers.get("accept", ""):
+        return Response(encode(result.to_wire()), status_code=http_status(result), media_type=MSGPACK,
+                        headers=headers)
+    return JSONResponse(step_response(result).model_dump(), status_code=http_status(result), headers=headers)
+
+
+# --------------------------------------------------------------------------- routes
+
+
+@router.post("/v1/realtime/sessions", response_model=CreateSessionResponse,
+             responses={**_ERRORS, 503: {"model": ErrorResponse}})
+async def create_rollout_session(body: CreateSessionRequest, request: Request) -> CreateSessionResponse:
+    """Create a world_model_env session on the least loaded worker serving the model."""
+    gateway = _gateway(request)
+    try:
+        session = await gateway.fleet.create_session(body.model or gateway.model_default, body.mode)
+    except InvalidRequestError as exc:
+        raise HTTPException(status_code=400, detail=exc.message) from exc
+    except CapacityExhaustedError as exc:
+        raise HTTPException(status_code=503, detail=exc.message) from exc
+    gateway.remember(session)
+    return CreateSessionResponse(session_id=session.session_id, mode=session.mode.value, created_at=time.time())
+
+
+@router.post("/v1/realtime/sessions/{session_id}/step", response_model=RolloutStepResponse,
+             responses={**_ERRORS, 200: {"content": {MSGPACK: {}}}})
+async def rollout_step(session_id: str, body: RolloutStepRequest, request: Request) -> Response:
+    """Run one step. Errors come back in the body's ``error`` (see the module docs for statuses)."""
+    return _step_reply(request, await _gateway(request).step(session_id, body))
+
+
+@router.post("/v1/realtime/sessions/{session_id}/reset", response_model=ResetSessionResponse, responses=_ERRORS)
+async def reset_rollout_session(session_id: str, request: Request) -> ResetSessionResponse:
+    """Reset after the queued steps: committed_step_id goes back to -1, the context is dropped."""
+    gateway = _gateway(request)
+    try:
+        session = await gateway.session(session_id)
+        committed = await session.reset(timeout=gateway.step_timeout)
+    except SessionNotFoundError as exc:
+        raise _not_found(session_id) from exc
+    except SessionClosedError as exc:
+        raise _closed(session_id) from exc
+    except TimeoutError as exc:
+        raise HTTPException(status_code=504, detail=f"Session {session_id!r}: reset not applied in time.") from exc
+    return ResetSessionResponse(session_id=session_id, committed_step_id=committed)
+
+
+@router.post("/v1/realtime/sessions/{session_id}/close", response_model=CloseSessionResponse, responses=_ERRORS)
+async def close_rollout_session(session_id: str, request: Request) -> CloseSessionResponse:
+    """Close the session; closing twice is fine."""
+    gateway = _gateway(request)
+    try:
+        session = await gateway.session(session_id)
+        await session.close()
+    except SessionNotFoundError as exc:
+        raise _not_found(session_id) from exc
+    gateway.forget(session_id)
+    return CloseSessionResponse(session_id=session_id, closed=True)
+
+
+@router.get("/v1/realtime/sessions/{session_id}/status", response_model=SessionStatusResponse, responses=_ERRORS)
+async def rollout_session_status(session_id: str, request: Request) -> SessionStatusResponse:
+    """The session's committed step, context length and whether it is closed."""
+    try:
+        status = await _gateway(request).fleet.status(session_id)
+    except SessionNotFoundError as exc:
+        raise _not_found(session_id) from exc
+    return SessionStatusResponse(session_id=session_id, committed_step_id=status.committed_step_id,
+                                 context_length=status.context_length, closed=status.closed)
+
+
+# --------------------------------------------------------------------------- errors, app
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, StarletteHTTPException)
+    body = ErrorResponse(error=ErrorInfo(message=str(exc.detail), type=HTTPStatus(exc.status_code).phrase,
+                                         code=exc.status_code))
+    return JSONResponse(body.model_dump(), status_code=exc.status_code, headers=exc.headers)
+
+
+async def _validation_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RequestValidationError)
+    errors = list(exc.errors())
+    plural = "s" if len(errors) != 1 else ""
+    message = f"{len(errors)} validation error{plural}:" + "".join(f"\n  {err}" for err in errors)
+    param = ".".join(str(part) for part in errors[0].get("loc", ())) if errors else None
+    body = ErrorResponse(error=ErrorInfo(message=message, type=HTTPStatus.BAD_REQUEST.phrase, param=param or None,
+                                         code=HTTPStatus.BAD_REQUEST))
+    return JSONResponse(body.model_dump(), status_code=HTTPStatus.BAD_REQUEST)
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    logger.exception("unhandled gateway error on %s", request.url.path, exc_info=exc)
+    body = ErrorResponse(error=ErrorInfo(message=f"{type(exc).__name__}: {exc}",
+                                         type=HTTPStatus.INTERNAL_SERVER_ERROR.phrase, code=500))
+    return JSONResponse(body.model_dump(), status_code=500)
+
+
+def create_app(redis_url: str, prefix: str = "rf", cell: str = "0", model_default: str = DEFAULT_MODEL, *,
+               step_timeout: float | None = None, limits: Limits = DEFAULT_LIMITS) -> FastAPI:
+    """The gateway app; one FleetClient lives for the app's lifespan."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with FleetClient(redis_url, prefix=prefix, cell=cell, limits=limits) as fleet:
+            app.state.gateway = Gateway(fleet, model_default=model_default, step_timeout=step_timeout, limits=limits)
+            yield
+
+    app = FastAPI(title="Rollout Fleet gateway", version="1", lifespan=lifespan,
+                  description="The vLLM-Omni RL rollout API (world_model_env) served by the fleet.")
+    app.include_router(router)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(Exception, _internal_error)
+    return app
+
+
+def serve(redis_url: str, host: str = "127.0.0.1", port: int = 8000, prefix: str = "rf", cell: str = "0", *,
+          model_default: str = DEFAULT_MODEL, step_timeout: float | None = None) -> None:
+    """Run the gateway in the foreground (uvicorn) until interrupted."""
+    app = create_app(redis_url, prefix, cell, model_default, step_timeout=step_timeout)
+    uvicorn.run(app, host=host, port=port, log_level="info")

@@ -1,0 +1,151 @@
+"""Dead letters: list, inspect and re-enqueue failed step jobs.
+
+A replay goes through the same enqueue script as a trainer's step, so the ordering and commit
+rules hold: replaying twice, or replaying a step that has since been committed, changes nothing
+and says so. A replayed job leaves the dead-letter stream once it is queued (if it fails again it
+is dead-lettered again) or once its step is found committed.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from broker.aio import resolve
+from broker.scripts import Scripts
+
+
+def _s(value: bytes | None, default: str = "") -> str:
+    return value.decode("utf-8", "replace") if value is not None else default
+
+
+@dataclass(frozen=True)
+class DeadJob:
+    entry_id: str
+    reason: str
+    attempts: int
+    worker_id: str
+    failed_ms: int
+    kind: str
+    session_id: str
+    step_id: int | None
+    contextual: bool
+    mode: str
+    model: str
+    reply_to: str
+    job_id: str
+    payload: bytes
+
+    @property
+    def code(self) -> str:
+        """The error code part of the reason (``inference_error: ...`` -> ``inference_error``)."""
+        return self.reason.split(":", 1)[0].strip()
+
+    @property
+    def replayable(self) -> bool:
+        return self.kind == "step" and bool(self.session_id) and self.step_id is not None and bool(self.payload)
+
+    @classmethod
+    def from_entry(cls, entry_id: bytes | str, f: dict[bytes, bytes]) -> DeadJob:
+        step = _s(f.get(b"step_id"))
+        return cls(
+            entry_id=entry_id.decode() if isinstance(entry_id, bytes) else entry_id,
+            reason=_s(f.get(b"reason")), attempts=int(_s(f.get(b"attempts"), "0") or 0),
+            worker_id=_s(f.get(b"worker_id")), failed_ms=int(_s(f.get(b"failed_ms"), "0") or 0),
+            kind=_s(f.get(b"kind")), session_id=_s(f.get(b"session_id")),
+            step_id=int(step) if step.lstrip("-").isdigit() else None,
+            contextual=_s(f.get(b"contextual"), "1") == "1", mode=_s(f.get(b"mode")), model=_s(f.get(b"model")),
+            reply_to=_s(f.get(b"reply_to")), job_id=_s(f.get(b"job_id")), payload=f.get(b"payload", b""),
+        )
+
+    def summary(self) -> dict[str, Any]:
+        return {"entry_id": self.entry_id, "session_id": self.session_id, "step_id": self.step_id,
+                "code": self.code, "reason": self.reason, "attempts": self.attempts, "worker_id": self.worker_id,
+                "failed_ms": self.failed_ms, "payload_bytes": len(self.payload)}
+
+
+@dataclass(frozen=True)
+class ReplayOutcome:
+    entry_id: str
+    session_id: str
+    step_id: int | None
+    status: str  # queued | already_committed | dry_run | not_found | not_replayable | an error code
+    message: str
+
+
+async def list_dead(scripts: Scripts, *, session: str | None = None, code: str | None = None,
+                    older_than_s: float | None = None, newer_than_s: float | None = None,
+                    limit: int = 1000) -> list[DeadJob]:
+    """Dead-lettered jobs, oldest first, filtered by session, error code and age."""
+    now_ms = time.time() * 1000
+    raw: Any = await scripts.redis.xrange(scripts.keys.dead, "-", "+")
+    out = []
+    for entry_id, fields in raw:
+        job = DeadJob.from_entry(entry_id, fields)
+        age_s = (now_ms - job.failed_ms) / 1000 if job.failed_ms else float("inf")
+        if session and job.session_id != session:
+            continue
+        if code and job.code != code:
+            continue
+        if older_than_s is not None and age_s < older_than_s:
+            continue
+        if newer_than_s is not None and age_s > newer_than_s:
+            continue
+        out.append(job)
+        if len(out) >= limit:
+            break
+    return out
+
+
+async def show(scripts: Scripts, entry_id: str) -> DeadJob | None:
+    raw: Any = await scripts.redis.xrange(scripts.keys.dead, entry_id, entry_id)
+    return DeadJob.from_entry(raw[0][0], raw[0][1]) if raw else None
+
+
+async def replay_one(scripts: Scripts, job: DeadJob, *, dry_run: bool = False) -> ReplayOutcome:
+    def outcome(status: str, message: str) -> ReplayOutcome:
+        return ReplayOutcome(job.entry_id, job.session_id, job.step_id, status, message)
+
+    if not job.replayable or job.step_id is None:
+        return outcome("not_replayable", f"entry is not a step job ({job.reason})")
+    if dry_run:
+        return outcome("dry_run", f"would re-enqueue step {job.step_id} of {job.session_id}")
+    raw_owner: Any = await resolve(scripts.redis.hget(scripts.keys.session(job.session_id), "owner"))
+    owner = _s(raw_owner)
+    for _ in range(8):
+        reply = await scripts.enqueue(job.session_id, owner, step_id=job.step_id, contextual=job.contextual,
+                                      job_id=f"replay-{uuid.uuid4().hex}", reply_to=job.reply_to or "replay",
+                                      payload=job.payload, attempt=job.attempts)
+        if reply.status != "moved":
+            break
+        owner = reply.text(0)
+    if reply.status in ("queued", "stored"):
+        await scripts.redis.xdel(scripts.keys.dead, job.entry_id)
+        if reply.status == "stored":
+            return outcome("already_committed", "the step is committed; its stored result stands")
+        return outcome("queued", f"re-enqueued step {job.step_id}; its result is committed as usual")
+    code, message = reply.text(0), reply.text(1)
+    if code == "step_already_committed":
+        await scripts.redis.xdel(scripts.keys.dead, job.entry_id)
+        return outcome("already_committed", message)
+    return outcome(code, message)
+
+
+async def replay(scripts: Scripts, jobs: Sequence[DeadJob], *, dry_run: bool = False) -> list[ReplayOutcome]:
+    """Replay jobs in order (oldest first keeps each session's steps in order)."""
+    return [await replay_one(scripts, job, dry_run=dry_run) for job in jobs]
+
+
+async def replay_ids(scripts: Scripts, entry_ids: Sequence[str], *, dry_run: bool = False) -> list[ReplayOutcome]:
+    outcomes = []
+    for entry_id in entry_ids:
+        job = await show(scripts, entry_id)
+        if job is None:
+            outcomes.append(ReplayOutcome(entry_id, "", None, "not_found",
+                                          "not in the dead-letter stream (already replayed or removed)"))
+            continue
+        outcomes.append(await replay_one(scripts, job, dry_run=dry_run))
+    return outcomes

@@ -1,0 +1,123 @@
+"""The supervisor: an arq worker whose cron jobs keep a cell healthy.
+
+- ``reap`` (every ``interval`` s): fail over the sessions of workers whose lease expired, then
+  retire those workers (see :mod:`broker.failover`).
+- ``trim`` (every 30 s): forget closed sessions that expired, bound the dead-letter stream.
+- ``replay_dead`` (on request): replay dead-lettered jobs as an arq job (:func:`request_replay`).
+
+Several supervisors may run: arq gives each cron tick one job id (unique), a Redis lock makes a
+reaping pass exclusive, and every move is an idempotent, fenced Lua script anyway. Workers do not
+need a supervisor to keep serving; without one a dead worker's sessions just wait.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from arq import cron
+from arq.connections import RedisSettings, create_pool
+from arq.worker import Worker as ArqWorker
+from redis.asyncio import Redis
+
+from broker.aio import resolve
+from broker.failover import reap
+from broker.keys import CellKeys
+from broker.replay import list_dead, replay
+from broker.scripts import Scripts
+
+log = logging.getLogger(__name__)
+DEAD_LETTER_KEEP = 100_000
+
+
+@dataclass(frozen=True)
+class SupervisorSettings:
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    prefix: str = "rf"
+    cell: str = "0"
+    lease_ms: int = 5000
+    interval_s: int = 1
+
+
+async def _startup(ctx: dict[str, Any]) -> None:
+    settings: SupervisorSettings = ctx["settings"]
+    ctx["fleet_redis"] = Redis.from_url(settings.redis_url)
+    ctx["scripts"] = Scripts(ctx["fleet_redis"], CellKeys(settings.prefix, settings.cell))
+
+
+async def _shutdown(ctx: dict[str, Any]) -> None:
+    await ctx["fleet_redis"].aclose()
+
+
+async def reap_job(ctx: dict[str, Any]) -> dict[str, Any]:
+    settings: SupervisorSettings = ctx["settings"]
+    scripts: Scripts = ctx["scripts"]
+    token = uuid.uuid4().hex
+    # One reaping pass at a time across supervisors; the lock outlives a stuck pass by little.
+    if not await scripts.redis.set(scripts.keys.supervisor_lock, token, nx=True, px=settings.lease_ms):
+        return {"skipped": "another supervisor is reaping"}
+    try:
+        reports = await reap(scripts, lease_ms=settings.lease_ms)
+    finally:
+        if await scripts.redis.get(scripts.keys.supervisor_lock) == token.encode():
+            await scripts.redis.delete(scripts.keys.supervisor_lock)
+    for r in reports:
+        log.warning("worker %s lease expired: %d sessions moved (%d jobs), %d waiting, retired=%s",
+                    r.worker_id, len(r.moved), r.jobs_moved, len(r.stuck), r.retired)
+    return {"workers": [asdict(r) for r in reports]}
+
+
+async def trim_job(ctx: dict[str, Any]) -> dict[str, int]:
+    scripts: Scripts = ctx["scripts"]
+    redis, keys = scripts.redis, scripts.keys
+    forgotten = 0
+    async for sid, _owner in redis.hscan_iter(keys.sessions):
+        if not await redis.exists(keys.session(sid.decode())):
+            forgotten += await resolve(redis.hdel(keys.sessions, sid))
+    trimmed = await redis.xtrim(keys.dead, maxlen=DEAD_LETTER_KEEP, approximate=True)
+    return {"sessions_forgotten": forgotten, "dead_letters_trimmed": int(trimmed)}
+
+
+async def replay_dead(ctx: dict[str, Any], filters: dict[str, Any], dry_run: bool = False) -> list[dict[str, Any]]:
+    scripts: Scripts = ctx["scripts"]
+    jobs = await list_dead(scripts, **filters)
+    return [asdict(o) for o in await replay(scripts, jobs, dry_run=dry_run)]
+
+
+def build_worker(settings: SupervisorSettings, *, handle_signals: bool = True) -> ArqWorker:
+    keys = CellKeys(settings.prefix, settings.cell)
+    every = set(range(0, 60, max(1, settings.interval_s)))
+    return ArqWorker(
+        functions=[replay_dead],
+        cron_jobs=[
+            cron(reap_job, name="reap", second=every, run_at_startup=True, unique=True, timeout=60),
+            cron(trim_job, name="trim", second={0, 30}, unique=True, timeout=60),
+        ],
+        queue_name=keys.arq_queue,
+        redis_settings=RedisSettings.from_dsn(settings.redis_url),
+        on_startup=_startup,
+        on_shutdown=_shutdown,
+        ctx={"settings": settings},
+        handle_signals=handle_signals,
+        poll_delay=0.1,
+        keep_result=60,
+    )
+
+
+def run_supervisor(settings: SupervisorSettings) -> None:
+    build_worker(settings).run()
+
+
+async def request_replay(settings: SupervisorSettings, filters: dict[str, Any], *, dry_run: bool = False) -> str:
+    """Ask the supervisors to replay dead letters matching ``filters`` (an arq job); returns its id."""
+    pool = await create_pool(RedisSettings.from_dsn(settings.redis_url))
+    try:
+        job = await pool.enqueue_job("replay_dead", filters, dry_run,
+                                     _queue_name=CellKeys(settings.prefix, settings.cell).arq_queue)
+        if job is None:
+            raise RuntimeError("replay job was not enqueued")
+        return job.job_id
+    finally:
+        await pool.aclose()
