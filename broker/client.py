@@ -15,6 +15,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from broker.aio import resolve
 from broker.keys import CellKeys
@@ -28,6 +30,7 @@ from schemas.messages import Mode, SessionStatus, StepResult, parse_mode, parse_
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 RETENTIONS = ("full", "none")
 _MAX_MOVES = 8  # owner changes followed in one call before giving up
+REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
 
 
 def _new_id() -> str:
@@ -47,6 +50,7 @@ class FleetClient:
         client_id: str | None = None,
         lease_ms: int = 5000,
         reply_ttl_ms: int = 3_600_000,
+        reconnect_s: float = 60.0,
     ) -> None:
         self.url = url
         self.keys = CellKeys(prefix, cell)
@@ -54,6 +58,7 @@ class FleetClient:
         self.client_id = client_id or f"client-{_new_id()[:12]}"
         self.lease_ms = lease_ms
         self.reply_ttl_ms = reply_ttl_ms
+        self.reconnect_s = reconnect_s
         self._redis: Redis | None = None
         self._scripts: Scripts | None = None
         self._replies: ReplyReader | None = None
@@ -241,13 +246,17 @@ class Session:
         job_id = _new_id()
         replies = self.fleet.replies
         waiter = replies.expect(job_id)
-        async with self._order:
-            reply = await self._send(
-                lambda owner: self.fleet.scripts.enqueue(
-                    self.session_id, owner, step_id=step_id, contextual=contextual, job_id=job_id,
-                    reply_to=self.fleet.client_id, payload=payload,
+        try:
+            async with self._order:
+                reply = await self._send(
+                    lambda owner: self.fleet.scripts.enqueue(
+                        self.session_id, owner, step_id=step_id, contextual=contextual, job_id=job_id,
+                        reply_to=self.fleet.client_id, payload=payload,
+                    )
                 )
-            )
+        except FleetError as exc:
+            replies.forget(job_id)
+            return StepResult.failure(self.session_id, step_id, exc.code, exc.message)
         if reply.status == "stored":
             replies.forget(job_id)
             result = self.fleet.decode_result(Reply("step", job_id, reply.integer(1), reply.values[0]), started)
@@ -268,13 +277,34 @@ class Session:
         return self.fleet.decode_result(answer, started)
 
     async def _send(self, call: Any) -> ScriptReply:
-        """Run a script against the believed owner's inbox, following ownership moves."""
-        for _ in range(_MAX_MOVES):
-            reply: ScriptReply = await call(self.owner)
-            if reply.status != "moved":
-                return reply
-            self.owner = reply.text(0)
-        raise FleetError(f"session {self.session_id} kept moving between workers", code=ErrorCode.TIMEOUT)
+        """Run a script against the believed owner's inbox, following ownership moves and riding
+        out a Redis outage (reconnect with backoff, up to ``FleetClient.reconnect_s``).
+
+        If a reply was lost in an outage and the retry finds our step already in flight, the first
+        attempt landed: the result is on its way to our reply stream, so report it as queued."""
+        moves, lost, delay = 0, False, 0.05
+        deadline = time.monotonic() + self.fleet.reconnect_s
+        while True:
+            try:
+                reply: ScriptReply = await call(self.owner)
+            except REDIS_ERRORS as exc:
+                if time.monotonic() > deadline:
+                    raise FleetError(f"redis unreachable for {self.fleet.reconnect_s}s: {exc}",
+                                     code=ErrorCode.TIMEOUT) from exc
+                lost = True
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 2.0)
+                continue
+            if reply.status == "moved":
+                moves += 1
+                if moves > _MAX_MOVES:
+                    raise FleetError(f"session {self.session_id} kept moving between workers",
+                                     code=ErrorCode.TIMEOUT)
+                self.owner = reply.text(0)
+                continue
+            if lost and reply.status == "error" and len(reply.values) > 4 and reply.text(4) == "in_flight":
+                return ScriptReply("queued", ("", reply.values[2]))
+            return reply
 
     # ------------------------------------------------------------------ control
 

@@ -31,7 +31,7 @@ if ARGV[3] == '1' then
     end
     if step < nxt then
       return {'error', 'step_out_of_order',
-              'step ' .. step .. ' is already queued; expected step_id ' .. nxt, committed, ctx}
+              'step ' .. step .. ' is already queued; expected step_id ' .. nxt, committed, ctx, 'in_flight'}
     end
     return {'error', 'step_out_of_order', 'expected step_id ' .. nxt .. ', got ' .. step, committed, ctx}
   end
