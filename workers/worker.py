@@ -51,6 +51,7 @@ class Worker:
         self._lanes: dict[str, collections.deque[Job]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._inflight = asyncio.Semaphore(settings.max_inflight)
+        self._running: set[str] = set()  # inbox entry ids read and not finished
         self._active = 0
         self._idle = asyncio.Event()
         self._stop = asyncio.Event()
@@ -203,14 +204,18 @@ class Worker:
     # ------------------------------------------------------------------ reading
 
     async def _read_loop(self) -> None:
+        """XREADGROUP our inbox. We start, and restart after every read error, with our own
+        pending entries (cursor "0", paged): a reply lost in a Redis crash leaves entries delivered
+        to us but never received, and only a history read finds them. Entries already running
+        here are skipped."""
         redis = self._redis_or_fail()
-        cursor = "0"  # first our own pending entries (none for a fresh incarnation), then new ones
+        cursor = "0"
         backoff = 0.05
         while not self._stop.is_set():
             inbox = self.keys.inbox(self.id)  # changes when the worker re-registers as a new incarnation
             try:
                 resp: Any = await redis.xreadgroup(INBOX_GROUP, self.id, {inbox: cursor},
-                                              count=self.settings.read_count, block=self.settings.block_ms)
+                                                   count=self.settings.read_count, block=self.settings.block_ms)
                 backoff = 0.05
             except (RedisConnectionError, RedisTimeoutError, OSError, ResponseError) as exc:
                 # ResponseError: our inbox was deleted under a blocked read (we were retired as dead);
@@ -218,12 +223,14 @@ class Worker:
                 log.warning("inbox read failed (%s); retrying in %.2fs", exc, backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(2 * backoff, 2.0)
+                cursor = "0"
                 continue
             entries = resp[0][1] if resp else []
-            if cursor == "0" and not entries:
-                cursor = ">"
+            if cursor != ">":
+                cursor = entries[-1][0] if entries else ">"
             for entry_id, fields in entries:
-                if not fields:  # deleted while pending
+                eid = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+                if not fields or eid in self._running:  # deleted while pending, or already running here
                     continue
                 await self._inflight.acquire()
                 self._dispatch(parse_job(entry_id, fields))
@@ -231,10 +238,11 @@ class Worker:
     def _dispatch(self, job: Job | BadJob) -> None:
         self._active += 1
         self._idle.clear()
+        self._running.add(job.entry_id)
         if isinstance(job, BadJob):
-            self._spawn(self._finish(self._dead_letter(job)), "bad-job")
+            self._spawn(self._finish(self._dead_letter(job), job.entry_id), "bad-job")
         elif job.kind == "step" and not job.contextual:
-            self._spawn(self._finish(self._guard(job, self.executor.run_step(job, None))), "stateless")
+            self._spawn(self._finish(self._guard(job, self.executor.run_step(job, None)), job.entry_id), "stateless")
         else:
             lane = self._lanes.get(job.session_id)
             if lane is None:
@@ -242,10 +250,11 @@ class Worker:
                 self._spawn(self._lane(job.session_id, lane), f"lane:{job.session_id}")
             lane.append(job)
 
-    async def _finish(self, coro: Any) -> None:
+    async def _finish(self, coro: Any, entry_id: str) -> None:
         try:
             await coro
         finally:
+            self._running.discard(entry_id)
             self._inflight.release()
             self._active -= 1
             if self._active == 0:
@@ -256,7 +265,7 @@ class Worker:
         try:
             while lane:
                 job = lane.popleft()
-                await self._finish(self._guard(job, self._process(job)))
+                await self._finish(self._guard(job, self._process(job)), job.entry_id)
         finally:
             if self._lanes.get(session_id) is lane:
                 del self._lanes[session_id]
