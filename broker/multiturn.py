@@ -19,7 +19,6 @@ observation that would leave no room to answer truncates the sample.
 from __future__ import annotations
 
 import contextlib
-import logging
 import random
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -33,8 +32,6 @@ from broker.client import FleetClient, Session
 from schemas.errors import FleetError
 from schemas.messages import StepResult
 from schemas.reference_tokenizer import ReferenceTokenizer
-
-logger = logging.getLogger(__name__)
 
 DUMMY_MESSAGES: tuple[Mapping[str, str], ...] = (
     {"role": "system", "content": "You are a helpful assistant."},
@@ -107,9 +104,7 @@ class MultiTurnConfig:
             raise ValueError(f"max_new_tokens must be non-negative, got {self.max_new_tokens}")
         if self.context_limit is not None and self.context_limit < 0:
             raise ValueError(f"context_limit must be non-negative, got {self.context_limit}")
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         if self.return_routed_experts and self.append_eos_after_stop and self.stop:
             raise ValueError("routed experts cannot cover an EOS the driver appends after a stop string; "
@@ -119,16 +114,10 @@ class MultiTurnConfig:
     def from_sampling_params(cls, params: Mapping[str, Any], **fields: Any) -> MultiTurnConfig:
         """From vime/sglang-style sampling params (``max_new_tokens``, ``temperature``, ``top_p``,
         ``top_k`` (-1 = off), ``stop``, ``stop_token_ids``, ``seed``); ``fields`` win."""
-        values: dict[str, Any] = {}
-        for key in ("max_new_tokens", "temperature", "top_p", "top_k", "seed"):
-            if params.get(key) is not None:
-                values[key] = params[key]
-        if params.get("stop"):
-            values["stop"] = params["stop"]
-        if params.get("stop_token_ids"):
-            values["stop_token_ids"] = tuple(params["stop_token_ids"])
-        values.update(fields)
-        return cls(**values)
+        numbers = ("max_new_tokens", "temperature", "top_p", "top_k", "seed")
+        values = {key: params[key] for key in numbers if params.get(key) is not None}
+        values.update({key: params[key] for key in ("stop", "stop_token_ids") if params.get(key)})
+        return cls(**{**values, **fields})
 
 
 @dataclass

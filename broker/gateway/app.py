@@ -117,7 +117,8 @@ def _closed(session_id: str) -> HTTPException:
 
 def _step_reply(request: Request, result: StepResult) -> Response:
     headers = {DUPLICATE_HEADER: "true"} if result.duplicate else None
-    if MSGPACK in request.headers.get("accept", "") or "application/x-msgpack" in request.headers.get("accept", ""):
+    accept = request.headers.get("accept", "")
+    if MSGPACK in accept or "application/x-msgpack" in accept:
         return Response(encode(result.to_wire()), status_code=http_status(result), media_type=MSGPACK,
                         headers=headers)
     return JSONResponse(step_response(result).model_dump(), status_code=http_status(result), headers=headers)
