@@ -12,6 +12,7 @@ import dataclasses
 import time
 import uuid
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from redis.asyncio import Redis
@@ -25,7 +26,7 @@ from broker.scripts import ScriptReply, Scripts
 from schemas.codec import decode, encode
 from schemas.errors import ErrorCode, FleetError, InvalidRequestError, PayloadTooLargeError, error_for
 from schemas.limits import DEFAULT_LIMITS, Limits
-from schemas.messages import Mode, SessionStatus, StepResult, parse_mode, parse_step_input
+from schemas.messages import ErrorInfo, Mode, SessionStatus, StepResult, parse_mode, parse_step_input
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 RETENTIONS = ("full", "none")
@@ -214,6 +215,32 @@ class Session:
             return asyncio.ensure_future(_resolved(failed))
         return asyncio.create_task(self._run_step(step_id, payload, use_session_context, timeout))
 
+    async def enqueue(self, step_id: int, *, results_stream: str, **inputs: Any) -> Enqueued:
+        """Enqueue a step whose result goes to a shared results stream (read by a consumer group,
+        see :class:`broker.consumer.ResultConsumer`) instead of back to this client. Returns once the
+        step is queued, so a producer process can feed sessions while trainer processes consume.
+        Steps enqueued one after another keep their order."""
+        use_session_context = inputs.pop("use_session_context", True)
+        try:
+            check_stream_name(results_stream)
+            payload = self._payload(inputs.get("observation"), inputs.get("action"), inputs.get("token_ids"),
+                                    inputs.get("sampling"), inputs.get("return_routed_experts", False),
+                                    inputs.get("multimodal"))
+            async with self._order:
+                reply = await self._send(
+                    lambda owner: self.fleet.scripts.enqueue(
+                        self.session_id, owner, step_id=step_id, contextual=use_session_context,
+                        job_id=_new_id(), reply_to=results_stream, payload=payload,
+                    )
+                )
+        except FleetError as exc:
+            return Enqueued(step_id, "error", -1, ErrorInfo(exc.code, exc.message))
+        if reply.status == "queued":
+            return Enqueued(step_id, "queued", reply.integer(1))
+        if reply.status == "stored":
+            return Enqueued(step_id, "committed", reply.integer(1))
+        return Enqueued(step_id, "error", reply.integer(2), ErrorInfo(ErrorCode(reply.text(0)), reply.text(1)))
+
     async def step(self, step_id: int, **kwargs: Any) -> StepResult:
         """Submit a step and wait for its result (see :meth:`submit` for the arguments)."""
         return await self.submit(step_id, **kwargs)
@@ -342,3 +369,19 @@ class Session:
 
 async def _resolved(result: StepResult) -> StepResult:
     return result
+
+
+@dataclass(frozen=True)
+class Enqueued:
+    """Answer to :meth:`Session.enqueue`: ``queued``, ``committed`` (the step was already committed;
+    its result went to the results stream then) or ``error``."""
+
+    step_id: int
+    status: str
+    committed_step_id: int
+    error: ErrorInfo | None = None
+
+
+def check_stream_name(name: str) -> None:
+    if not name or any(c in name for c in "{}: \n") or len(name) > 200:
+        raise InvalidRequestError(f"invalid results stream name {name!r}: no braces, colons or spaces")

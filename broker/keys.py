@@ -60,6 +60,10 @@ class CellKeys:
         """STREAM of results for one trainer/consumer."""
         return f"{self.base}:reply:{consumer}"
 
+    def handled(self, consumer: str, group: str) -> str:
+        """HASH of "session:step" a consumer group has handled (duplicates are recognised here)."""
+        return f"{self.base}:handled:{consumer}:{group}"
+
     @property
     def dead(self) -> str:
         """STREAM of dead-lettered jobs."""

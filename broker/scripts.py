@@ -52,7 +52,7 @@ class Scripts:
 
     NAMES = (
         "create", "enqueue", "control", "commit", "report", "apply_control",
-        "register", "heartbeat", "leave_pools", "failover", "retire",
+        "register", "heartbeat", "leave_pools", "failover", "retire", "ack_result",
     )
     DEAD_MAXLEN = 100_000  # dead-letter stream bound (approximate trim)
 
@@ -93,6 +93,13 @@ class Scripts:
             "control", [k.session(session_id), k.inbox(owner)], [owner, kind, job_id, reply_to, session_id]
         )
         return ScriptReply.of(raw)
+
+    async def ack_result(self, *, stream: str, group: str, entry_id: str, session_id: str, step_id: int,
+                         handled_ttl_ms: int) -> bool:
+        k = self.keys
+        raw = await self._call("ack_result", [k.reply(stream), k.handled(stream, group)],
+                               [group, entry_id, f"{session_id}:{step_id}", handled_ttl_ms])
+        return bool(int(raw))
 
     # ------------------------------------------------------------------ worker side
 

@@ -1,0 +1,137 @@
+"""Decoupled result consumption: trainer processes read a shared results stream as a consumer group.
+
+Producers enqueue steps with ``Session.enqueue(step_id, results_stream="rollouts", ...)``; any
+number of trainer processes run::
+
+    async with ResultConsumer(fleet, "rollouts", group="trainers", consumer="trainer-1") as results:
+        async for delivery in results:
+            store(delivery.result)          # keyed by (session_id, step_id)
+            await delivery.ack()            # after it is stored: at least once, handled once
+
+Each result reaches the group at least once: a trainer that dies before acknowledging leaves its
+entries pending, and another trainer claims them once they have been idle ``claim_idle_ms``.
+Duplicates (a re-published or re-claimed result) are recognised by ``(session_id, step_id)``: the
+group's acknowledgements are remembered, and already handled steps are acknowledged silently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from redis.exceptions import ResponseError
+
+from broker.aio import resolve
+from broker.client import FleetClient, check_stream_name
+from broker.replies import parse_reply
+from schemas.codec import decode
+from schemas.errors import InvalidRequestError
+from schemas.messages import StepResult
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Delivery:
+    consumer: ResultConsumer
+    entry_id: str
+    result: StepResult
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.result.session_id, self.result.step_id
+
+    async def ack(self) -> bool:
+        """Acknowledge after storing; True the first time the group handles this step."""
+        return await self.consumer.ack(self)
+
+
+class ResultConsumer:
+    def __init__(self, fleet: FleetClient, stream: str, *, group: str = "trainers", consumer: str | None = None,
+                 claim_idle_ms: int = 30_000, handled_ttl_ms: int = 86_400_000) -> None:
+        check_stream_name(stream)
+        check_stream_name(group)
+        self.fleet = fleet
+        self.stream = stream
+        self.group = group
+        self.name = consumer or f"consumer-{uuid.uuid4().hex[:8]}"
+        self.claim_idle_ms = claim_idle_ms
+        self.handled_ttl_ms = handled_ttl_ms
+        self._key = fleet.keys.reply(stream)
+        self._handled = fleet.keys.handled(stream, group)
+        self._cursor = "0"  # our own pending entries first (after a restart), then new ones
+        self._next_claim = 0.0
+
+    async def __aenter__(self) -> ResultConsumer:
+        try:
+            await self.fleet.redis.xgroup_create(self._key, self.group, id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+    async def read(self, count: int = 64, block_ms: int = 1000) -> list[Delivery]:
+        """Up to ``count`` results not yet handled by the group (may be empty after ``block_ms``)."""
+        raw = await self._claim(count) if time.monotonic() >= self._next_claim else []
+        if not raw:
+            resp: Any = await self.fleet.redis.xreadgroup(self.group, self.name, {self._key: self._cursor},
+                                                          count=count, block=block_ms)
+            raw = resp[0][1] if resp else []
+            if self._cursor != ">":
+                self._cursor = raw[-1][0] if raw else ">"
+        return await self._deliveries(raw)
+
+    async def _claim(self, count: int) -> list[Any]:
+        """Take over entries another consumer left pending too long (it died or hangs)."""
+        self._next_claim = time.monotonic() + self.claim_idle_ms / 2000.0
+        resp: Any = await self.fleet.redis.xautoclaim(self._key, self.group, self.name,
+                                                      min_idle_time=self.claim_idle_ms, start_id="0-0", count=count)
+        return list(resp[1]) if resp else []
+
+    async def _deliveries(self, raw: list[Any]) -> list[Delivery]:
+        out: list[Delivery] = []
+        for entry_id, fields in raw:
+            eid = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+            if not fields:
+                continue
+            reply = parse_reply(fields)
+            try:
+                result = StepResult.from_wire(decode(reply.result, self.fleet.limits))
+            except InvalidRequestError as exc:
+                log.error("dropping undecodable result %s: %s", eid, exc)
+                await self.fleet.redis.xack(self._key, self.group, eid)
+                continue
+            seen = await resolve(self.fleet.redis.hexists(self._handled, f"{result.session_id}:{result.step_id}"))
+            delivery = Delivery(self, eid, result)
+            if seen and result.ok:
+                await self.ack(delivery)  # a duplicate of a step the group already handled
+                continue
+            out.append(delivery)
+        return out
+
+    async def ack(self, delivery: Delivery) -> bool:
+        r = delivery.result
+        if not r.ok:  # errors are not "handled steps": a retried step may still commit later
+            await self.fleet.redis.xack(self._key, self.group, delivery.entry_id)
+            await self.fleet.redis.xdel(self._key, delivery.entry_id)
+            return True
+        return await self.fleet.scripts.ack_result(stream=self.stream, group=self.group, entry_id=delivery.entry_id,
+                                                   session_id=r.session_id, step_id=r.step_id,
+                                                   handled_ttl_ms=self.handled_ttl_ms)
+
+    def __aiter__(self) -> AsyncIterator[Delivery]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[Delivery]:
+        while True:
+            for delivery in await self.read():
+                yield delivery
+            await asyncio.sleep(0)

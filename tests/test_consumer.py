@@ -1,0 +1,84 @@
+"""Decoupled producer and trainer processes around a shared results stream (a consumer group)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+
+import pytest
+from redis.asyncio import Redis
+
+from broker import FleetClient
+from broker.consumer import ResultConsumer
+from broker.embedded import RedisServer
+from tests.procs import Fleet
+from tests.support import WorkerPool
+from workers.engines.null import NullEngine
+
+pytestmark = pytest.mark.asyncio
+
+
+def role(*args: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-m", "tests.consumer_roles", *args], env=dict(os.environ))
+
+
+async def test_results_reach_a_consumer_group_and_are_handled_once(
+    fleet: FleetClient, workers: WorkerPool
+) -> None:
+    await workers.add(NullEngine())
+    s = await fleet.create_session(model="null-lm", mode="tokens")
+    acks = [await s.enqueue(i, results_stream="rollouts", token_ids=[i]) for i in range(5)]
+    assert [a.status for a in acks] == ["queued"] * 5
+    bad = await s.enqueue(9, results_stream="rollouts", token_ids=[1])
+    assert bad.status == "error" and bad.error and bad.error.code.value == "step_out_of_order"
+    seen: list[int] = []
+    async with ResultConsumer(fleet, "rollouts", group="g", consumer="c1") as results:
+        while len(seen) < 5:
+            for d in await results.read(block_ms=200):
+                seen.append(d.result.step_id)
+                assert await d.ack() is True
+        # a committed step enqueued again answers "committed" and is not delivered twice
+        again = await s.enqueue(4, results_stream="rollouts", token_ids=[4])
+        assert again.status == "committed"
+        assert await results.read(block_ms=100) == []
+    assert seen == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.slow
+async def test_producer_and_two_trainers_one_killed_mid_run(redis_server: RedisServer, prefix: str) -> None:
+    procs = Fleet(redis_server.url, prefix)
+    trainers: list[subprocess.Popen[bytes]] = []
+    redis = Redis.from_url(redis_server.url)
+    try:
+        procs.worker()
+        await procs.wait_active(1)
+        sessions, steps = 6, 40
+        trainers = [role("trainer", redis_server.url, prefix, "t1"), role("trainer", redis_server.url, prefix, "t2")]
+        producer = role("producer", redis_server.url, prefix, str(sessions), str(steps))
+        await asyncio.sleep(0.6)
+        trainers[0].kill()  # mid-run: what it read and did not acknowledge is claimed by t2
+        assert await asyncio.to_thread(producer.wait, 60) == 0
+        total = sessions * steps
+        for _ in range(300):
+            if await redis.hlen(f"{prefix}:store") == total:
+                break
+            await asyncio.sleep(0.05)
+        handled = [h.decode() for h in await redis.lrange(f"{prefix}:handled", 0, -1)]
+        keys = [h.rsplit(":", 1)[0] for h in handled]
+        assert len(keys) == total and len(set(keys)) == total  # every result handled, once
+        assert any(h.endswith(":t2") for h in handled)
+        stream = f"{prefix}:{{0}}:reply:rollouts"
+        for _ in range(100):  # every entry acknowledged and deleted
+            pending = await redis.xpending(stream, "trainers")
+            if pending["pending"] == 0 and await redis.xlen(stream) == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert pending["pending"] == 0 and await redis.xlen(stream) == 0
+    finally:
+        for t in trainers:
+            t.kill()
+            t.wait(10)
+        procs.close()
+        await redis.aclose()
