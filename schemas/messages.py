@@ -363,6 +363,7 @@ class StepResult:
             "worker_id": self.worker_id,
             "attempt": self.attempt,
             "policy_version": self.policy_version,
+            "duplicate": self.duplicate,
         }
 
     @classmethod
@@ -382,6 +383,7 @@ class StepResult:
                 worker_id=str(data.get("worker_id", "")),
                 attempt=int(data.get("attempt", 0)),
                 policy_version=int(data.get("policy_version", 0)),
+                duplicate=bool(data.get("duplicate", False)),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise InvalidRequestError(f"malformed step result: {exc}") from exc

@@ -63,6 +63,15 @@ def _parser() -> argparse.ArgumentParser:
     sv.add_argument("--lease-ms", type=int, default=5000, help="must match the workers' lease")
     sv.add_argument("--interval", type=int, default=1, help="seconds between reaping passes")
 
+    gw = sub.add_parser("gateway", help="vLLM-Omni-compatible HTTP rollout API in front of the fleet")
+    _add_redis(gw)
+    gw.add_argument("--host", default="127.0.0.1")
+    gw.add_argument("--port", type=int, default=8000)
+
+    b = sub.add_parser("bench", help="benchmarks beside their anchors (arq, streaq, HTTP); prints a table",
+                       add_help=False)
+    b.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments of bench.run_all (--help for them)")
+
     rp = sub.add_parser("replay", help="list, show and re-enqueue dead-lettered jobs")
     _add_redis(rp)
     rp.add_argument("action", choices=("list", "show", "run"))
@@ -168,11 +177,25 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     return asyncio.run(run_replay_command(args))
 
 
+def _cmd_gateway(args: argparse.Namespace) -> int:
+    from broker.gateway import serve
+
+    serve(args.redis_url, args.host, args.port, args.prefix, args.cell)
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from bench.run_all import main as bench_main
+
+    return bench_main(list(args.bench_args))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     commands = {"worker": _cmd_worker, "demo": _cmd_demo, "redis": _cmd_redis, "status": _cmd_status,
-                "supervisor": _cmd_supervisor, "replay": _cmd_replay}
+                "supervisor": _cmd_supervisor, "replay": _cmd_replay, "gateway": _cmd_gateway,
+                "bench": _cmd_bench}
     return commands[args.command](args)
 
 

@@ -1,0 +1,121 @@
+"""Failover time: SIGKILL a worker under load; time from its lease expiry to the first step the new
+owner serves (and to the last of its sessions served), steps/s before, during and after, and the
+cost of context rebuild per replayed step (parsed from the new owner's log).
+
+Real processes: 2 reference workers, the arq supervisor (1 s reaping cadence), a trainer here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import sys
+import time
+from dataclasses import dataclass, field
+
+from bench.common import Children, Row, module_main, new_prefix, private_redis, wait_fleet_workers
+from broker import FleetClient, Session
+from schemas.reference_tokenizer import ReferenceTokenizer
+
+HEARTBEAT_MS, LEASE_MS = 250, 2000
+_REBUILT = re.compile(r"rebuilt \S+ from (\d+) steps in ([\d.]+) ms")
+TOK = ReferenceTokenizer()
+
+
+@dataclass
+class Trace:
+    """(wall time, worker id) of every result, per session."""
+
+    results: dict[str, list[tuple[float, str]]] = field(default_factory=dict)
+    stop: bool = False
+
+
+def _inputs(session: Session, i: int) -> dict[str, object]:
+    if session.mode.value == "tokens":
+        ids = TOK.apply_chat_template([{"role": "user", "content": "go"}], add_generation_prompt=True)
+        return {"token_ids": ids if i == 0 else TOK.encode(f" obs {i}"), "sampling": {"max_tokens": 4, "seed": 1}}
+    return {"observation": {"prompt": "pick the cup", "state": [0.01 * i] * 8},
+            "action": {"joint_positions": [0.1] * 7, "gripper_position": [0.5]}}
+
+
+async def _drive(session: Session, start: int, trace: Trace) -> None:
+    i = start
+    rows = trace.results.setdefault(session.session_id, [])
+    while not trace.stop:
+        r = await session.step(i, **_inputs(session, i))
+        if not r.ok:
+            raise RuntimeError(f"step failed during failover: {r.error}")
+        rows.append((time.time(), r.worker_id))
+        i += 1
+
+
+def _rate(trace: Trace, t0: float, t1: float) -> float:
+    n = sum(1 for rows in trace.results.values() for t, _ in rows if t0 <= t < t1)
+    return n / max(t1 - t0, 1e-9)
+
+
+def _worker(url: str, prefix: str, shape: str) -> list[str]:
+    return [sys.executable, "-m", "workers.cli", "--log-level", "INFO", "worker", "--engine", "reference",
+            "--redis-url", url, "--prefix", prefix, "--latent-shape", shape, "--heartbeat-ms", str(HEARTBEAT_MS),
+            "--lease-ms", str(LEASE_MS)]
+
+
+async def run(size: str) -> list[Row]:
+    sessions_n, history = (4, 5) if size == "smoke" else (16, 20)
+    shape = "1,4,2,8,10" if size == "smoke" else "1,16,2,44,80"
+    prefix = new_prefix("fo")
+    with private_redis() as server, Children() as children:
+        children.spawn([sys.executable, "-m", "workers.cli", "supervisor", "--redis-url", server.url,
+                        "--prefix", prefix, "--lease-ms", str(LEASE_MS)])
+        victim = children.spawn(_worker(server.url, prefix, shape))
+        await wait_fleet_workers(server.url, prefix, 1, children)
+        async with FleetClient(server.url, prefix=prefix) as fleet:
+            sessions = [await fleet.create_session(model="reference-world" if k % 2 == 0 else "reference-lm",
+                                                   mode="world_model_env" if k % 2 == 0 else "tokens")
+                        for k in range(sessions_n)]
+            heir = children.spawn(_worker(server.url, prefix, shape))
+            await wait_fleet_workers(server.url, prefix, 2, children)
+            for s in sessions:
+                for i in range(history):
+                    await s.step(i, **_inputs(s, i))
+            trace = Trace()
+            drivers = [asyncio.create_task(_drive(s, history, trace)) for s in sessions]
+            await asyncio.sleep(2.0)
+            victim_id = sessions[0].owner
+            secs, micros = await fleet.redis.time()
+            skew = time.time() - (int(secs) + int(micros) / 1e6)  # wall clock minus Redis clock
+            victim.kill()
+            t_kill = time.time()
+            last_beat = await fleet.redis.zscore(fleet.keys.workers, victim_id)
+            expiry = (float(last_beat or 0) / 1000.0) + LEASE_MS / 1000.0 + skew
+            while not all(any(w != victim_id and t > t_kill for t, w in trace.results.get(s.session_id, []))
+                          for s in sessions):
+                await asyncio.sleep(0.02)
+            t_all = time.time()
+            await asyncio.sleep(2.0)
+            trace.stop = True
+            await asyncio.gather(*drivers)
+        firsts = [min(t for t, w in rows if w != victim_id and t > t_kill) for rows in trace.results.values()]
+        rebuilt = [(int(n), float(ms)) for n, ms in _REBUILT.findall(children.tail(heir, 1_000_000))]
+    steps = sum(n for n, _ in rebuilt)
+    per_step = sum(ms for _, ms in rebuilt) / max(steps, 1)
+    case = f"{sessions_n} sessions ({history}+ steps each), lease {LEASE_MS} ms"
+    return [
+        Row("failover", case, "fleet", {"expiry_to_first_ms": (min(firsts) - expiry) * 1000,
+                                        "expiry_to_all_ms": (t_all - expiry) * 1000,
+                                        "kill_to_first_ms": (min(firsts) - t_kill) * 1000}, "",
+            "supervisor reaps every 1 s"),
+        Row("failover", case, "steps/s", {"before": _rate(trace, t_kill - 2.0, t_kill),
+                                          "during": _rate(trace, t_kill, t_all),
+                                          "after": _rate(trace, t_all, t_all + 2.0)}),
+        Row("failover", f"rebuild, latent {shape}", "per replayed step",
+            {"ms": per_step, "steps": float(steps), "sessions": float(len(rebuilt))}),
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    return module_main("failover", run, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
