@@ -201,6 +201,7 @@ class Session:
         multimodal: Mapping[str, Any] | None = None,
         use_session_context: bool = True,
         timeout: float | None = None,
+        min_policy_version: int = 0,
     ) -> asyncio.Task[StepResult]:
         """Enqueue a step and return at once; the task resolves to its StepResult.
 
@@ -213,7 +214,8 @@ class Session:
         except FleetError as exc:
             failed = StepResult.failure(self.session_id, step_id, exc.code, exc.message)
             return asyncio.ensure_future(_resolved(failed))
-        return asyncio.create_task(self._run_step(step_id, payload, use_session_context, timeout))
+        return asyncio.create_task(self._run_step(step_id, payload, use_session_context, timeout,
+                                                  min_policy_version))
 
     async def enqueue(self, step_id: int, *, results_stream: str, **inputs: Any) -> Enqueued:
         """Enqueue a step whose result goes to a shared results stream (read by a consumer group,
@@ -265,7 +267,7 @@ class Session:
         return payload
 
     async def _run_step(self, step_id: int, payload: bytes, contextual: bool,
-                        timeout: float | None) -> StepResult:
+                        timeout: float | None, min_version: int = 0) -> StepResult:
         if isinstance(step_id, bool) or not isinstance(step_id, int) or step_id < 0:
             return StepResult.failure(self.session_id, -1, ErrorCode.INVALID_REQUEST,
                                       f"step_id must be a non-negative integer, got {step_id!r}")
@@ -278,7 +280,7 @@ class Session:
                 reply = await self._send(
                     lambda owner: self.fleet.scripts.enqueue(
                         self.session_id, owner, step_id=step_id, contextual=contextual, job_id=job_id,
-                        reply_to=self.fleet.client_id, payload=payload,
+                        reply_to=self.fleet.client_id, payload=payload, min_version=min_version,
                     )
                 )
         except FleetError as exc:

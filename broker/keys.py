@@ -65,6 +65,11 @@ class CellKeys:
         return f"{self.base}:handled:{consumer}:{group}"
 
     @property
+    def control(self) -> str:
+        """STREAM of control messages every worker reads (weight updates)."""
+        return f"{self.base}:control"
+
+    @property
     def dead(self) -> str:
         """STREAM of dead-lettered jobs."""
         return f"{self.base}:dead"

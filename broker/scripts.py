@@ -77,12 +77,13 @@ class Scripts:
         return ScriptReply.of(raw)
 
     async def enqueue(self, session_id: str, owner: str, *, step_id: int, contextual: bool, job_id: str,
-                      reply_to: str, payload: bytes, attempt: int = 0) -> ScriptReply:
+                      reply_to: str, payload: bytes, attempt: int = 0, min_version: int = 0) -> ScriptReply:
         k = self.keys
         raw = await self._call(
             "enqueue",
             [k.session(session_id), k.inbox(owner), k.log(session_id)],
-            [owner, step_id, "1" if contextual else "0", job_id, reply_to, payload, session_id, attempt],
+            [owner, step_id, "1" if contextual else "0", job_id, reply_to, payload, session_id, attempt,
+             min_version],
         )
         return ScriptReply.of(raw)
 

@@ -25,6 +25,7 @@ from workers.engines.base import Engine, EngineOutput, EngineRequest
 from workers.jobs import Job
 from workers.rebuild import ContextLost, rebuild_context, records_kept, step_record
 from workers.settings import WorkerSettings
+from workers.weights_gate import WeightGate
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -59,8 +60,9 @@ class Fenced(Exception):
 
 class StepExecutor:
     def __init__(self, settings: WorkerSettings, scripts: Scripts, engine: Engine,
-                 batchers: dict[str, Batcher]) -> None:
+                 batchers: dict[str, Batcher], gate: WeightGate) -> None:
         self.settings = settings
+        self.gate = gate
         self.scripts = scripts
         self.engine = engine
         self.batchers = batchers
@@ -101,18 +103,8 @@ class StepExecutor:
     async def run_step(self, job: Job, state: SessionState | None) -> None:
         """A contextual step (``state`` given) or a stateless one (``state`` None)."""
         picked_ms = time.time() * 1000.0
-        if state is not None:
-            if job.step_id <= state.committed:
-                await self._answer_duplicate(job, state)
-                return
-            if job.step_id != state.committed + 1:
-                await self.fail(job, ErrorCode.STEP_OUT_OF_ORDER,
-                                f"expected step_id {state.committed + 1}, got {job.step_id} "
-                                "(an earlier step of this session failed; resubmit from there)",
-                                state, fallback=False)
-                return
-            if state.committed >= 0 and not state.engine_ready and not await self._rebuild(job, state):
-                return
+        if state is not None and not await self._in_order(job, state):
+            return
         try:
             step = parse_step_input(job.mode, decode(job.payload, self.settings.limits), self.settings.limits)
         except FleetError as exc:
@@ -123,7 +115,12 @@ class StepExecutor:
             model=job.model, step=step, reset=state is not None and state.committed == -1,
             stateless=state is None,
         )
-        outcome = await self._run_engine(job, request, state)
+        # The gate keeps weight updates out while this step (and its rebuild) uses the engine.
+        async with self.gate.step(job.min_version) as version:
+            if state is not None and state.committed >= 0 and not state.engine_ready \
+                    and not await self._rebuild(job, state):
+                return
+            outcome = await self._run_engine(job, request, state)
         if outcome is None:
             return
         out, attempt, engine_ms = outcome
@@ -132,12 +129,25 @@ class StepExecutor:
             committed_step_id=job.step_id if state is not None else (-1),
             output=out.output, context_length=out.context_length,
             latency=Latency(queue_ms=max(0.0, picked_ms - job.enqueued_ms), engine_ms=engine_ms),
-            worker_id=self.worker_id, attempt=attempt, policy_version=self.engine.policy_version,
+            worker_id=self.worker_id, attempt=attempt, policy_version=version,
         )
         if state is None:
             await self.report(job, result, fallback=False)
             return
         await self._commit(job, result, state)
+
+    async def _in_order(self, job: Job, state: SessionState) -> bool:
+        """Answer a duplicate or an out-of-order job at once; True when the job is next."""
+        if job.step_id <= state.committed:
+            await self._answer_duplicate(job, state)
+            return False
+        if job.step_id != state.committed + 1:
+            await self.fail(job, ErrorCode.STEP_OUT_OF_ORDER,
+                            f"expected step_id {state.committed + 1}, got {job.step_id} "
+                            "(an earlier step of this session failed; resubmit from there)",
+                            state, fallback=False)
+            return False
+        return True
 
     async def _run_engine(self, job: Job, request: EngineRequest,
                           state: SessionState | None) -> tuple[EngineOutput, int, float] | None:

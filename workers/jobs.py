@@ -24,6 +24,7 @@ class Job:
     attempt: int
     payload: bytes
     retention: str = "full"
+    min_version: int = 0  # the step waits until the worker's policy version reaches it
 
     def dead_letter_fields(self, reason: str, attempts: int, worker_id: str, failed_ms: int) -> dict[str, object]:
         """Everything a replay needs, plus why and how often it failed."""
@@ -32,6 +33,7 @@ class Job:
             "kind": self.kind, "job_id": self.job_id, "session_id": self.session_id, "step_id": self.step_id,
             "contextual": "1" if self.contextual else "0", "mode": self.mode.value, "model": self.model,
             "reply_to": self.reply_to, "enqueued_ms": self.enqueued_ms, "payload": self.payload,
+            "min_version": self.min_version,
         }
 
 
@@ -79,6 +81,7 @@ def parse_job(entry_id: bytes | str, fields: dict[bytes, bytes]) -> Job | BadJob
             attempt=int(_text(fields, "attempt")),
             payload=fields.get(b"payload", b""),
             retention=fields.get(b"retention", b"full").decode("utf-8"),
+            min_version=int(fields.get(b"min_version", b"0")),
         )
     except (ValueError, UnicodeDecodeError) as exc:
         def opt(name: str) -> str | None:

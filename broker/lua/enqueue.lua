@@ -1,7 +1,7 @@
 -- Enqueue one step job into its owner's inbox, enforcing the step-id rules atomically.
 -- KEYS: 1 session hash, 2 inbox of the owner the client believes in, 3 log hash
 -- ARGV: 1 believed owner, 2 step_id, 3 contextual ('1'|'0'), 4 job_id, 5 reply_to, 6 payload,
---       7 session_id, 8 attempt
+--       7 session_id, 8 attempt, 9 minimum policy version
 -- Returns {'queued', entry_id, committed} | {'stored', result, committed}
 --       | {'error', code, message, committed, context_length} | {'moved', owner}
 local s = redis.call('HMGET', KEYS[1], 'owner', 'epoch', 'committed_step_id', 'next_step_id',
@@ -43,5 +43,6 @@ local id = redis.call('XADD', KEYS[2], '*',
   'kind', 'step', 'job_id', ARGV[4], 'session_id', ARGV[7], 'step_id', step,
   'contextual', ARGV[3], 'epoch', s[2], 'gen', s[7], 'mode', s[9], 'model', s[10],
   'reply_to', ARGV[5], 'enqueued_ms', now, 'attempt', ARGV[8], 'retention', s[11] or 'full',
+  'min_version', ARGV[9] or '0',
   'payload', ARGV[6])
 return {'queued', id, committed}

@@ -78,3 +78,8 @@ class Engine(abc.ABC):
     def policy_version(self) -> int:
         """The weight version that produces results now."""
         return 0
+
+    async def load_weights(self, path: str, version: int) -> None:
+        """Load weight ``version`` from ``path`` through the engine's own mechanism. The worker calls
+        this only while no step of this engine is running."""
+        raise NotImplementedError(f"the {self.kind} engine cannot load weights")

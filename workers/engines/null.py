@@ -31,6 +31,7 @@ class NullEngine(Engine):
         self.config = config or NullEngineConfig()
         self._contexts: dict[str, int] = {}
         self.batch_sizes: list[int] = []
+        self._version = 0
 
     def models(self) -> Mapping[str, Mode]:
         return {"null-world": Mode.WORLD_MODEL_ENV, "null-lm": Mode.TOKENS}
@@ -59,6 +60,14 @@ class NullEngine(Engine):
         if not req.stateless:
             self._contexts[req.session_key] = seen + 1
         return EngineOutput(output=output, context_length=seen + 1)
+
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    async def load_weights(self, path: str, version: int) -> None:
+        """The null engine has no weights; an update only changes the reported version."""
+        self._version = version
 
     def drop_session(self, session_key: str) -> None:
         self._contexts.pop(session_key, None)

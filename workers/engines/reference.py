@@ -27,6 +27,7 @@ from workers.engines.reference_world import (
     ReferenceWorldConfig,
     ReferenceWorldModel,
 )
+from workers.engines.weights import check_state, copy_state, tensors
 
 WORLD_MODEL = "reference-world"
 LM_MODEL = "reference-lm"
@@ -76,6 +77,7 @@ class ReferenceEngine(Engine):
         self._lm_sessions: dict[str, LMSessionState] = {}
         self._async_lock = asyncio.Lock()
         self._lock = threading.Lock()  # sessions and torch work: one batch at a time
+        self._version = 0
 
     def models(self) -> Mapping[str, Mode]:
         return {WORLD_MODEL: Mode.WORLD_MODEL_ENV, LM_MODEL: Mode.TOKENS}
@@ -104,6 +106,42 @@ class ReferenceEngine(Engine):
             self._world = ReferenceWorldModel(ReferenceWorldConfig(latent_shape=cfg.latent_shape),
                                               seed=cfg.seed, device=cfg.device)
             self._lm = ReferenceLanguageModel(cfg.lm, seed=cfg.seed, device=cfg.device)
+
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        self._build()
+        assert self._world is not None
+        return {**{f"world.{k}": v for k, v in tensors(self._world).items()},
+                **{f"lm.{k}": v for k, v in tensors(self._lm).items()},
+                "world_seed": torch.tensor(self._world.seed, dtype=torch.int64)}
+
+    def save_weights(self, path: str) -> None:
+        torch.save(self.state_dict(), path)
+
+    async def load_weights(self, path: str, version: int) -> None:
+        """Reload both models' weights from a saved state dict (under the batch lock, so no batch
+        ever runs on half-loaded weights)."""
+        state = await asyncio.to_thread(torch.load, path, map_location="cpu", weights_only=True)
+        async with self._async_lock:
+            await asyncio.to_thread(self._load, state)
+            self._version = version
+
+    def _load(self, state: dict[str, torch.Tensor]) -> None:
+        self._build()
+        assert self._world is not None
+        world = {k[len("world."):]: v for k, v in state.items() if k.startswith("world.")}
+        lm = {k[len("lm."):]: v for k, v in state.items() if k.startswith("lm.")}
+        if "world_seed" not in state:
+            raise ValueError("weights file has no world_seed")
+        with self._lock:
+            check_state(self._world, world)  # both checked before anything changes
+            check_state(self._lm, lm)
+            copy_state(self._world, world)
+            copy_state(self._lm, lm)
+            self._world.reseed_projections(int(state["world_seed"]))
 
     def drop_session(self, session_key: str) -> None:
         with self._lock:

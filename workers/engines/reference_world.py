@@ -87,6 +87,11 @@ class ReferenceWorldModel:
         self.patterns = rand(hidden, cfg.latent_size, scale=1.0 / math.sqrt(hidden))
         self._projections: dict[str, torch.Tensor] = {}
 
+    def reseed_projections(self, seed: int) -> None:
+        """Per-camera projections are derived from the seed on demand; new weights bring a new seed."""
+        self.seed = seed
+        self._projections.clear()
+
     def initial_state(self) -> torch.Tensor:
         """The hidden state of a fresh session."""
         return torch.zeros(self.config.hidden_size, device=self.device)

@@ -1,0 +1,62 @@
+"""The cell's control stream: tell the workers of a model to update weights to a version."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from redis.asyncio import Redis
+
+from broker.aio import resolve
+from broker.keys import CellKeys
+
+CONTROL_MAXLEN = 1000
+
+
+@dataclass(frozen=True)
+class WeightUpdate:
+    model: str
+    version: int
+    path: str
+
+    def fields(self) -> dict[str, str]:
+        return {"kind": "update_weights", "model": self.model, "version": str(self.version), "path": self.path}
+
+    @classmethod
+    def from_fields(cls, fields: dict[bytes, bytes]) -> WeightUpdate | None:
+        if fields.get(b"kind") != b"update_weights":
+            return None
+        try:
+            return cls(fields[b"model"].decode(), int(fields[b"version"]), fields[b"path"].decode())
+        except (KeyError, ValueError, UnicodeDecodeError):
+            return None
+
+
+async def update_weights(redis: Redis, keys: CellKeys, *, model: str, version: int, path: str) -> str:
+    """Ask every worker serving ``model`` (now or later) to load ``path`` as policy ``version``."""
+    if version <= 0:
+        raise ValueError("policy versions start at 1")
+    entry: Any = await redis.xadd(keys.control, WeightUpdate(model, version, path).fields(),  # type: ignore[arg-type]
+                                  maxlen=CONTROL_MAXLEN, approximate=True)
+    return entry.decode() if isinstance(entry, bytes) else str(entry)
+
+
+async def workers_at_version(redis: Redis, keys: CellKeys, *, model: str, version: int,
+                             timeout: float = 60.0) -> list[str]:
+    """Wait until every registered worker serving ``model`` reports ``version``; their ids."""
+    deadline = time.monotonic() + timeout
+    while True:
+        ids: Any = await redis.zrange(keys.workers, 0, -1)
+        serving = []
+        for raw in ids:
+            wid = raw.decode()
+            fields: Any = await resolve(redis.hmget(keys.worker(wid), ["models", "policy_version"]))
+            if fields[0] is not None and model in fields[0].decode().split(","):
+                serving.append((wid, int(fields[1] or 0)))
+        if serving and all(v >= version for _, v in serving):
+            return [w for w, _ in serving]
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"workers of {model} did not reach policy version {version}: {serving}")
+        await asyncio.sleep(0.05)

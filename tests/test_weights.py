@@ -1,0 +1,118 @@
+"""Weight updates through the control stream: every result reports the version whose weights
+produced it, no step runs half-updated, steps can require a minimum version."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from broker import FleetClient
+from broker.control import update_weights, workers_at_version
+from schemas.messages import TokenStep, WorldStep
+from tests.support import WorkerPool, world_step
+from workers.engines.base import EngineRequest
+from workers.engines.reference import ReferenceEngine, ReferenceEngineConfig
+
+pytestmark = pytest.mark.asyncio
+SHAPE = (1, 4, 2, 8, 10)
+TOKENS = {"token_ids": [257, 260, 72, 105, 261], "sampling": {"max_tokens": 6, "seed": 5}}
+
+
+def engine(seed: int = 0) -> ReferenceEngine:
+    return ReferenceEngine(ReferenceEngineConfig(latent_shape=SHAPE, seed=seed))
+
+
+def direct(seed: int) -> tuple[bytes, list[int]]:
+    e = engine(seed)
+    [w] = e.run_direct("reference-world", [EngineRequest("d", "reference-world", WorldStep.from_wire(world_step(0)),
+                                                         stateless=True)])
+    [t] = e.run_direct("reference-lm", [EngineRequest("d", "reference-lm", TokenStep.from_wire(TOKENS),
+                                                      stateless=True)])
+    assert not isinstance(w, BaseException) and not isinstance(t, BaseException)
+    return w.output["video_latent"].tobytes(), list(t.output["token_ids"])
+
+
+async def test_update_mid_run_every_result_reports_the_weights_that_produced_it(
+    fleet: FleetClient, workers: WorkerPool, tmp_path: Path
+) -> None:
+    path = str(tmp_path / "v1.pt")
+    engine(seed=1).save_weights(path)
+    expected = {0: direct(0), 1: direct(1)}
+    assert expected[0] != expected[1]
+    await workers.add(engine())
+    world = await fleet.create_session(model="reference-world", mode="world_model_env")
+    lm = await fleet.create_session(model="reference-lm", mode="tokens")
+
+    async def probe() -> list[tuple[int, bytes, list[int]]]:
+        out = []
+        for _ in range(12):
+            w, t = await asyncio.gather(world.step(0, use_session_context=False, **world_step(0)),
+                                        lm.step(0, use_session_context=False, **TOKENS))
+            assert w.policy_version == t.policy_version or abs(w.policy_version - t.policy_version) == 1
+            out.append((w.policy_version, w.output["video_latent"].tobytes(), []))
+            out.append((t.policy_version, b"", list(t.output["token_ids"])))
+        return out
+
+    running = asyncio.create_task(probe())
+    await asyncio.sleep(0.05)
+    await update_weights(fleet.redis, fleet.keys, model="reference-world", version=1, path=path)
+    results = await running
+    await workers_at_version(fleet.redis, fleet.keys, model="reference-world", version=1)
+    after = await world.step(0, use_session_context=False, **world_step(0))
+    results.append((after.policy_version, after.output["video_latent"].tobytes(), []))
+    for version, latent, tokens in results:  # exactly one version's output: never half-updated
+        if latent:
+            assert latent == expected[version][0]
+        else:
+            assert tokens == expected[version][1]
+    assert after.policy_version == 1
+    status = await fleet.redis.hget(fleet.keys.worker(workers.running[0].id), "policy_version")
+    assert status == b"1"
+
+
+async def test_a_step_can_require_a_minimum_policy_version(
+    fleet: FleetClient, workers: WorkerPool, tmp_path: Path
+) -> None:
+    path = str(tmp_path / "v2.pt")
+    engine(seed=2).save_weights(path)
+    await workers.add(engine())
+    s = await fleet.create_session(model="reference-world", mode="world_model_env")
+    waiting = s.submit(0, min_policy_version=2, **world_step(0))
+    await asyncio.sleep(0.3)
+    assert not waiting.done()  # held until the worker has version 2
+    await update_weights(fleet.redis, fleet.keys, model="reference-world", version=2, path=path)
+    r = await asyncio.wait_for(waiting, 10)
+    assert r.ok and r.policy_version == 2
+    assert r.output["video_latent"].tobytes() == direct(2)[0]
+
+
+async def test_a_worker_started_after_an_update_loads_the_latest_weights(
+    fleet: FleetClient, workers: WorkerPool, tmp_path: Path
+) -> None:
+    for v in (1, 3):
+        engine(seed=v).save_weights(str(tmp_path / f"v{v}.pt"))
+        await update_weights(fleet.redis, fleet.keys, model="reference-world", version=v,
+                             path=str(tmp_path / f"v{v}.pt"))
+    await workers.add(engine())
+    s = await fleet.create_session(model="reference-world", mode="world_model_env")
+    r = await s.step(0, **world_step(0))
+    assert r.policy_version == 3 and r.output["video_latent"].tobytes() == direct(3)[0]
+
+
+async def test_a_bad_weights_file_keeps_the_old_version_and_says_why(
+    fleet: FleetClient, workers: WorkerPool, tmp_path: Path
+) -> None:
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(b"not a checkpoint")
+    w = await workers.add(engine())
+    await update_weights(fleet.redis, fleet.keys, model="reference-world", version=1, path=str(bad))
+    for _ in range(100):
+        err = await fleet.redis.hget(fleet.keys.worker(w.id), "weights_error")
+        if err:
+            break
+        await asyncio.sleep(0.05)
+    assert err and b"version 1" in err
+    s = await fleet.create_session(model="reference-world", mode="world_model_env")
+    assert (await s.step(0, **world_step(0))).policy_version == 0
