@@ -72,6 +72,13 @@ def _parser() -> argparse.ArgumentParser:
                        add_help=False)
     b.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments of bench.run_all (--help for them)")
 
+    uw = sub.add_parser("update-weights", help="tell the workers of a model to load new weights")
+    _add_redis(uw)
+    uw.add_argument("--model", required=True)
+    uw.add_argument("--version", type=int, required=True, help="policy version (>= 1, increasing)")
+    uw.add_argument("--path", required=True, help="weights path as the workers see it")
+    uw.add_argument("--wait", type=float, default=0.0, help="seconds to wait until every worker reports it")
+
     rp = sub.add_parser("replay", help="list, show and re-enqueue dead-lettered jobs")
     _add_redis(rp)
     rp.add_argument("action", choices=("list", "show", "run"))
@@ -177,6 +184,29 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     return asyncio.run(run_replay_command(args))
 
 
+def _cmd_update_weights(args: argparse.Namespace) -> int:
+    from redis.asyncio import Redis
+
+    from broker.control import update_weights, workers_at_version
+    from broker.keys import CellKeys
+
+    async def go() -> None:
+        redis = Redis.from_url(args.redis_url)
+        keys = CellKeys(args.prefix, args.cell)
+        try:
+            entry = await update_weights(redis, keys, model=args.model, version=args.version, path=args.path)
+            print(f"announced {args.model} version {args.version} ({entry})")
+            if args.wait:
+                done = await workers_at_version(redis, keys, model=args.model, version=args.version,
+                                                timeout=args.wait)
+                print(f"{len(done)} workers serve version {args.version}")
+        finally:
+            await redis.aclose()
+
+    asyncio.run(go())
+    return 0
+
+
 def _cmd_gateway(args: argparse.Namespace) -> int:
     from broker.gateway import serve
 
@@ -195,7 +225,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     commands = {"worker": _cmd_worker, "demo": _cmd_demo, "redis": _cmd_redis, "status": _cmd_status,
                 "supervisor": _cmd_supervisor, "replay": _cmd_replay, "gateway": _cmd_gateway,
-                "bench": _cmd_bench}
+                "bench": _cmd_bench, "update-weights": _cmd_update_weights}
     return commands[args.command](args)
 
 
