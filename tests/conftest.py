@@ -6,9 +6,12 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
+from redis.asyncio import Redis
 
 from broker import FleetClient
 from broker.embedded import RedisServer, running_redis
+from broker.keys import CellKeys
+from broker.scripts import Scripts
 from tests.support import WorkerPool, worker_pool
 
 
@@ -33,3 +36,11 @@ async def fleet(redis_server: RedisServer, prefix: str) -> AsyncIterator[FleetCl
 async def workers(redis_server: RedisServer, prefix: str) -> AsyncIterator[WorkerPool]:
     async with worker_pool(redis_server.url, prefix) as pool:
         yield pool
+
+
+@pytest.fixture
+async def scripts(redis_server: RedisServer, prefix: str) -> AsyncIterator[Scripts]:
+    """The cell's Lua scripts on their own connection, for tests that call them directly."""
+    redis = Redis.from_url(redis_server.url)
+    yield Scripts(redis, CellKeys(prefix))
+    await redis.aclose()

@@ -105,7 +105,8 @@ async def test_sigkill_chaos_loses_nothing_and_matches_a_fault_free_run(fleet_pr
         results: list[list[StepResult]] = [[] for _ in sessions]
         stop = asyncio.Event()
         kill_task = asyncio.create_task(killer(fleet_procs, stop, 1.5, engine_args))
-        await asyncio.gather(*[drive(s, m, k, steps, results[k]) for k, (s, m) in enumerate(zip(sessions, modes))])
+        pairs = enumerate(zip(sessions, modes, strict=True))
+        await asyncio.gather(*[drive(s, m, k, steps, results[k]) for k, (s, m) in pairs])
         stop.set()
         kills = await kill_task
         print(f"chaos: {sessions_n} sessions x {steps} steps, {kills} workers SIGKILLed and replaced")

@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import numpy as np
 import pytest
-from redis.asyncio import Redis
 
 from broker import FleetClient
-from broker.embedded import RedisServer
 from broker.failover import reap
-from broker.keys import CellKeys
 from broker.scripts import Scripts
 from schemas.errors import ErrorCode
 from tests.support import WorkerPool, world_step
@@ -23,12 +19,6 @@ pytestmark = pytest.mark.asyncio
 FAST = {"heartbeat_ms": 100, "lease_ms": 500}
 SHAPE = (1, 4, 2, 8, 10)
 
-
-@pytest.fixture
-async def scripts(redis_server: RedisServer, prefix: str) -> AsyncIterator[Scripts]:
-    redis = Redis.from_url(redis_server.url)
-    yield Scripts(redis, CellKeys(prefix))
-    await redis.aclose()
 
 
 async def reap_until_moved(scripts: Scripts, dead: str, timeout: float = 5.0) -> None:

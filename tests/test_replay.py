@@ -5,15 +5,13 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import pytest
-from redis.asyncio import Redis
 
 from broker import FleetClient
 from broker.embedded import RedisServer
-from broker.keys import CellKeys
 from broker.replay import list_dead, replay, replay_ids
 from broker.scripts import Scripts
 from broker.supervisor import SupervisorSettings, build_worker, request_replay
@@ -39,12 +37,6 @@ class BreakableEngine(NullEngine):
             raise RuntimeError("device lost")
         return await super().run_batch(model, requests)
 
-
-@pytest.fixture
-async def scripts(redis_server: RedisServer, prefix: str) -> AsyncIterator[Scripts]:
-    redis = Redis.from_url(redis_server.url)
-    yield Scripts(redis, CellKeys(prefix))
-    await redis.aclose()
 
 
 async def _dead_step(fleet: FleetClient, workers: WorkerPool) -> tuple[BreakableEngine, object]:

@@ -3,23 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import pytest
-from redis.asyncio import Redis
 
-from broker.embedded import RedisServer
-from broker.keys import INBOX_GROUP, CellKeys
+from broker.keys import INBOX_GROUP
 from broker.scripts import Scripts
 
 pytestmark = pytest.mark.asyncio
 
-
-@pytest.fixture
-async def scripts(redis_server: RedisServer, prefix: str) -> AsyncIterator[Scripts]:
-    redis = Redis.from_url(redis_server.url)
-    yield Scripts(redis, CellKeys(prefix))
-    await redis.aclose()
 
 
 async def _register(scripts: Scripts, wid: str, capacity: int = 4) -> None:
