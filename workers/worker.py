@@ -19,7 +19,6 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from broker.aio import resolve
-from broker.control import WeightUpdate
 from broker.failover import fail_over
 from broker.keys import INBOX_GROUP, CellKeys
 from broker.scripts import Scripts
@@ -31,7 +30,7 @@ from workers.engines.base import Engine
 from workers.executor import Fenced, SessionState, StepExecutor, until_redis_answers
 from workers.jobs import BadJob, Job, parse_job
 from workers.settings import WorkerSettings, new_worker_id
-from workers.weights_gate import WeightGate
+from workers.weight_control import WeightControl
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +56,7 @@ class Worker:
         self._active = 0
         self._idle = asyncio.Event()
         self._stop = asyncio.Event()
-        self.weights_error = ""
-        self._control_cursor = "0-0"
+        self.weights: WeightControl | None = None
         self._pools = [self.keys.pool(mode.value, model) for model, mode in engine.models().items()]
 
     # ------------------------------------------------------------------ lifecycle
@@ -84,9 +82,10 @@ class Worker:
                            wait_ms=self.settings.batch_wait_ms)
             for model in self.engine.models()
         }
-        self.gate = WeightGate(self.engine)
-        self._executor = StepExecutor(self.settings, self._scripts, self.engine, self._batchers, self.gate)
-        await self._apply_latest_weights()
+        self.weights = WeightControl(self.engine, self._redis, self.keys, block_ms=self.settings.block_ms)
+        self._executor = StepExecutor(self.settings, self._scripts, self.engine, self._batchers,
+                                      self.weights.gate)
+        await self.weights.apply_latest()
         await self._scripts.register(
             self.id, capacity=self.settings.capacity, pools=self._pools, ttl_ms=3 * self.settings.lease_ms,
             fields=self._describe("active"),
@@ -94,7 +93,7 @@ class Worker:
         self.state = "active"
         self._idle.set()
         self._spawn(self._heartbeat_loop(), "heartbeat")
-        self._spawn(self._control_loop(), "control")
+        self._spawn(self.weights.follow(), "control")
         log.info("worker %s serving %s", self.id, ", ".join(self.engine.models()))
 
     def request_stop(self) -> None:
@@ -167,7 +166,7 @@ class Worker:
             "capacity": str(self.settings.capacity),
             "load": str(len(self._sessions)),
             "policy_version": str(self.engine.policy_version),
-            "weights_error": self.weights_error,
+            "weights_error": self.weights.error if self.weights else "",
             "committed_steps": str(ex.committed_steps if ex else 0),
         }
 
@@ -182,45 +181,6 @@ class Worker:
             except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
                 log.warning("heartbeat failed: %s", exc)
             await asyncio.sleep(interval)
-
-    async def _apply(self, update: WeightUpdate) -> None:
-        if update.model not in self.engine.models() or update.version <= self.engine.policy_version:
-            return
-        log.info("updating %s weights to version %d from %s", update.model, update.version, update.path)
-        try:
-            await self.gate.update(update.path, update.version)
-            self.weights_error = ""
-        except Exception as exc:  # keep serving the old version; say why in the heartbeat
-            self.weights_error = f"version {update.version}: {type(exc).__name__}: {exc}"[:300]
-            log.exception("weight update to version %d failed", update.version)
-
-    async def _apply_latest_weights(self) -> None:
-        """A worker that starts after updates were announced loads the latest one first."""
-        raw: Any = await self._redis_or_fail().xrange(self.keys.control, "-", "+")
-        latest: dict[str, WeightUpdate] = {}
-        for _, fields in raw:
-            update = WeightUpdate.from_fields(fields)
-            if update and update.version > getattr(latest.get(update.model), "version", 0):
-                latest[update.model] = update
-        for update in latest.values():
-            await self._apply(update)
-        self._control_cursor = raw[-1][0].decode() if raw else "0-0"
-
-    async def _control_loop(self) -> None:
-        """Follow the control stream (weight updates) for as long as the worker lives."""
-        redis = self._redis_or_fail()
-        while True:
-            try:
-                resp: Any = await redis.xread({self.keys.control: self._control_cursor}, block=self.settings.block_ms)
-            except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
-                log.warning("control stream read failed: %s", exc)
-                await asyncio.sleep(0.5)
-                continue
-            for entry_id, fields in resp[0][1] if resp else []:
-                self._control_cursor = entry_id.decode()
-                update = WeightUpdate.from_fields(fields)
-                if update is not None:
-                    await self._apply(update)
 
     async def _reincarnate(self) -> None:
         """We were declared dead (paused or cut off past the lease) and our sessions moved on. Drop
