@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-fast test-integration lint typecheck clean
+.PHONY: venv demo test test-engines lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
 	$(PY) -m pytest -q -m slow
+
+# Real vLLM / vLLM-Omni on CPU: builds (once, cached outside the repo) the engines venv.
+test-engines:
+	bash scripts/run_engine_tests.sh
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

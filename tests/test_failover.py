@@ -10,7 +10,7 @@ import pytest
 from broker import FleetClient
 from broker.failover import reap
 from broker.scripts import Scripts
-from schemas.errors import ErrorCode
+from schemas.errors import ErrorCode, FleetError
 from tests.support import WorkerPool, world_step
 from workers.engines.null import NullEngine, NullEngineConfig
 from workers.engines.reference import ReferenceEngine, ReferenceEngineConfig
@@ -128,3 +128,33 @@ async def test_drain_hands_sessions_over_without_waiting_for_the_lease(
         more = await s.step(5, **world_step(5))
         assert more.ok and more.worker_id == b.id
     assert await fleet.redis.zscore(fleet.keys.workers, a.id) is None  # retired at once
+
+
+class ContextLosingEngine(NullEngine):
+    """Forgets every context once when told to, and says so (a remote server that restarted)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lose = False
+
+    async def run_batch(self, model: str, requests):  # type: ignore[no-untyped-def]
+        if self.lose:
+            self.lose = False
+            self._contexts.clear()
+            return [FleetError("the server no longer has this session", code=ErrorCode.CONTEXT_LOST)
+                    for _ in requests]
+        return await super().run_batch(model, requests)
+
+
+async def test_an_engine_that_lost_a_context_gets_it_rebuilt_from_the_log(
+    fleet: FleetClient, workers: WorkerPool
+) -> None:
+    engine = ContextLosingEngine()
+    w = await workers.add(engine, retry_backoff_ms=1)
+    s = await fleet.create_session(model="null-world", mode="world_model_env")
+    for i in range(4):
+        assert (await s.step(i, **world_step(i))).ok
+    engine.lose = True
+    r = await s.step(4, **world_step(4))
+    assert r.ok and r.output["context"] == 4 and r.attempt == 2
+    assert w.worker.executor.rebuilt_steps == 4

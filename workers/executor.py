@@ -165,6 +165,18 @@ class StepExecutor:
             except InvalidRequestError as exc:  # never retried
                 await self.fail(job, exc.code, exc.message, state, fallback=True, attempt=attempt)
                 return None
+            except FleetError as exc:
+                # The engine lost the session's context (e.g. a remote server restarted): rebuild it
+                # from the committed step records and try again, instead of failing the session.
+                if exc.code is not ErrorCode.CONTEXT_LOST or state is None or attempt == attempts:
+                    await self.fail(job, exc.code, exc.message, state, fallback=True, attempt=attempt,
+                                    dead_letter=exc.code is ErrorCode.INFERENCE_ERROR)
+                    return None
+                log.warning("engine lost the context of %s (%s); rebuilding", job.session_id, exc.message)
+                self.engine.drop_session(job.session_id)
+                state.engine_ready = False
+                if state.committed >= 0 and not await self._rebuild(job, state):
+                    return None
             except Exception as exc:
                 if attempt == attempts:
                     await self.fail(job, ErrorCode.INFERENCE_ERROR, f"{type(exc).__name__}: {exc}", state,

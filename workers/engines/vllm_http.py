@@ -1,0 +1,271 @@
+"""vLLM over HTTP: a worker that fronts one running vLLM server's token-in/token-out API.
+
+The server runs with ``--enable-scale-out`` (``python -m vllm.entrypoints.openai.api_server --model
+DIR --enable-scale-out ...``). A step POSTs ``/inference/v1/generate`` with the session's whole
+context as ``token_ids`` (the context is kept here, per session, as in the in-process engine; the
+server's prefix cache makes the repeated prefix cheap), the sampling params and ``logprobs=0``.
+``render_chat`` turns chat messages into token ids (and multimodal features) with
+``/v1/chat/completions/render``, for trainers that start from messages.
+
+Multimodal: a step's ``multimodal`` is the ``features`` object of ``/render`` for that step's
+``token_ids`` (placeholder offsets relative to them). The engine shifts the offsets by the
+session's context length and sends the features of every earlier turn along, so the server sees
+one consistent prompt.
+
+Errors: HTTP 4xx (except 408/429) -> ``InvalidRequestError`` (never retried); 5xx, 408, 429,
+timeouts and connection errors -> ``TransientEngineError`` (the worker retries those; generation is
+deterministic under the step's seed, so a retry after a lost response gives the same result).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import itertools
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import numpy as np
+
+from schemas.errors import InvalidRequestError
+from schemas.messages import Mode, TokenStep
+from workers.engines.base import Engine, EngineRequest
+from workers.engines.vllm_engine import (
+    DEFAULT_SEED,
+    Generation,
+    Result,
+    TokenContexts,
+    TransientEngineError,
+    run_token_batch,
+    sampling_fields,
+)
+
+_TRANSIENT_STATUS = {408, 425, 429}
+__all__ = ["TransientEngineError", "VLLMHTTPConfig", "VLLMHTTPEngine"]
+
+
+@dataclass(frozen=True)
+class VLLMHTTPConfig:
+    """``base_url``: the vLLM server (``http://host:port``). ``model``: the fleet's model name;
+    ``server_model``: the server's served model name (default: ``model``)."""
+
+    base_url: str
+    model: str
+    server_model: str | None = None
+    timeout_s: float = 300.0
+    connect_timeout_s: float = 10.0
+    max_connections: int = 64
+    default_seed: int = DEFAULT_SEED
+    max_batch_size: int = 64
+
+
+def _error_message(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text[:500]
+    if isinstance(body, Mapping):
+        err = body.get("error")
+        if isinstance(err, Mapping) and "message" in err:
+            return str(err["message"])
+        if "detail" in body:
+            return str(body["detail"])
+    return str(body)[:500]
+
+
+def check_response(response: httpx.Response, what: str) -> Any:
+    """The JSON body of a 2xx answer; else the mapped exception."""
+    if response.status_code < 300:
+        return response.json()
+    message = f"{what}: HTTP {response.status_code}: {_error_message(response)}"
+    if 400 <= response.status_code < 500 and response.status_code not in _TRANSIENT_STATUS:
+        raise InvalidRequestError(message)
+    raise TransientEngineError(message)
+
+
+async def post_json(client: httpx.AsyncClient, path: str, body: Mapping[str, Any], what: str) -> Any:
+    try:
+        response = await client.post(path, json=body)
+    except httpx.TimeoutException as exc:
+        raise TransientEngineError(f"{what}: timed out ({type(exc).__name__})") from exc
+    except httpx.TransportError as exc:
+        raise TransientEngineError(f"{what}: {type(exc).__name__}: {exc}") from exc
+    return check_response(response, what)
+
+
+def decode_npy_b64(data: str) -> np.ndarray:
+    array = np.load(io.BytesIO(base64.b64decode(data)), allow_pickle=False)
+    return np.asarray(array)
+
+
+def generation_from_choice(choice: Mapping[str, Any]) -> Generation:
+    """One ``choices[]`` entry of ``/inference/v1/generate`` as a Generation."""
+    ids = [int(t) for t in choice.get("token_ids") or []]
+    content = (choice.get("logprobs") or {}).get("content") or []
+    logprobs = [float(entry["logprob"]) for entry in content]
+    if len(logprobs) != len(ids):
+        raise TransientEngineError(f"server returned {len(logprobs)} logprobs for {len(ids)} tokens")
+    experts = choice.get("routed_experts")
+    return Generation(token_ids=ids, logprobs=logprobs, finish_reason=str(choice.get("finish_reason") or "abort"),
+                      routed_experts=None if experts is None else decode_npy_b64(experts))
+
+
+# --------------------------------------------------------------------------- multimodal features
+
+
+def shift_features(features: Mapping[str, Any], offset: int) -> dict[str, Any]:
+    """``features`` (of ``/render``) with every placeholder offset moved by ``offset`` tokens."""
+    out = dict(features)
+    out["mm_placeholders"] = {
+        modality: [{**dict(p), "offset": int(p["offset"]) + offset} for p in ranges]
+        for modality, ranges in (features.get("mm_placeholders") or {}).items()
+    }
+    return out
+
+
+def merge_features(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
+    """Several turns' (already shifted) features as one ``features`` object, items in order."""
+    if not parts:
+        return None
+    merged: dict[str, Any] = {"mm_hashes": {}, "mm_placeholders": {}}
+    optional = ("kwargs_data", "mm_metadata")
+    has = {key: any(p.get(key) is not None for p in parts) for key in optional}
+    for key in optional:
+        if has[key]:
+            merged[key] = {}
+    for part in parts:
+        hashes = part.get("mm_hashes") or {}
+        for modality, items in hashes.items():
+            merged["mm_hashes"].setdefault(modality, []).extend(items)
+            merged["mm_placeholders"].setdefault(modality, []).extend(part["mm_placeholders"].get(modality, []))
+            for key in optional:
+                if has[key]:
+                    values = (part.get(key) or {}).get(modality) or [None] * len(items)
+                    merged[key].setdefault(modality, []).extend(values)
+    return merged
+
+
+class _Features:
+    """Per-session multimodal features (shifted to session offsets)."""
+
+    def __init__(self) -> None:
+        self._parts: dict[str, list[dict[str, Any]]] = {}
+
+    def for_step(self, request: EngineRequest, step: TokenStep, prompt_len: int) -> list[dict[str, Any]]:
+        fresh = request.reset or request.stateless
+        parts = [] if fresh else list(self._parts.get(request.session_key, []))
+        if step.multimodal:
+            if "mm_hashes" not in step.multimodal or "mm_placeholders" not in step.multimodal:
+                raise InvalidRequestError("multimodal must be the `features` object of /v1/chat/completions/render "
+                                          "(mm_hashes, mm_placeholders, kwargs_data)")
+            parts.append(shift_features(step.multimodal, prompt_len - len(step.token_ids)))
+        return parts
+
+    def commit(self, request: EngineRequest, parts: list[dict[str, Any]]) -> None:
+        if request.stateless:
+            return
+        if parts:
+            self._parts[request.session_key] = parts
+        else:
+            self._parts.pop(request.session_key, None)
+
+    def drop(self, session_key: str) -> None:
+        self._parts.pop(session_key, None)
+
+
+# --------------------------------------------------------------------------- the engine
+
+
+class VLLMHTTPEngine(Engine):
+    """Serves ``config.model`` (tokens) by calling one vLLM server."""
+
+    kind = "vllm-http"
+
+    def __init__(self, config: VLLMHTTPConfig, *, transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self.config = config
+        self._transport = transport
+        self._client: httpx.AsyncClient | None = None
+        self._contexts = TokenContexts()
+        self._features = _Features()
+        self._ids = itertools.count()
+        self._prefix = uuid.uuid4().hex[:8]
+
+    def models(self) -> Mapping[str, Mode]:
+        return {self.config.model: Mode.TOKENS}
+
+    def max_batch_size(self, model: str) -> int:
+        return self.config.max_batch_size
+
+    @property
+    def server_model(self) -> str:
+        return self.config.server_model or self.config.model
+
+    def _http(self) -> httpx.AsyncClient:
+        if self._client is None:
+            cfg = self.config
+            timeout = httpx.Timeout(cfg.timeout_s, connect=cfg.connect_timeout_s)
+            limits = httpx.Limits(max_connections=cfg.max_connections,
+                                  max_keepalive_connections=cfg.max_connections)
+            self._client = httpx.AsyncClient(base_url=cfg.base_url, timeout=timeout, limits=limits,
+                                             transport=self._transport)
+        return self._client
+
+    async def start(self) -> None:
+        self._http()
+
+    async def close(self) -> None:
+        client, self._client = self._client, None
+        self._contexts.clear()
+        if client is not None:
+            await client.aclose()
+
+    def drop_session(self, session_key: str) -> None:
+        self._contexts.drop(session_key)
+        self._features.drop(session_key)
+
+    def session_keys(self) -> list[str]:
+        return self._contexts.keys()
+
+    def context(self, session_key: str) -> list[int] | None:
+        return self._contexts.get(session_key)
+
+    async def render_chat(self, messages: Sequence[Mapping[str, Any]], **options: Any,
+                          ) -> tuple[list[int], dict[str, Any] | None]:
+        """Chat messages -> (token ids, multimodal ``features`` or None) by the server's chat template.
+
+        ``options`` go into the render request (e.g. ``add_generation_prompt``, ``chat_template_kwargs``).
+        """
+        body = {"model": self.server_model, "messages": list(messages), **options}
+        rendered = await post_json(self._http(), "/v1/chat/completions/render", body, "render")
+        ids = [int(t) for t in rendered.get("token_ids") or []]
+        features = rendered.get("features")
+        return ids, None if features is None else dict(features)
+
+    async def run_batch(self, model: str, requests: Sequence[EngineRequest]) -> list[Result]:
+        if model != self.config.model:
+            return [InvalidRequestError(f"unknown model {model!r}; this engine serves {self.config.model!r}")
+                    for _ in requests]
+        return await run_token_batch(requests, self._contexts, self._generate)
+
+    async def _generate(self, prompt: list[int], step: TokenStep, request: EngineRequest) -> Generation:
+        parts = self._features.for_step(request, step, len(prompt))
+        body: dict[str, Any] = {
+            "model": self.server_model,
+            "request_id": f"fleet-{self._prefix}-{next(self._ids)}",
+            "token_ids": prompt,
+            "sampling_params": sampling_fields(step.sampling, self.config.default_seed),
+            "stream": False,
+        }
+        features = merge_features(parts)
+        if features is not None:
+            body["features"] = features
+        answer = await post_json(self._http(), "/inference/v1/generate", body, "generate")
+        choices = answer.get("choices") if isinstance(answer, Mapping) else None
+        if not choices:
+            raise TransientEngineError("generate: the server answered without choices")
+        gen = generation_from_choice(choices[0])
+        self._features.commit(request, parts)
+        return gen
