@@ -1,0 +1,301 @@
+"""Shared pieces of the benchmarks: result rows, percentiles, private Redis, child processes."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import ctypes.util
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import IO, Any
+
+import numpy as np
+from redis.asyncio import Redis
+
+from broker.embedded import RedisServer
+from broker.keys import CellKeys
+
+SIZES = ("smoke", "full")
+# glibc malloc: keep freed large blocks instead of returning them to the kernel (munmap / trim);
+# in a VM every fresh page of a 450 KB buffer is a costly page fault (see docs/benchmarks.md).
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(64 << 20), "MALLOC_TRIM_THRESHOLD_": str(256 << 20)}
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameter numbers from <malloc.h>
+LATENT_SHAPE = (1, 16, 2, 44, 80)  # the DreamZero-sized world latent of the rollout API
+TINY_SHAPE = (1, 4)  # the null engine's default: a "tiny result"
+
+
+@dataclass
+class Row:
+    """One measured line: ``values`` holds the numbers (p50/p99/max, steps_s, ratio, ...)."""
+
+    bench: str
+    case: str
+    system: str
+    values: dict[str, float]
+    unit: str = ""
+    note: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Latencies:
+    """Round-trip samples of one (case, system), in milliseconds."""
+
+    samples_ms: list[float] = field(default_factory=list)
+    errors: int = 0
+    first_error: str = ""
+
+    def failed(self, exc: BaseException) -> None:
+        self.errors += 1
+        self.first_error = self.first_error or f"{type(exc).__name__}: {exc}"[:200]
+
+    def summary(self) -> dict[str, float]:
+        arr = np.asarray(self.samples_ms or [float("nan")], dtype=np.float64)
+        return {"p50": float(np.percentile(arr, 50)), "p99": float(np.percentile(arr, 99)),
+                "max": float(arr.max()), "n": float(len(self.samples_ms)), "errors": float(self.errors)}
+
+
+def new_prefix(tag: str) -> str:
+    return f"b{tag}{uuid.uuid4().hex[:6]}"
+
+
+def world_inputs(step: int) -> dict[str, Any]:
+    """One small world-model step input, the same for every system under test."""
+    return {
+        "observation": {"prompt": "pick the cup", "state": [0.01 * step] * 8},
+        "action": {"joint_positions": [0.1] * 7, "gripper_position": [0.5]},
+    }
+
+
+StepFn = Callable[[Any, int], Awaitable[Any]]
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def process_cpu_s(pid: int) -> float:
+    """user + system CPU seconds of a process (Linux /proc), 0 where unreadable."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+class CpuMeter:
+    """CPU seconds spent by this process ("client") and named others between start and stop."""
+
+    def __init__(self, pids: dict[str, list[int]]) -> None:
+        self.pids = pids
+        self._start: dict[str, float] = {}
+        self.used_s: dict[str, float] = {}
+
+    def _sample(self) -> dict[str, float]:
+        return {"client": time.process_time(),
+                **{name: sum(process_cpu_s(pid) for pid in pids) for name, pids in self.pids.items()}}
+
+    def start(self) -> None:
+        self._start = self._sample()
+
+    def stop(self) -> None:
+        self.used_s = {name: now - self._start.get(name, now) for name, now in self._sample().items()}
+
+    def per_step_us(self, steps: int) -> dict[str, float]:
+        return {f"cpu_us_{name}": 1e6 * used / steps for name, used in self.used_s.items()} if steps else {}
+
+
+async def timed_window(bench: str, handles: Sequence[Any], step: StepFn, warmup_s: float,
+                       window_s: float, meter: CpuMeter | None = None) -> Row:
+    """Every handle steps closed loop (one step in flight); steps/s finished inside the window,
+    and with a meter the CPU each process spent per step in it."""
+    lat = Latencies()
+    loop = asyncio.get_running_loop()
+    start = loop.time() + warmup_s
+    stop = start + window_s
+    if meter is not None:
+        loop.call_at(start, meter.start)
+        loop.call_at(stop, meter.stop)
+
+    async def drive(handle: Any) -> None:
+        k = 0
+        while loop.time() < stop:
+            try:
+                await step(handle, k)
+            except Exception as exc:
+                lat.failed(exc)
+                await asyncio.sleep(0.01)  # a failing system must not spin the loop
+                continue
+            k += 1
+            if start <= loop.time() <= stop:
+                lat.samples_ms.append(0.0)  # only the count matters here
+
+    await asyncio.gather(*(drive(h) for h in handles))
+    values = {"steps_s": len(lat.samples_ms) / window_s, "errors": float(lat.errors)}
+    if meter is not None:
+        values.update(meter.per_step_us(len(lat.samples_ms)))
+    return Row(bench, f"{len(handles)} sessions", "", values, "", lat.first_error)
+
+
+# --------------------------------------------------------------------------- processes
+
+
+class Children:
+    """Child processes that are always terminated (then killed) when the block ends, errors too."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self._logs = contextlib.ExitStack()
+        self._log_of: dict[int, IO[bytes]] = {}
+
+    def __enter__(self) -> Children:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop_all()
+
+    def spawn(self, args: Sequence[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        # stderr goes to a temp file: a pipe nobody reads could fill up and stall the child.
+        log = self._logs.enter_context(tempfile.TemporaryFile())  # noqa: SIM115 (closed in stop_all)
+        proc = subprocess.Popen(list(args), stdout=subprocess.DEVNULL, stderr=log,
+                                env={**os.environ, **(env or {})})
+        self._log_of[proc.pid] = log
+        self.procs.append(proc)
+        return proc
+
+    def check_alive(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{proc.args!r} exited {proc.returncode}: {self.tail(proc)}")
+
+    def tail(self, proc: subprocess.Popen[bytes], size: int = 2000) -> str:
+        """The end of a child's stderr, for error messages."""
+        log = self._log_of.get(proc.pid)
+        if log is None:
+            return ""
+        log.seek(0)
+        return log.read()[-size:].decode("utf-8", "replace")
+
+    def stop_all(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.procs.clear()
+        self._log_of.clear()
+        self._logs.close()
+
+
+@contextlib.contextmanager
+def private_redis() -> Iterator[RedisServer]:
+    """A fresh redis-server on a free port (never the system one), no persistence."""
+    server = RedisServer(appendfsync="no").start()
+    try:
+        yield server
+    finally:
+        server.cleanup()
+
+
+def fleet_worker_args(url: str, prefix: str, *, latent_shape: Sequence[int] | None = None,
+                      engine: str = "null") -> list[str]:
+    args = [sys.executable, "-m", "workers.cli", "--log-level", "WARNING", "worker", "--engine", engine,
+            "--redis-url", url, "--prefix", prefix]
+    if latent_shape is not None:
+        args += ["--engine-opt", f"latent_shape={list(latent_shape)}".replace(" ", "")]
+    return args
+
+
+async def wait_for(check: Callable[[], Awaitable[bool]], children: Children, what: str,
+                   timeout: float = 60.0) -> None:
+    """Poll ``check`` until true; fail fast with the child's stderr if a child died."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        children.check_alive()
+        with contextlib.suppress(Exception):
+            if await check():
+                return
+        await asyncio.sleep(0.05)
+    raise TimeoutError(f"{what} not ready within {timeout}s")
+
+
+async def wait_fleet_workers(url: str, prefix: str, count: int, children: Children) -> None:
+    redis = Redis.from_url(url)
+    try:
+        key = CellKeys(prefix).workers
+
+        async def ready() -> bool:
+            return int(await redis.zcard(key)) >= count
+
+        await wait_for(ready, children, f"{count} fleet workers")
+    finally:
+        await redis.aclose()
+
+
+def tune_malloc() -> bool:
+    """Apply MALLOC_ENV to this process (mallopt) and, through the environment, to every child."""
+    os.environ.update(MALLOC_ENV)
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, int(MALLOC_ENV["MALLOC_MMAP_THRESHOLD_"]))
+                    and libc.mallopt(_M_TRIM_THRESHOLD, int(MALLOC_ENV["MALLOC_TRIM_THRESHOLD_"])))
+    except (OSError, AttributeError):  # not glibc: nothing to tune
+        return False
+
+
+# --------------------------------------------------------------------------- entry points
+
+
+def format_table(rows: Sequence[Row]) -> str:
+    """One plain-text table: bench | case | system | values."""
+    head = ("bench", "case", "system", "values")
+    lines = [(r.bench, r.case, r.system, _values(r)) for r in rows]
+    widths = [max(len(h), *(len(line[i]) for line in lines)) if lines else len(h) for i, h in enumerate(head)]
+    out = ["  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True))]
+    out.append("  ".join("-" * w for w in widths))
+    out += ["  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in lines]
+    return "\n".join(out)
+
+
+def format_markdown(rows: Sequence[Row]) -> str:
+    """The same table as GitHub markdown (for docs/benchmarks.md)."""
+    out = ["| bench | case | system | values |", "|---|---|---|---|"]
+    out += [f"| {r.bench} | {r.case} | {r.system} | {_values(r).replace('|', '/')} |" for r in rows]
+    return "\n".join(out)
+
+
+def _values(row: Row) -> str:
+    parts = []
+    for key, value in row.values.items():
+        if key in ("n", "errors", "sessions", "workers", "window") or key.startswith("cpu_us") \
+                or float(value).is_integer():
+            parts.append(f"{key}={value:.0f}")
+        else:
+            parts.append(f"{key}={value:.3g}" if abs(value) >= 100 else f"{key}={value:.3f}")
+    text = " ".join(parts) + (f" {row.unit}" if row.unit else "")
+    return text + (f"  ({row.note})" if row.note else "")
+
+
+BenchFn = Callable[[str], Coroutine[Any, Any, list[Row]]]  # a benchmark: size name -> rows
+
+
+def module_main(name: str, run: BenchFn, argv: Sequence[str] | None = None) -> int:
+    """``python -m bench.<name> --size smoke|full``: run one benchmark and print its table."""
+    parser = argparse.ArgumentParser(prog=f"python -m bench.{name}")
+    parser.add_argument("--size", choices=SIZES, default="smoke")
+    args = parser.parse_args(argv)
+    rows = asyncio.run(run(args.size))
+    print(format_table(rows))
+    return 0

@@ -1,0 +1,244 @@
+"""Step round trip, null engine: p50/p99/max with 1 and 64 concurrent sessions.
+
+Systems: the fleet (a worker process from ``python -m workers.cli worker --engine null``, the
+trainer on FleetClient), the direct HTTP anchor (FastAPI + uvicorn, one POST per step, httpx
+pool), arq (enqueue and wait; poll delay 0.01 s on both sides) and the floor, a Redis PING from
+asyncio redis-py (also 64 PINGs as one pipeline). "(proposal)" rows are evidence for hot-path
+changes: the fleet with the bench.autopipe prototype at 64 sessions, and the latent cases with the
+worker's glibc malloc tuned (MALLOC_ENV). Results: a tiny one (null engine default, float32 (1, 4)) and the
+(1, 16, 2, 44, 80) float32 latent. Every session runs closed loop: next step when the last returned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from redis.asyncio import Redis
+
+from bench import arq_anchor, autopipe
+from bench.common import (
+    LATENT_SHAPE,
+    MALLOC_ENV,
+    TINY_SHAPE,
+    Children,
+    Latencies,
+    Row,
+    fleet_worker_args,
+    module_main,
+    new_prefix,
+    private_redis,
+    wait_fleet_workers,
+    wait_for,
+    world_inputs,
+)
+from bench.http_anchor import HttpRollout
+from broker import FleetClient
+from broker.embedded import free_port
+
+NAME = "round_trip"
+CONCURRENCY = (1, 64)
+SHAPES = {"tiny": TINY_SHAPE, "latent": LATENT_SHAPE}
+
+
+@dataclass(frozen=True)
+class Size:
+    steps: dict[str, int]  # measured steps per (system, concurrency), per result shape
+    polled_steps: int  # arq polls every 10 ms: fewer steps keep the run short
+    warmup: int  # steps per session before measuring (connections opened, buffers grown)
+
+
+SIZE = {"smoke": Size(steps={"tiny": 128, "latent": 128}, polled_steps=48, warmup=2),
+        "full": Size(steps={"tiny": 3072, "latent": 1536}, polled_steps=640, warmup=5)}
+
+StepFn = Callable[[Any, int], Awaitable[Any]]
+
+
+async def closed_loop(handles: Sequence[Any], total: int, start: int, step: StepFn) -> Latencies:
+    """Each handle steps ``total / len(handles)`` times, one step in flight at a time."""
+    lat = Latencies()
+    per = max(1, total // len(handles))
+
+    async def drive(handle: Any) -> None:
+        for k in range(start, start + per):
+            t0 = time.perf_counter()
+            try:
+                await step(handle, k)
+            except Exception as exc:
+                lat.failed(exc)
+                continue
+            lat.samples_ms.append((time.perf_counter() - t0) * 1000.0)
+
+    await asyncio.gather(*(drive(h) for h in handles))
+    return lat
+
+
+async def measure(system: str, shape_name: str, handles: Sequence[Any], size: Size, step: StepFn,
+                  steps: int) -> Row:
+    await closed_loop(handles, size.warmup * len(handles), 0, step)
+    lat = await closed_loop(handles, steps, size.warmup, step)
+    return Row(NAME, f"{shape_name} x{len(handles)}", system, lat.summary(), "ms", lat.first_error)
+
+
+# --------------------------------------------------------------------------- systems
+
+
+async def ping_floor(url: str, size: Size) -> list[Row]:
+    redis = Redis.from_url(url, max_connections=max(CONCURRENCY))
+    try:
+        async def ping(_: Any, __: int) -> None:
+            await redis.ping()
+
+        rows = [await measure("redis PING", "floor", list(range(n)), size, ping, size.steps["tiny"])
+                for n in CONCURRENCY]
+        rows.append(await pipelined_pings(redis, max(CONCURRENCY), size.steps["tiny"]))
+        return rows
+    finally:
+        await redis.aclose()
+
+
+async def pipelined_pings(redis: Redis, n: int, total: int) -> Row:
+    """n PINGs sent as one pipeline, timed per round: the floor if the n sessions' commands were
+    coalesced into one write and one read instead of n concurrent single-command round trips."""
+    lat = Latencies()
+    for _ in range(max(2, total // n)):
+        t0 = time.perf_counter()
+        async with redis.pipeline(transaction=False) as pipe:
+            for _ in range(n):
+                pipe.ping()
+            await pipe.execute()
+        lat.samples_ms += [(time.perf_counter() - t0) * 1000.0] * n
+    return Row(NAME, f"floor x{n}", "redis PING pipelined", lat.summary(), "ms")
+
+
+async def _fleet_step(session: Any, k: int) -> None:
+    result = await session.step(k, **world_inputs(k))
+    if not result.ok:
+        raise RuntimeError(result.error)
+
+
+async def fleet_rows(url: str, size: Size, *, shapes: dict[str, tuple[int, ...]] = SHAPES,
+                     system: str = "fleet", env: dict[str, str] | None = None) -> list[Row]:
+    rows: list[Row] = []
+    for shape_name, shape in shapes.items():
+        prefix = new_prefix("rt")
+        with Children() as children:
+            children.spawn(fleet_worker_args(url, prefix, latent_shape=shape), env=env)
+            await wait_fleet_workers(url, prefix, 1, children)
+            async with FleetClient(url, prefix=prefix) as fleet:
+                for n in CONCURRENCY:
+                    sessions = [await fleet.create_session("null-world", "world_model_env") for _ in range(n)]
+                    rows.append(await measure(system, shape_name, sessions, size, _fleet_step,
+                                              size.steps[shape_name]))
+    return rows
+
+
+async def fleet_malloc_rows(url: str, size: Size) -> list[Row]:
+    """The latent cases with the worker under MALLOC_ENV: the evidence for tuning glibc malloc
+    (the trainer here keeps the default allocator, so this is the worker's share only)."""
+    rows = await fleet_rows(url, size, shapes={"latent": LATENT_SHAPE}, env=MALLOC_ENV,
+                            system="fleet malloc-tuned worker (proposal)")
+    for row in rows:
+        row.note = "worker env " + " ".join(f"{k}={v}" for k, v in MALLOC_ENV.items())
+    return rows
+
+
+async def fleet_coalesced_row(url: str, size: Size) -> Row:
+    """Tiny x64 with the bench.autopipe prototype: the evidence for coalescing script calls."""
+    prefix, n = new_prefix("rtc"), max(CONCURRENCY)
+    with Children() as children:
+        children.spawn([sys.executable, "-m", "bench.autopipe", "--redis-url", url, "--prefix", prefix])
+        await wait_fleet_workers(url, prefix, 1, children)
+        async with FleetClient(url, prefix=prefix) as fleet:
+            autopipe.coalesce_client(fleet)
+            sessions = [await fleet.create_session("null-world", "world_model_env") for _ in range(n)]
+            row = await measure("fleet coalesced (proposal)", "tiny", sessions, size, _fleet_step, size.steps["tiny"])
+    row.note = "prototype: bench.autopipe"
+    return row
+
+
+async def http_rows(size: Size) -> list[Row]:
+    rows: list[Row] = []
+    for shape_name, shape in SHAPES.items():
+        port = free_port()
+        with Children() as children:
+            children.spawn([sys.executable, "-m", "bench.http_anchor", "--port", str(port),
+                            "--latent-shape", ",".join(map(str, shape))])
+            client = HttpRollout(f"http://127.0.0.1:{port}", pool=max(CONCURRENCY))
+            try:
+                await wait_for(client.ready, children, "http anchor")
+
+                async def step(sid: Any, k: int, client: HttpRollout = client) -> None:
+                    await client.step(sid, k, world_inputs(k))
+
+                for n in CONCURRENCY:
+                    sids = [await client.create_session("null-world") for _ in range(n)]
+                    rows.append(await measure("http", shape_name, sids, size, step, size.steps[shape_name]))
+            finally:
+                await client.aclose()
+    return rows
+
+
+async def arq_rows(url: str, size: Size) -> list[Row]:
+    rows: list[Row] = []
+    queue = new_prefix("arq")
+    with Children() as children:
+        children.spawn([sys.executable, "-m", "bench.arq_anchor", "--redis-url", url, "--queue", queue])
+        pool = await arq_anchor.connect(url, queue)
+        try:
+            for shape_name, shape in SHAPES.items():
+                async def step(sid: Any, k: int, shape: Sequence[int] = shape) -> None:
+                    await arq_anchor.run_step(pool, queue, sid, k, world_inputs(k), shape)
+
+                await wait_for(lambda: _true(step("ready", 0)), children, "arq worker")
+                for n in CONCURRENCY:
+                    sids = [f"{queue}-{shape_name}-{n}-{i}" for i in range(n)]
+                    rows.append(await measure("arq", shape_name, sids, size, step, size.polled_steps))
+        finally:
+            await pool.aclose()
+    return rows
+
+
+async def _true(coro: Awaitable[Any]) -> bool:
+    await coro
+    return True
+
+
+def ratios(rows: Sequence[Row]) -> list[Row]:
+    """anchor / fleet for each case: above 1 means the fleet is faster."""
+    by = {(r.system, r.case): r.values for r in rows}
+    out: list[Row] = []
+    for anchor in ("http", "arq"):
+        for case in dict.fromkeys(r.case for r in rows if r.system == "fleet"):
+            fleet, other = by.get(("fleet", case)), by.get((anchor, case))
+            if fleet and other:
+                values = {k: other[k] / fleet[k] for k in ("p50", "p99") if fleet[k] > 0}
+                out.append(Row(NAME, case, f"fleet speedup vs {anchor}", values, "x"))
+    return out
+
+
+async def run(size: str) -> list[Row]:
+    sz = SIZE[size]
+    with private_redis() as server:
+        rows = await ping_floor(server.url, sz)
+        rows += await fleet_rows(server.url, sz)
+        rows.append(await fleet_coalesced_row(server.url, sz))
+        rows += await fleet_malloc_rows(server.url, sz)
+        rows += await http_rows(sz)
+        rows += await arq_rows(server.url, sz)
+    for row in rows:
+        if row.system == "arq":
+            row.note = "arq poll_delay 0.01 s (worker and result)"
+    return rows + ratios(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return module_main(NAME, run, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,134 @@
+"""Run every benchmark (or ``--only`` some), print one table, write JSON results and a latency plot.
+
+    python -m bench.run_all --size smoke|full [--only round_trip] [--plot docs/bench_latency.png]
+
+Results go to ``bench/results/latest.json`` (gitignored). Nothing here asserts a speed: the
+``targets`` rows say met or missed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import subprocess
+import time
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from bench import batch_fill, failover, memory, round_trip, throughput, transport
+from bench.common import SIZES, BenchFn, Row, format_markdown, format_table, tune_malloc
+from bench.targets import evaluate
+
+BENCHMARKS: dict[str, BenchFn] = {
+    "round_trip": round_trip.run,
+    "failover": failover.run,
+    "throughput": throughput.run,
+    "transport": transport.run,
+    "batch_fill": batch_fill.run,
+    "memory": memory.run,
+}
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def machine() -> dict[str, Any]:
+    model = ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            model = next((line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")), "")
+    except OSError:
+        pass
+    try:
+        redis = subprocess.run(["redis-server", "--version"], capture_output=True, text=True, check=False).stdout
+    except OSError:
+        redis = ""
+    return {"nproc": os.cpu_count(), "cpu": model, "python": platform.python_version(),
+            "platform": platform.platform(), "redis": redis.strip()}
+
+
+def plot(rows: Sequence[Row], path: Path) -> bool:
+    """p50 and p99 round trip per system and case (log scale); False when there is nothing to plot."""
+    lat = [r for r in rows if r.bench == "round_trip" and "p50" in r.values and r.unit == "ms"]
+    if not lat:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, never a display
+    import matplotlib.pyplot as plt
+
+    cases = list(dict.fromkeys(r.case for r in lat))
+    systems = list(dict.fromkeys(r.system for r in lat))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    width = 0.8 / len(systems)
+    for ax, metric in zip(axes, ("p50", "p99"), strict=True):
+        for i, system in enumerate(systems):
+            values = {r.case: r.values[metric] for r in lat if r.system == system}
+            xs = [c + i * width for c in range(len(cases)) if cases[c] in values]
+            ax.bar(xs, [values[c] for c in cases if c in values], width, label=system)
+        ax.set_xticks([c + width * (len(systems) - 1) / 2 for c in range(len(cases))], cases)
+        ax.set_yscale("log")
+        ax.set_title(f"step round trip {metric} (ms, log scale)")
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m bench.run_all", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", choices=SIZES, default="smoke")
+    parser.add_argument("--only", action="append", choices=list(BENCHMARKS), metavar="NAME",
+                        help=f"run only this benchmark (repeatable): {', '.join(BENCHMARKS)}")
+    parser.add_argument("--results", type=Path, default=RESULTS / "latest.json")
+    parser.add_argument("--plot", type=Path, default=RESULTS / "latency.png", help="PNG of round-trip percentiles")
+    parser.add_argument("--markdown", type=Path, default=None, help="also write the table as markdown here")
+    parser.add_argument("--malloc-tuned", action="store_true",
+                        help="glibc malloc keeps large blocks (mallopt here, MALLOC_* env for every child)")
+    parser.add_argument("--no-progress", action="store_true")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.malloc_tuned:
+        tune_malloc()
+    names = args.only or list(BENCHMARKS)
+    rows: list[Row] = []
+    failed: list[str] = []
+    wall_s: dict[str, float] = {}
+    started = time.time()
+    for name in tqdm(names, desc=f"bench ({args.size})", unit="bench", disable=args.no_progress):
+        t0 = time.monotonic()
+        try:
+            rows += asyncio.run(BENCHMARKS[name](args.size))
+        except Exception as exc:  # one broken benchmark must not hide the others' numbers
+            failed.append(name)
+            traceback.print_exc()
+            rows.append(Row(name, "-", "FAILED", {}, "", f"{type(exc).__name__}: {exc}"[:300]))
+        wall_s[name] = time.monotonic() - t0
+    rows += evaluate(rows)
+    print(format_table(rows), flush=True)
+    report = {"size": args.size, "only": names, "malloc_tuned": args.malloc_tuned, "machine": machine(),
+              "started": started, "elapsed_s": time.time() - started, "wall_s": wall_s, "failed": failed,
+              "rows": [r.to_json() for r in rows]}
+    args.results.parent.mkdir(parents=True, exist_ok=True)
+    args.results.write_text(json.dumps(report, indent=1), encoding="utf-8")
+    if args.markdown is not None:
+        args.markdown.write_text(format_markdown(rows) + "\n", encoding="utf-8")
+    plotted = plot(rows, args.plot)
+    print(f"results: {args.results}" + (f"; plot: {args.plot}" if plotted else ""), flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

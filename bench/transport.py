@@ -1,0 +1,232 @@
+"""Latent transport: encode + decode of a float32 latent through schemas.codec vs base64-in-JSON
+(the vLLM-Omni rollout API's ``video_latent`` encoding) vs one plain memcpy, and the bytes of each;
+then the same bytes through Redis (SET + GET, redis-py asyncio).
+
+``codec-oob`` is a prototype, not project code: the codec's msgpack header with the array bytes
+appended out of band, so that encoding copies the array once and decoding copies it not at all. It
+is measured here as the evidence for a proposed change to ``schemas.codec``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import functools
+import json
+import math
+import struct
+import sys
+import time
+import timeit
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import numpy as np
+from redis.asyncio import Redis
+
+from bench.common import Row, module_main, private_redis
+from schemas.codec import decode, encode
+
+NAME = "transport"
+SHAPES = ((1, 16, 2, 44, 80), (1, 16, 8, 44, 80))
+OOB_EXT = 2
+_LEN = struct.Struct("<I")
+
+
+@dataclass(frozen=True)
+class Size:
+    timing_s: float  # wall time of one timing (calls per timing follow from it)
+    repeat: int  # timings; the minimum is kept (the least disturbed run, as timeit advises)
+    redis_pairs: int
+
+
+SIZE = {"smoke": Size(timing_s=0.01, repeat=3, redis_pairs=10),
+        "full": Size(timing_s=0.1, repeat=7, redis_pairs=100)}
+
+
+# --------------------------------------------------------------------------- the encodings
+
+
+def b64_encode(latent: np.ndarray) -> bytes:
+    body = {"video_latent": binascii.b2a_base64(latent.tobytes(), newline=False).decode(),
+            "shape": list(latent.shape), "dtype": str(latent.dtype), "encoding": "base64_raw_tensor"}
+    return json.dumps(body).encode()
+
+
+def b64_decode(data: bytes) -> np.ndarray:
+    body = json.loads(data)
+    raw = base64.b64decode(body["video_latent"])
+    return np.frombuffer(raw, dtype=np.dtype(body["dtype"])).reshape(body["shape"])
+
+
+def oob_encode(obj: Any) -> bytes:
+    """Prototype: ``u32 len(head) | msgpack head | raw arrays``; one copy of each array (the join)."""
+    buffers: list[memoryview] = []
+    offset = 0
+
+    def default(value: Any) -> Any:
+        nonlocal offset
+        if not isinstance(value, np.ndarray):
+            raise TypeError(f"cannot encode {type(value).__name__}")
+        arr = np.ascontiguousarray(value)
+        tag = arr.dtype.name.encode("ascii")
+        header = struct.pack(f"<B{len(tag)}sB{arr.ndim}QQ", len(tag), tag, arr.ndim, *arr.shape, offset)
+        buffers.append(arr.data.cast("B"))
+        offset += arr.nbytes
+        return msgpack.ExtType(OOB_EXT, header)
+
+    head = msgpack.packb(obj, default=default, use_bin_type=True)
+    return b"".join([_LEN.pack(len(head)), head, *buffers])
+
+
+def oob_decode(data: bytes) -> Any:
+    """Prototype: arrays are read-only views into ``data`` (no copy), bounds-checked."""
+    (head_len,) = _LEN.unpack_from(data)
+    base = _LEN.size + head_len
+
+    def hook(code: int, header: bytes) -> Any:
+        tag_len = header[0]
+        tag = header[1 : 1 + tag_len].decode("ascii")
+        ndim = header[1 + tag_len]
+        *shape, offset = struct.unpack_from(f"<{ndim}QQ", header, 2 + tag_len)
+        dtype = np.dtype(tag)
+        count = math.prod(shape)
+        if code != OOB_EXT or base + offset + count * dtype.itemsize > len(data):
+            raise ValueError("malformed out-of-band array")
+        return np.frombuffer(data, dtype=dtype, count=count, offset=base + offset).reshape(shape)
+
+    return msgpack.unpackb(memoryview(data)[_LEN.size : base], ext_hook=hook, raw=False)
+
+
+Codec = tuple[Callable[[np.ndarray], bytes], Callable[[bytes], Any]]
+ENCODINGS: dict[str, Codec] = {
+    "codec": (lambda a: encode({"video_latent": a}), decode),
+    "base64-json": (b64_encode, b64_decode),
+    "codec-oob (proposal)": (lambda a: oob_encode({"video_latent": a}), oob_decode),
+}
+
+
+# --------------------------------------------------------------------------- timing
+
+
+def best_ms(fn: Callable[[], Any], size: Size) -> float:
+    once = timeit.timeit(fn, number=1)
+    number = max(2, min(5000, int(size.timing_s / max(once, 1e-7))))
+    return min(timeit.repeat(fn, number=number, repeat=size.repeat)) / number * 1000.0
+
+
+def cpu_rows(shape: tuple[int, ...], size: Size) -> list[Row]:
+    latent = np.random.default_rng(0).standard_normal(shape, dtype=np.float32)
+    case = f"{shape} f32"
+    memcpy = best_ms(lambda: np.copy(latent), size)
+    rows = [Row(NAME, case, "memcpy (np.copy)", {"total_ms": memcpy, "bytes": float(latent.nbytes)}, ""),
+            Row(NAME, case, "bytes copy (tobytes)", {"total_ms": best_ms(latent.tobytes, size),
+                                                     "bytes": float(latent.nbytes)}, "")]
+    for name, (enc, dec) in ENCODINGS.items():
+        data = enc(latent)
+        if not np.array_equal(_latent_of(dec(data)), latent):
+            raise AssertionError(f"{name} does not round-trip")  # correctness, not speed
+        enc_ms = best_ms(functools.partial(enc, latent), size)
+        dec_ms = best_ms(functools.partial(dec, data), size)
+        rows.append(Row(NAME, case, name, {"encode_ms": enc_ms, "decode_ms": dec_ms, "total_ms": enc_ms + dec_ms,
+                                           "bytes": float(len(data)), "x_memcpy": (enc_ms + dec_ms) / memcpy}))
+    return rows
+
+
+def _latent_of(decoded: Any) -> np.ndarray:
+    return decoded["video_latent"] if isinstance(decoded, dict) else np.asarray(decoded)
+
+
+async def cpu_rows_in_child(size: str) -> list[Row]:
+    """The CPU timings in a fresh interpreter: a large buffer's cost depends on the allocator's
+    history (glibc raises its mmap threshold as blocks are freed), so earlier benchmarks in this
+    process must not decide it. The child inherits the environment (MALLOC_* when tuned)."""
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "bench.transport", "--size", size,
+                                                "--cpu-json", stdout=asyncio.subprocess.PIPE)
+    try:
+        out, _ = await asyncio.wait_for(proc.communicate(), 300)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    if proc.returncode != 0:
+        raise RuntimeError(f"transport CPU child exited {proc.returncode}")
+    return [Row(**row) for row in json.loads(out)]
+
+
+async def lua_argv_row(redis: Redis, shape: tuple[int, ...], data: bytes, size: Size) -> Row:
+    """Redis's own time (INFO commandstats) to take the same bytes as a plain SET argument and as
+    an argument of a Lua script that ignores it: the commit script receives the result this way."""
+    noop = redis.register_script("return 1")
+    await noop(keys=["bench:transport"], args=[data])
+    await redis.config_resetstat()
+    for _ in range(size.redis_pairs):
+        await redis.set("bench:transport", data)
+        await noop(keys=["bench:transport"], args=[data])
+    stats: Any = await redis.info("commandstats")
+    values = {"set_us": float(stats["cmdstat_set"]["usec_per_call"]),
+              "evalsha_argv_us": float(stats["cmdstat_evalsha"]["usec_per_call"]), "bytes": float(len(data))}
+    return Row(NAME, f"{shape} f32 via redis", "redis server time: SET vs Lua ARGV", values, "",
+               "single-threaded Redis time per call")
+
+
+async def redis_rows(url: str, shape: tuple[int, ...], size: Size) -> list[Row]:
+    latent = np.random.default_rng(1).standard_normal(shape, dtype=np.float32)
+    payloads = {"raw bytes": latent.tobytes(), **{name: enc(latent) for name, (enc, _) in ENCODINGS.items()}}
+    redis = Redis.from_url(url)
+    rows: list[Row] = []
+    try:
+        for name, data in payloads.items():
+            await redis.set("bench:transport", data)  # warm the connection and the allocation
+            best = math.inf
+            for _ in range(3):
+                started = time.perf_counter()
+                for _ in range(size.redis_pairs):
+                    await redis.set("bench:transport", data)
+                    await redis.get("bench:transport")
+                best = min(best, (time.perf_counter() - started) / size.redis_pairs * 1000.0)
+            rows.append(Row(NAME, f"{shape} f32 via redis", name, {"set_get_ms": best, "bytes": float(len(data))}))
+        rows.append(await lua_argv_row(redis, shape, payloads["codec"], size))
+    finally:
+        await redis.delete("bench:transport")
+        await redis.aclose()
+    return rows
+
+
+def ratios(rows: list[Row]) -> list[Row]:
+    by = {(r.case, r.system): r.values for r in rows}
+    out: list[Row] = []
+    for shape in SHAPES:
+        case = f"{shape} f32"
+        codec, b64, memcpy = by[(case, "codec")], by[(case, "base64-json")], by[(case, "memcpy (np.copy)")]
+        out.append(Row(NAME, case, "codec vs base64-json", {
+            "speedup": b64["total_ms"] / codec["total_ms"], "smaller_pct": 100.0 * (1 - codec["bytes"] / b64["bytes"]),
+            "codec_x_memcpy": codec["total_ms"] / memcpy["total_ms"]}, "", "speedup: x faster; x_memcpy: x slower"))
+    return out
+
+
+async def run(size: str) -> list[Row]:
+    sz = SIZE[size]
+    rows = await cpu_rows_in_child(size)
+    with private_redis() as server:
+        for shape in SHAPES:
+            rows += await redis_rows(server.url, shape, sz)
+    return rows + ratios(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "--cpu-json" in args:  # the child of cpu_rows_in_child
+        args.remove("--cpu-json")
+        size = SIZE[args[args.index("--size") + 1]] if "--size" in args else SIZE["smoke"]
+        rows = [row for shape in SHAPES for row in cpu_rows(shape, size)]
+        print(json.dumps([row.to_json() for row in rows]))
+        return 0
+    return module_main(NAME, run, args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
