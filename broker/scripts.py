@@ -6,16 +6,31 @@ script touches is passed in KEYS and built by :mod:`broker.keys`.
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
 from typing import Any
 
 from redis.asyncio import Redis
+from redis.exceptions import NoScriptError
 
 from broker.keys import INBOX_GROUP, CellKeys
 
 Reply = list[Any]
+_Pending = tuple[str, list[str], list[Any], "asyncio.Future[Any]"]
+
+
+async def _settle(fut: asyncio.Future[Any], call: Awaitable[Any]) -> None:
+    try:
+        result = await call
+    except Exception as exc:
+        if not fut.done():
+            fut.set_exception(exc)
+        return
+    if not fut.done():
+        fut.set_result(result)
 
 
 @cache
@@ -56,13 +71,59 @@ class Scripts:
     )
     DEAD_MAXLEN = 100_000  # dead-letter stream bound (approximate trim)
 
-    def __init__(self, redis: Redis, keys: CellKeys) -> None:
+    def __init__(self, redis: Redis, keys: CellKeys, *, coalesce: bool = True) -> None:
         self.redis = redis
         self.keys = keys
+        self.coalesce = coalesce
         self._scripts = {name: redis.register_script(lua_source(name)) for name in self.NAMES}
+        self._pending: list[_Pending] = []
+        self._flushing: set[asyncio.Task[None]] = set()
 
     async def _call(self, name: str, keys: list[str], args: list[Any]) -> Any:
-        return await self._scripts[name](keys=keys, args=args)
+        """Script calls made in the same event-loop turn (many lanes committing, many sessions
+        enqueueing) leave as one pipeline: one write and one read instead of one per call.
+        Calls keep their order; each caller gets its own result or error."""
+        if not self.coalesce:
+            return await self._direct(name, keys, args)
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+        if not self._pending:
+            loop.call_soon(self._flush_soon)  # after the callbacks already ready: they join this batch
+        self._pending.append((name, keys, args, fut))
+        return await fut
+
+    async def _direct(self, name: str, keys: list[str], args: list[Any]) -> Any:
+        return await self._scripts[name](keys=keys, args=args)  # EVALSHA, loads on NOSCRIPT
+
+    def _flush_soon(self) -> None:
+        batch, self._pending = self._pending, []
+        task = asyncio.create_task(self._flush(batch))
+        self._flushing.add(task)
+        task.add_done_callback(self._flushing.discard)
+
+    async def _flush(self, batch: list[_Pending]) -> None:
+        if len(batch) == 1:  # nothing to coalesce: the plain call
+            await _settle(batch[0][3], self._direct(*batch[0][:3]))
+            return
+        try:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for name, keys, args, _ in batch:
+                    pipe.execute_command("EVALSHA", self._scripts[name].sha, len(keys), *keys, *args)
+                results = await pipe.execute(raise_on_error=False)
+        except Exception as exc:  # the connection failed: every caller sees it, as it would alone
+            for *_, fut in batch:
+                if not fut.done():
+                    fut.set_exception(exc)
+            return
+        for (name, keys, args, fut), result in zip(batch, results, strict=True):
+            if fut.done():
+                continue
+            if isinstance(result, NoScriptError):  # not loaded on this server yet: the plain call loads it
+                await _settle(fut, self._direct(name, keys, args))
+            elif isinstance(result, Exception):
+                fut.set_exception(result)
+            else:
+                fut.set_result(result)
 
     # ------------------------------------------------------------------ trainer side
 

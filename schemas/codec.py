@@ -69,7 +69,9 @@ def _pack_array(dtype_tag: str, arr: np.ndarray) -> msgpack.ExtType:
         arr = arr.astype(arr.dtype.newbyteorder("<"))
     tag = dtype_tag.encode("ascii")
     header = _U8.pack(len(tag)) + tag + _U8.pack(arr.ndim) + struct.pack(f"<{arr.ndim}Q", *arr.shape)
-    return msgpack.ExtType(NDARRAY_EXT, header + arr.tobytes())
+    # One copy (into the ext payload), not two: concatenate the array's own buffer.
+    raw = arr.reshape(-1).view(np.uint8).data if arr.size else b""
+    return msgpack.ExtType(NDARRAY_EXT, header + raw)
 
 
 def _default(obj: Any) -> Any:

@@ -13,6 +13,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 from redis.asyncio import Redis
 
 from broker.aio import resolve
@@ -31,7 +32,18 @@ class ContextLost(FleetError):
 
 
 def output_digest(output: Mapping[str, Any]) -> bytes:
-    return hashlib.blake2b(encode(dict(output)), digest_size=16).digest()
+    """A fingerprint of a step's output for replay checks (not a security boundary): arrays are
+    hashed in place, so a latent is read once and never re-encoded."""
+    h = hashlib.blake2b(digest_size=16)
+    for key in sorted(output):
+        value = output[key]
+        h.update(key.encode())
+        if isinstance(value, np.ndarray):
+            h.update(f"{value.dtype.str}{value.shape}".encode())
+            h.update(np.ascontiguousarray(value).reshape(-1).view(np.uint8).data)
+        else:
+            h.update(encode(value))
+    return h.digest()
 
 
 def step_record(payload: bytes, output: Mapping[str, Any]) -> bytes:
