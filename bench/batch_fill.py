@@ -3,8 +3,8 @@
 The simulated engine (bench.sim_engine) takes ``a + b*n`` ms per forward of n (a=20, b=0.5, at most
 32), one forward at a time, so its ceiling is 32/(a+32b) steps per ms (889 steps/s). One fleet
 worker serves it to 64 sessions that step as fast as results return; the same engine behind the
-one-request-per-step HTTP anchor runs every request as a batch of one. "fleet coalesced (proposal)"
-is the fleet with the bench.autopipe prototype (script calls coalesced into pipelines), as evidence.
+one-request-per-step HTTP anchor runs every request as a batch of one. The fleet coalesces
+the script calls of one event-loop turn into one pipeline (broker.scripts).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any
 
-from bench import autopipe
 from bench.common import (
     Children,
     Row,
@@ -56,7 +55,7 @@ def _world(k: int) -> dict[str, Any]:
     return {"observation": {"prompt": "sim", "state": [0.0] * 8}}
 
 
-VARIANTS = {"fleet (1 worker)": [], "fleet coalesced (proposal)": ["--coalesce"]}
+VARIANTS: dict[str, list[str]] = {"fleet (1 worker)": []}
 
 
 async def fleet_row(size: Size, variant: str) -> Row:
@@ -68,8 +67,6 @@ async def fleet_row(size: Size, variant: str) -> Row:
                             "--stats", stats_path, *_engine_args(), *VARIANTS[variant]])
             await wait_fleet_workers(server.url, prefix, 1, children)
             async with FleetClient(server.url, prefix=prefix) as fleet:
-                if VARIANTS[variant]:
-                    autopipe.coalesce_client(fleet)
                 sessions = await asyncio.gather(*(fleet.create_session(SIM_MODEL, "world_model_env")
                                                   for _ in range(SESSIONS)))
 

@@ -3,10 +3,10 @@
 Systems: the fleet (a worker process from ``python -m workers.cli worker --engine null``, the
 trainer on FleetClient), the direct HTTP anchor (FastAPI + uvicorn, one POST per step, httpx
 pool), arq (enqueue and wait; poll delay 0.01 s on both sides) and the floor, a Redis PING from
-asyncio redis-py (also 64 PINGs as one pipeline). "(proposal)" rows are evidence for hot-path
-changes: the fleet with the bench.autopipe prototype at 64 sessions, and the latent cases with the
-worker's glibc malloc tuned (MALLOC_ENV). Results: a tiny one (null engine default, float32 (1, 4)) and the
-(1, 16, 2, 44, 80) float32 latent. Every session runs closed loop: next step when the last returned.
+asyncio redis-py (also 64 PINGs as one pipeline). Fleet workers run with glibc malloc tuned
+(workers.runner.tune_malloc) and coalesce script calls into pipelines (broker.scripts).
+Results: a tiny one (null engine default, float32 (1, 4)) and the (1, 16, 2, 44, 80) float32
+latent. Every session runs closed loop: next step when the last returned.
 """
 
 from __future__ import annotations
@@ -20,10 +20,9 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from bench import arq_anchor, autopipe
+from bench import arq_anchor
 from bench.common import (
     LATENT_SHAPE,
-    MALLOC_ENV,
     TINY_SHAPE,
     Children,
     Latencies,
@@ -137,30 +136,6 @@ async def fleet_rows(url: str, size: Size, *, shapes: dict[str, tuple[int, ...]]
     return rows
 
 
-async def fleet_malloc_rows(url: str, size: Size) -> list[Row]:
-    """The latent cases with the worker under MALLOC_ENV: the evidence for tuning glibc malloc
-    (the trainer here keeps the default allocator, so this is the worker's share only)."""
-    rows = await fleet_rows(url, size, shapes={"latent": LATENT_SHAPE}, env=MALLOC_ENV,
-                            system="fleet malloc-tuned worker (proposal)")
-    for row in rows:
-        row.note = "worker env " + " ".join(f"{k}={v}" for k, v in MALLOC_ENV.items())
-    return rows
-
-
-async def fleet_coalesced_row(url: str, size: Size) -> Row:
-    """Tiny x64 with the bench.autopipe prototype: the evidence for coalescing script calls."""
-    prefix, n = new_prefix("rtc"), max(CONCURRENCY)
-    with Children() as children:
-        children.spawn([sys.executable, "-m", "bench.autopipe", "--redis-url", url, "--prefix", prefix])
-        await wait_fleet_workers(url, prefix, 1, children)
-        async with FleetClient(url, prefix=prefix) as fleet:
-            autopipe.coalesce_client(fleet)
-            sessions = [await fleet.create_session("null-world", "world_model_env") for _ in range(n)]
-            row = await measure("fleet coalesced (proposal)", "tiny", sessions, size, _fleet_step, size.steps["tiny"])
-    row.note = "prototype: bench.autopipe"
-    return row
-
-
 async def http_rows(size: Size) -> list[Row]:
     rows: list[Row] = []
     for shape_name, shape in SHAPES.items():
@@ -226,8 +201,6 @@ async def run(size: str) -> list[Row]:
     with private_redis() as server:
         rows = await ping_floor(server.url, sz)
         rows += await fleet_rows(server.url, sz)
-        rows.append(await fleet_coalesced_row(server.url, sz))
-        rows += await fleet_malloc_rows(server.url, sz)
         rows += await http_rows(sz)
         rows += await arq_rows(server.url, sz)
     for row in rows:

@@ -84,15 +84,12 @@ class SimGpuEngine(Engine):
                 json.dump(self.stats(), fh)
 
 
-async def _serve(url: str, prefix: str, config: SimGpuConfig, stats_path: str | None, *, coalesce: bool) -> None:
-    from bench.autopipe import coalesce_worker
+async def _serve(url: str, prefix: str, config: SimGpuConfig, stats_path: str | None) -> None:
     from workers.settings import WorkerSettings
     from workers.worker import Worker
 
     engine = SimGpuEngine(config, stats_path)
     async with Worker(engine, WorkerSettings(redis_url=url, prefix=prefix)) as worker:
-        if coalesce:
-            coalesce_worker(worker)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, worker.request_stop)
@@ -107,10 +104,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--b-ms", type=float, default=0.5)
     parser.add_argument("--max-batch", type=int, default=32)
     parser.add_argument("--stats", default=None, help="write engine counters (JSON) here on exit")
-    parser.add_argument("--coalesce", action="store_true", help="the bench.autopipe prototype for commits")
     args = parser.parse_args(argv)
     config = SimGpuConfig(args.a_ms, args.b_ms, args.max_batch)
-    asyncio.run(_serve(args.redis_url, args.prefix, config, args.stats, coalesce=args.coalesce))
+    asyncio.run(_serve(args.redis_url, args.prefix, config, args.stats))
     return 0
 
 

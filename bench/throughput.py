@@ -4,8 +4,8 @@ The fleet, arq and streaq on the same private Redis server, the same tiny world 
 process. Each session keeps one step in flight; steps finished inside the timed window count.
 Anchor settings: arq poll delay 0.01 s (worker and result wait), max_jobs 256; streaq
 concurrency 256; otherwise their defaults. ``cpu_us_*`` is the CPU each process spent per step in
-the window (client = this trainer process). "fleet coalesced (proposal)" is the fleet with the
-bench.autopipe prototype: the evidence for coalescing script calls into pipelines.
+the window (client = this trainer process). The fleet coalesces the
+script calls of one event-loop turn into one pipeline (broker.scripts).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from bench import arq_anchor, autopipe, streaq_anchor
+from bench import arq_anchor, streaq_anchor
 from bench.common import (
     TINY_SHAPE,
     Children,
@@ -52,16 +52,13 @@ def _meter(server: RedisServer, children: Children) -> CpuMeter:
     return CpuMeter({"workers": [p.pid for p in children.procs], "redis": redis_pid})
 
 
-async def _fleet(server: RedisServer, workers: int, size: Size, *, coalesce: bool) -> Row:
+async def fleet_row(server: RedisServer, workers: int, size: Size) -> Row:
     prefix = new_prefix("tp")
     with Children() as children:
         for _ in range(workers):
-            children.spawn([sys.executable, "-m", "bench.autopipe", "--redis-url", server.url, "--prefix", prefix]
-                           if coalesce else fleet_worker_args(server.url, prefix))
+            children.spawn(fleet_worker_args(server.url, prefix))
         await wait_fleet_workers(server.url, prefix, workers, children)
         async with FleetClient(server.url, prefix=prefix) as fleet:
-            if coalesce:
-                autopipe.coalesce_client(fleet)
             sessions = await asyncio.gather(*(fleet.create_session("null-world", "world_model_env")
                                               for _ in range(SESSIONS)))
 
@@ -71,16 +68,6 @@ async def _fleet(server: RedisServer, workers: int, size: Size, *, coalesce: boo
                     raise RuntimeError(result.error)
 
             return await timed_window(NAME, sessions, step, size.warmup_s, size.window_s, _meter(server, children))
-
-
-async def fleet_row(server: RedisServer, workers: int, size: Size) -> Row:
-    return await _fleet(server, workers, size, coalesce=False)
-
-
-async def fleet_coalesced_row(server: RedisServer, workers: int, size: Size) -> Row:
-    row = await _fleet(server, workers, size, coalesce=True)
-    row.note = "prototype: bench.autopipe coalesces the client's and workers' script calls into pipelines"
-    return row
 
 
 async def arq_row(server: RedisServer, workers: int, size: Size) -> Row:
@@ -118,7 +105,7 @@ async def streaq_row(server: RedisServer, workers: int, size: Size) -> Row:
 
 
 SYSTEMS: dict[str, Callable[[RedisServer, int, Size], Awaitable[Row]]] = {
-    "fleet": fleet_row, "fleet coalesced (proposal)": fleet_coalesced_row, "arq": arq_row, "streaq": streaq_row,
+    "fleet": fleet_row, "arq": arq_row, "streaq": streaq_row,
 }
 
 
@@ -127,7 +114,7 @@ def ratios(rows: Sequence[Row]) -> list[Row]:
     by = {(r.system, r.case): r.values["steps_s"] for r in rows}
     out: list[Row] = []
     for case in dict.fromkeys(r.case for r in rows):
-        for fleet_system in ("fleet", "fleet coalesced (proposal)"):
+        for fleet_system in ("fleet",):
             fleet = by.get((fleet_system, case), 0.0)
             values = {anchor: fleet / by[(anchor, case)] for anchor in ("arq", "streaq")
                       if by.get((anchor, case), 0.0) > 0}
