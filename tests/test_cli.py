@@ -55,3 +55,8 @@ def test_status_command(redis_server: RedisServer) -> None:
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "sessions=0 dead_letters=0" in out.stdout
+
+
+def test_bench_passes_its_options_through() -> None:
+    out = subprocess.run([*CLI, "bench", "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "--size" in out.stdout and "--only" in out.stdout

@@ -68,9 +68,9 @@ def _parser() -> argparse.ArgumentParser:
     gw.add_argument("--host", default="127.0.0.1")
     gw.add_argument("--port", type=int, default=8000)
 
-    b = sub.add_parser("bench", help="benchmarks beside their anchors (arq, streaq, HTTP); prints a table",
-                       add_help=False)
-    b.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments of bench.run_all (--help for them)")
+    # Its options are bench.run_all's own (--size, --only, --plot, ...): passed through untouched.
+    sub.add_parser("bench", help="benchmarks beside their anchors (arq, streaq, HTTP); prints a table",
+                   add_help=False)
 
     uw = sub.add_parser("update-weights", help="tell the workers of a model to load new weights")
     _add_redis(uw)
@@ -217,11 +217,15 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
 def _cmd_bench(args: argparse.Namespace) -> int:
     from bench.run_all import main as bench_main
 
-    return bench_main(list(args.bench_args))
+    return bench_main(list(args.passthrough))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "bench":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.passthrough = extra
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     commands = {"worker": _cmd_worker, "demo": _cmd_demo, "redis": _cmd_redis, "status": _cmd_status,
                 "supervisor": _cmd_supervisor, "replay": _cmd_replay, "gateway": _cmd_gateway,
