@@ -6,7 +6,8 @@ Engines are the only place that imports torch / vllm / vllm_omni, always lazily.
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping, Sequence
+import asyncio
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,3 +84,35 @@ class Engine(abc.ABC):
         """Load weight ``version`` from ``path`` through the engine's own mechanism. The worker calls
         this only while no step of this engine is running."""
         raise NotImplementedError(f"the {self.kind} engine cannot load weights")
+
+
+def session_waves(requests: Sequence[EngineRequest]) -> list[list[int]]:
+    """Indices of a batch split so that each session key appears at most once per wave (a session's
+    steps run in order; different sessions' steps of one wave run together)."""
+    waves: list[list[int]] = []
+    seen: dict[str, int] = {}
+    for index, request in enumerate(requests):
+        wave = seen.get(request.session_key, -1) + 1
+        seen[request.session_key] = wave
+        if wave == len(waves):
+            waves.append([])
+        waves[wave].append(index)
+    return waves
+
+
+async def run_in_waves(
+    requests: Sequence[EngineRequest], run_one: Callable[[EngineRequest], Awaitable[EngineOutput]]
+) -> list[EngineOutput | BaseException]:
+    """Run each request with ``run_one``, wave by wave, the requests of a wave concurrently; an
+    exception becomes that request's result."""
+    results: list[EngineOutput | BaseException] = [RuntimeError("not run")] * len(requests)
+
+    async def one(index: int) -> None:
+        try:
+            results[index] = await run_one(requests[index])
+        except Exception as exc:
+            results[index] = exc
+
+    for wave in session_waves(requests):
+        await asyncio.gather(*(one(i) for i in wave))
+    return results

@@ -21,7 +21,7 @@ import torch
 
 from schemas.errors import InvalidRequestError
 from schemas.messages import Mode
-from workers.engines.base import Engine, EngineOutput, EngineRequest
+from workers.engines.base import Engine, EngineOutput, EngineRequest, session_waves
 from workers.engines.reference_lm import LMJob, LMSessionState, ReferenceLanguageModel, ReferenceLMConfig
 from workers.engines.reference_world import (
     ReferenceWorldConfig,
@@ -167,7 +167,7 @@ class ReferenceEngine(Engine):
         with self._lock:
             results: list[Result | None] = [None] * len(requests)
             # A session may appear more than once: run such batches in waves, in request order.
-            for wave in _waves(requests):
+            for wave in session_waves(requests):
                 batch = [requests[i] for i in wave]
                 outs = self._run_world(batch) if model == WORLD_MODEL else self._run_lm(batch)
                 for i, out in zip(wave, outs, strict=True):
@@ -245,16 +245,3 @@ def _guarded(fn: Callable[[], Sequence[Any]], count: int) -> list[Any]:
         return list(fn())
     except Exception as exc:
         return [exc] * count
-
-
-def _waves(requests: Sequence[EngineRequest]) -> list[list[int]]:
-    """Split a batch (as indices) so each session key appears at most once per wave."""
-    waves: list[list[int]] = []
-    seen: dict[str, int] = {}
-    for index, request in enumerate(requests):
-        wave = seen.get(request.session_key, -1) + 1
-        seen[request.session_key] = wave
-        if wave == len(waves):
-            waves.append([])
-        waves[wave].append(index)
-    return waves

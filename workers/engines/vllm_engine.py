@@ -17,7 +17,6 @@ when the engine starts, never at module import.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import os
@@ -29,7 +28,7 @@ import numpy as np
 
 from schemas.errors import InvalidRequestError
 from schemas.messages import Mode, SamplingParams, TokenStep
-from workers.engines.base import Engine, EngineOutput, EngineRequest
+from workers.engines.base import Engine, EngineOutput, EngineRequest, run_in_waves
 
 log = logging.getLogger(__name__)
 Result = EngineOutput | BaseException
@@ -85,19 +84,6 @@ def generation_output(gen: Generation, want_experts: bool) -> dict[str, Any]:
     return out
 
 
-def session_waves(requests: Sequence[EngineRequest]) -> list[list[int]]:
-    """Indices of a batch split so that each session key appears at most once per wave."""
-    waves: list[list[int]] = []
-    seen: dict[str, int] = {}
-    for index, request in enumerate(requests):
-        wave = seen.get(request.session_key, -1) + 1
-        seen[request.session_key] = wave
-        if wave == len(waves):
-            waves.append([])
-        waves[wave].append(index)
-    return waves
-
-
 class TokenContexts:
     """Per-session token contexts kept on the worker: the whole conversation as token ids."""
 
@@ -139,26 +125,18 @@ async def run_token_batch(
     generate: Callable[[list[int], TokenStep, EngineRequest], Awaitable[Generation]],
 ) -> list[Result]:
     """Run a batch: every session's step concurrently (waves keep one session's steps in order)."""
-    results: list[Result] = [RuntimeError("not run")] * len(requests)
 
-    async def one(index: int) -> None:
-        request = requests[index]
-        try:
-            step = token_step(request)
-            prompt = contexts.prompt_for(request, step)
-            if step.sampling.max_tokens == 0:  # nothing to generate: the turn only extends the context
-                gen = Generation(token_ids=[], logprobs=[], finish_reason="length")
-            else:
-                gen = await generate(prompt, step, request)
-            length = contexts.commit(request, prompt, gen.token_ids)
-            results[index] = EngineOutput(output=generation_output(gen, step.return_routed_experts),
-                                          context_length=length)
-        except Exception as exc:
-            results[index] = exc
+    async def one(request: EngineRequest) -> EngineOutput:
+        step = token_step(request)
+        prompt = contexts.prompt_for(request, step)
+        if step.sampling.max_tokens == 0:  # nothing to generate: the turn only extends the context
+            gen = Generation(token_ids=[], logprobs=[], finish_reason="length")
+        else:
+            gen = await generate(prompt, step, request)
+        length = contexts.commit(request, prompt, gen.token_ids)
+        return EngineOutput(output=generation_output(gen, step.return_routed_experts), context_length=length)
 
-    for wave in session_waves(requests):
-        await asyncio.gather(*(one(i) for i in wave))
-    return results
+    return await run_in_waves(requests, one)
 
 
 # --------------------------------------------------------------------------- the engine

@@ -33,8 +33,7 @@ import numpy as np
 
 from schemas.errors import InvalidRequestError
 from schemas.messages import Mode, WorldStep
-from workers.engines.base import Engine, EngineOutput, EngineRequest
-from workers.engines.vllm_engine import session_waves
+from workers.engines.base import Engine, EngineOutput, EngineRequest, run_in_waves
 
 log = logging.getLogger(__name__)
 Result = EngineOutput | BaseException
@@ -160,17 +159,7 @@ class VLLMOmniEngine(Engine):
             return [InvalidRequestError(f"unknown model {model!r}; this engine serves {self.config.model!r}")
                     for _ in requests]
         await self.start()
-        results: list[Result] = [RuntimeError("not run")] * len(requests)
-
-        async def one(index: int) -> None:
-            try:
-                results[index] = await self._run_one(requests[index])
-            except Exception as exc:
-                results[index] = exc
-
-        for wave in session_waves(requests):
-            await asyncio.gather(*(one(i) for i in wave))
-        return results
+        return await run_in_waves(requests, self._run_one)
 
     async def _run_one(self, request: EngineRequest) -> EngineOutput:
         from vllm_omni.entrypoints.openai.serving_rl_rollout import ServingRLRollout

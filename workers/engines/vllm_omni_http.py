@@ -36,8 +36,7 @@ import numpy as np
 
 from schemas.errors import ErrorCode, FleetError, InvalidRequestError
 from schemas.messages import Mode, WorldStep
-from workers.engines.base import Engine, EngineOutput, EngineRequest
-from workers.engines.vllm_engine import session_waves
+from workers.engines.base import Engine, EngineOutput, EngineRequest, run_in_waves
 from workers.engines.vllm_http import TransientEngineError, check_response
 from workers.engines.vllm_omni_engine import world_step
 
@@ -247,17 +246,7 @@ class VLLMOmniHTTPEngine(Engine):
             return [InvalidRequestError(f"unknown model {model!r}; this engine serves {self.config.model!r}")
                     for _ in requests]
         await self._flush_closes()
-        results: list[Result] = [RuntimeError("not run")] * len(requests)
-
-        async def one(index: int) -> None:
-            try:
-                results[index] = await self._run_one(requests[index])
-            except Exception as exc:
-                results[index] = exc
-
-        for wave in session_waves(requests):
-            await asyncio.gather(*(one(i) for i in wave))
-        return results
+        return await run_in_waves(requests, self._run_one)
 
     async def _run_one(self, request: EngineRequest) -> EngineOutput:
         step = world_step(request)
