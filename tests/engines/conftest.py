@@ -90,7 +90,7 @@ class Service:
     log: Path
     url: str = ""
 
-    def tail(self, n: int = 40) -> str:
+    def tail(self, n: int = 120) -> str:
         try:
             return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
         except OSError:
@@ -230,6 +230,13 @@ class SharedEngine(Engine):
 
     def max_batch_size(self, model: str) -> int:
         return self.inner.max_batch_size(model)
+
+    @property
+    def policy_version(self) -> int:
+        return self.inner.policy_version
+
+    async def load_weights(self, path: str, version: int) -> None:
+        await self.inner.load_weights(path, version)
 
 
 # --------------------------------------------------------------------------- vLLM-Omni

@@ -232,3 +232,23 @@ async def test_failover_rebuilds_the_context_on_another_engine_kind(
             assert b.worker.executor.rebuilt_steps == 2
     finally:
         await redis.aclose()
+
+
+async def test_weight_update_through_the_control_stream_reloads_vllm_in_place(
+        redis_server: RedisServer, vllm_services: VLLMServices, inproc: VLLMEngine) -> None:
+    """Last in this file: it moves the shared engine to policy version 1 (reloading the same
+    checkpoint, so its answers must still equal vLLM's offline ones)."""
+    from broker.control import update_weights, workers_at_version
+
+    prefix = f"t{uuid.uuid4().hex[:10]}"
+    async with worker_pool(redis_server.url, prefix) as pool, FleetClient(redis_server.url, prefix=prefix) as fleet:
+        await pool.add(SharedEngine(inproc))
+        await update_weights(fleet.redis, fleet.keys, model=MODEL_NAME, version=1, path=vllm_services.model)
+        await workers_at_version(fleet.redis, fleet.keys, model=MODEL_NAME, version=1, timeout=120)
+        err = await fleet.redis.hget(fleet.keys.worker(pool.running[0].id), "weights_error")
+        assert not err, err
+        session = await fleet.create_session(model=MODEL_NAME, mode="tokens")
+        results = [await session.step(i, **turn) for i, turn in enumerate(CONVERSATIONS[0])]
+    assert inproc.policy_version == 1 and all(r.policy_version == 1 for r in results)
+    assert_equal_to_offline([results], [vllm_services.offline[0]],
+                            reasons={e["finish_reason"] for e in vllm_services.offline[0]})

@@ -177,6 +177,7 @@ class VLLMEngine(Engine):
         self._llm: Any = None
         self._contexts = TokenContexts()
         self._ids = itertools.count()
+        self._version = 0
 
     def models(self) -> Mapping[str, Mode]:
         return {self.config.name: Mode.TOKENS}
@@ -206,6 +207,20 @@ class VLLMEngine(Engine):
         self._contexts.clear()
         if llm is not None:
             llm.shutdown()
+
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    async def load_weights(self, path: str, version: int) -> None:
+        """vLLM's own reload: each engine worker reloads the checkpoint at ``path`` in place, then the
+        prefix cache is reset so no KV computed with the old weights is reused. Session contexts are
+        token ids, so they stay valid. The fleet worker calls this only between steps."""
+        if self._llm is None:
+            await self.start()
+        await self._llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
+        await self._llm.reset_prefix_cache()
+        self._version = version
 
     def drop_session(self, session_key: str) -> None:
         self._contexts.drop(session_key)
