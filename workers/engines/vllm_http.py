@@ -62,6 +62,15 @@ class VLLMHTTPConfig:
     max_batch_size: int = 64
 
 
+def http_client(base_url: str, *, timeout_s: float, connect_timeout_s: float, max_connections: int,
+                transport: httpx.AsyncBaseTransport | None = None) -> httpx.AsyncClient:
+    """One pooled client per engine: connections are reused across steps."""
+    return httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
+                             limits=httpx.Limits(max_connections=max_connections,
+                                                 max_keepalive_connections=max_connections),
+                             transport=transport)
+
+
 def _error_message(response: httpx.Response) -> str:
     try:
         body = response.json()
@@ -206,11 +215,8 @@ class VLLMHTTPEngine(Engine):
     def _http(self) -> httpx.AsyncClient:
         if self._client is None:
             cfg = self.config
-            timeout = httpx.Timeout(cfg.timeout_s, connect=cfg.connect_timeout_s)
-            limits = httpx.Limits(max_connections=cfg.max_connections,
-                                  max_keepalive_connections=cfg.max_connections)
-            self._client = httpx.AsyncClient(base_url=cfg.base_url, timeout=timeout, limits=limits,
-                                             transport=self._transport)
+            self._client = http_client(cfg.base_url, timeout_s=cfg.timeout_s, connect_timeout_s=cfg.connect_timeout_s,
+                                       max_connections=cfg.max_connections, transport=self._transport)
         return self._client
 
     async def start(self) -> None:

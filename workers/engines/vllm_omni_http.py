@@ -37,7 +37,7 @@ import numpy as np
 from schemas.errors import ErrorCode, FleetError, InvalidRequestError
 from schemas.messages import Mode, WorldStep
 from workers.engines.base import Engine, EngineOutput, EngineRequest, run_in_waves
-from workers.engines.vllm_http import TransientEngineError, check_response
+from workers.engines.vllm_http import TransientEngineError, check_response, http_client
 from workers.engines.vllm_omni_engine import world_step
 
 log = logging.getLogger(__name__)
@@ -142,11 +142,8 @@ class VLLMOmniHTTPEngine(Engine):
     def _http(self) -> httpx.AsyncClient:
         if self._client is None:
             cfg = self.config
-            timeout = httpx.Timeout(cfg.timeout_s, connect=cfg.connect_timeout_s)
-            limits = httpx.Limits(max_connections=cfg.max_connections,
-                                  max_keepalive_connections=cfg.max_connections)
-            self._client = httpx.AsyncClient(base_url=cfg.base_url, timeout=timeout, limits=limits,
-                                             transport=self._transport)
+            self._client = http_client(cfg.base_url, timeout_s=cfg.timeout_s, connect_timeout_s=cfg.connect_timeout_s,
+                                       max_connections=cfg.max_connections, transport=self._transport)
         return self._client
 
     async def start(self) -> None:
