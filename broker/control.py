@@ -15,30 +15,51 @@ from broker.keys import CellKeys
 CONTROL_MAXLEN = 1000
 
 
+IN_FLIGHT = ("finish", "abort")
+
+
 @dataclass(frozen=True)
 class WeightUpdate:
+    """``in_flight``: what happens to steps running when the update arrives. ``finish`` (default):
+    they finish on the old weights and report the old version. ``abort``: the engine stops them and
+    they run again, whole, on the new weights (engines that cannot abort let them finish)."""
+
     model: str
     version: int
     path: str
+    in_flight: str = "finish"
+
+    @property
+    def abort(self) -> bool:
+        return self.in_flight == "abort"
 
     def fields(self) -> dict[str, str]:
-        return {"kind": "update_weights", "model": self.model, "version": str(self.version), "path": self.path}
+        return {"kind": "update_weights", "model": self.model, "version": str(self.version), "path": self.path,
+                "in_flight": self.in_flight}
 
     @classmethod
     def from_fields(cls, fields: dict[bytes, bytes]) -> WeightUpdate | None:
         if fields.get(b"kind") != b"update_weights":
             return None
         try:
-            return cls(fields[b"model"].decode(), int(fields[b"version"]), fields[b"path"].decode())
+            in_flight = fields.get(b"in_flight", b"finish").decode()
+            if in_flight not in IN_FLIGHT:
+                return None
+            return cls(fields[b"model"].decode(), int(fields[b"version"]), fields[b"path"].decode(), in_flight)
         except (KeyError, ValueError, UnicodeDecodeError):
             return None
 
 
-async def update_weights(redis: Redis, keys: CellKeys, *, model: str, version: int, path: str) -> str:
-    """Ask every worker serving ``model`` (now or later) to load ``path`` as policy ``version``."""
+async def update_weights(redis: Redis, keys: CellKeys, *, model: str, version: int, path: str,
+                         in_flight: str = "finish") -> str:
+    """Ask every worker serving ``model`` (now or later) to load ``path`` as policy ``version``;
+    ``in_flight="abort"`` aborts the steps running then (they run again on the new weights)."""
     if version <= 0:
         raise ValueError("policy versions start at 1")
-    entry: Any = await redis.xadd(keys.control, WeightUpdate(model, version, path).fields(),  # type: ignore[arg-type]
+    if in_flight not in IN_FLIGHT:
+        raise ValueError(f"in_flight must be one of {IN_FLIGHT}, got {in_flight!r}")
+    update = WeightUpdate(model, version, path, in_flight)
+    entry: Any = await redis.xadd(keys.control, update.fields(),  # type: ignore[arg-type]
                                   maxlen=CONTROL_MAXLEN, approximate=True)
     return entry.decode() if isinstance(entry, bytes) else str(entry)
 

@@ -14,6 +14,8 @@ from schemas.messages import TokenStep, WorldStep
 from tests.support import WorkerPool, world_step
 from workers.engines.base import EngineRequest
 from workers.engines.reference import ReferenceEngine, ReferenceEngineConfig
+from workers.engines.reference_lm import ReferenceLMConfig
+from workers.worker import Worker
 
 pytestmark = pytest.mark.asyncio
 SHAPE = (1, 4, 2, 8, 10)
@@ -116,3 +118,91 @@ async def test_a_bad_weights_file_keeps_the_old_version_and_says_why(
     assert err and b"version 1" in err
     s = await fleet.create_session(model="reference-world", mode="world_model_env")
     assert (await s.step(0, **world_step(0))).policy_version == 0
+
+
+# --------------------------------------------------------------------------- aborting in-flight steps
+
+LONG = {"token_ids": [257, 260, 72, 105, 261], "sampling": {"max_tokens": 1500, "seed": 7, "temperature": 0.8}}
+NEXT = {"token_ids": [72, 105], "sampling": {"max_tokens": 5, "seed": 8}}
+
+
+def long_engine(seed: int = 0) -> ReferenceEngine:
+    """No end-of-sequence token, so a step generates exactly ``max_tokens`` (a long step to abort)."""
+    return ReferenceEngine(ReferenceEngineConfig(latent_shape=SHAPE, seed=seed, lm=ReferenceLMConfig(eos_token_id=-1)))
+
+
+def direct_turns(seed: int) -> list[list[int]]:
+    """The two turns of one session, run directly on an engine with ``seed``'s weights."""
+    e = long_engine(seed)
+    out = []
+    for index, turn in enumerate((LONG, NEXT)):
+        [r] = e.run_direct("reference-lm", [EngineRequest("d", "reference-lm", TokenStep.from_wire(turn),
+                                                          reset=index == 0)])
+        assert not isinstance(r, BaseException)
+        out.append(list(r.output["token_ids"]))
+    return out
+
+
+async def inside_the_engine(worker: Worker) -> None:
+    assert worker.weights is not None
+    for _ in range(400):
+        if worker.weights.gate.running:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the step never reached the engine")
+
+
+@pytest.mark.parametrize("in_flight", ["abort", "finish"])
+async def test_an_update_aborts_or_finishes_the_steps_in_flight(
+    fleet: FleetClient, workers: WorkerPool, tmp_path: Path, in_flight: str
+) -> None:
+    path = str(tmp_path / "v1.pt")
+    long_engine(seed=1).save_weights(path)
+    expected = {0: direct_turns(0), 1: direct_turns(1)}
+    assert expected[0][0] != expected[1][0]
+    w = await workers.add(long_engine())
+    s = await fleet.create_session(model="reference-lm", mode="tokens")
+    running = s.submit(0, **LONG)
+    await inside_the_engine(w.worker)
+    await asyncio.sleep(0.1)  # some tokens are generated on the old weights
+    await update_weights(fleet.redis, fleet.keys, model="reference-lm", version=1, path=path, in_flight=in_flight)
+    first = await asyncio.wait_for(running, 60)
+    second = await s.step(1, **NEXT)
+    assert first.ok and second.ok, (first.error, second.error)
+    assert second.policy_version == 1
+    assert w.worker.executor is not None
+    if in_flight == "abort":
+        # Ran again, whole, on the new weights; the aborted run left no trace in the context.
+        assert first.policy_version == 1 and w.worker.executor.aborted_steps == 1
+        assert [first.output["token_ids"], second.output["token_ids"]] == expected[1]
+    else:
+        assert first.policy_version == 0 and w.worker.executor.aborted_steps == 0
+        assert first.output["token_ids"] == expected[0][0]
+    assert len(first.output["token_ids"]) == 1500 and first.committed_step_id == 0
+
+
+async def test_an_aborting_update_waits_for_engines_that_cannot_abort(
+    fleet: FleetClient, workers: WorkerPool, tmp_path: Path
+) -> None:
+    """Engines without abort (e.g. a remote world-model step) let the running step finish."""
+
+    class NoAbort(ReferenceEngine):
+        async def abort_running(self) -> bool:
+            return False
+
+    path = str(tmp_path / "v1.pt")
+    long_engine(seed=1).save_weights(path)
+    w = await workers.add(NoAbort(long_engine().config))
+    s = await fleet.create_session(model="reference-lm", mode="tokens")
+    running = s.submit(0, **LONG)
+    await inside_the_engine(w.worker)
+    await update_weights(fleet.redis, fleet.keys, model="reference-lm", version=1, path=path, in_flight="abort")
+    first = await asyncio.wait_for(running, 60)
+    assert first.ok and first.policy_version == 0 and first.output["token_ids"] == direct_turns(0)[0]
+    await workers_at_version(fleet.redis, fleet.keys, model="reference-lm", version=1)
+
+
+async def test_update_weights_rejects_an_unknown_in_flight_policy(fleet: FleetClient) -> None:
+    with pytest.raises(ValueError, match="in_flight"):
+        await update_weights(fleet.redis, fleet.keys, model="reference-lm", version=1, path="x", in_flight="drop")
+    assert await fleet.redis.xlen(fleet.keys.control) == 0

@@ -78,6 +78,8 @@ def _parser() -> argparse.ArgumentParser:
     uw.add_argument("--version", type=int, required=True, help="policy version (>= 1, increasing)")
     uw.add_argument("--path", required=True, help="weights path as the workers see it")
     uw.add_argument("--wait", type=float, default=0.0, help="seconds to wait until every worker reports it")
+    uw.add_argument("--abort-in-flight", action="store_true",
+                    help="abort running steps (they run again on the new weights) instead of letting them finish")
 
     rp = sub.add_parser("replay", help="list, show and re-enqueue dead-lettered jobs")
     _add_redis(rp)
@@ -194,7 +196,8 @@ def _cmd_update_weights(args: argparse.Namespace) -> int:
         redis = Redis.from_url(args.redis_url)
         keys = CellKeys(args.prefix, args.cell)
         try:
-            entry = await update_weights(redis, keys, model=args.model, version=args.version, path=args.path)
+            entry = await update_weights(redis, keys, model=args.model, version=args.version, path=args.path,
+                                         in_flight="abort" if args.abort_in_flight else "finish")
             print(f"announced {args.model} version {args.version} ({entry})")
             if args.wait:
                 done = await workers_at_version(redis, keys, model=args.model, version=args.version,

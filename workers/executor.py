@@ -21,7 +21,7 @@ from schemas.codec import decode, encode
 from schemas.errors import ErrorCode, FleetError, InvalidRequestError
 from schemas.messages import Latency, StepResult, parse_step_input
 from workers.batcher import Batcher
-from workers.engines.base import Engine, EngineOutput, EngineRequest
+from workers.engines.base import Engine, EngineOutput, EngineRequest, StepAborted
 from workers.jobs import Job
 from workers.rebuild import ContextLost, rebuild_context, records_kept, step_record
 from workers.settings import WorkerSettings
@@ -70,6 +70,7 @@ class StepExecutor:
         self.committed_steps = 0
         self.failed_steps = 0
         self.rebuilt_steps = 0
+        self.aborted_steps = 0  # runs stopped by an aborting weight update (each ran again)
         self.rebuild_ms: list[float] = []
 
     # ------------------------------------------------------------------ publishing
@@ -115,12 +116,22 @@ class StepExecutor:
             model=job.model, step=step, reset=state is not None and state.committed == -1,
             stateless=state is None,
         )
-        # The gate keeps weight updates out while this step (and its rebuild) uses the engine.
-        async with self.gate.step(job.min_version) as version:
-            if state is not None and state.committed >= 0 and not state.engine_ready \
-                    and not await self._rebuild(job, state):
-                return
-            outcome = await self._run_engine(job, request, state)
+        # The gate keeps weight updates out while this step (and its rebuild) uses the engine. An
+        # update that aborts in-flight steps sends this one back to the gate: it runs again, whole,
+        # on the new weights (the engine left the session's context as it was).
+        while True:
+            async with self.gate.step(job.min_version) as version:
+                try:
+                    if state is not None and state.committed >= 0 and not state.engine_ready \
+                            and not await self._rebuild(job, state):
+                        return
+                    outcome = await self._run_engine(job, request, state)
+                except StepAborted:
+                    self.aborted_steps += 1
+                    log.info("step %s/%d aborted for a weight update; it runs again after it",
+                             job.session_id, job.step_id)
+                    continue
+            break
         if outcome is None:
             return
         out, attempt, engine_ms = outcome
@@ -162,6 +173,8 @@ class StepExecutor:
             try:
                 out = await batcher.run(request)
                 return out, attempt, (time.perf_counter() - started) * 1000.0
+            except StepAborted:
+                raise
             except InvalidRequestError as exc:  # never retried
                 await self.fail(job, exc.code, exc.message, state, fallback=True, attempt=attempt)
                 return None

@@ -22,7 +22,7 @@ from schemas.codec import decode, encode
 from schemas.errors import ErrorCode, FleetError
 from schemas.messages import Mode, parse_step_input
 from workers.batcher import Batcher
-from workers.engines.base import EngineRequest
+from workers.engines.base import EngineRequest, StepAborted
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +82,8 @@ async def rebuild_context(redis: Redis, keys: CellKeys, batcher: Batcher, *, ses
         request = EngineRequest(session_key=session_id, model=model, step=step, reset=index == 0)
         try:
             out = await batcher.run(request)
+        except StepAborted:  # a weight update stopped the replay: the caller starts it over
+            raise
         except Exception as exc:
             raise ContextLost(f"replaying step {index} failed: {exc}") from exc
         if output_digest(out.output) != record["digest"]:

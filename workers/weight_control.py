@@ -31,9 +31,10 @@ class WeightControl:
     async def apply(self, update: WeightUpdate) -> None:
         if update.model not in self.engine.models() or update.version <= self.engine.policy_version:
             return
-        log.info("updating %s weights to version %d from %s", update.model, update.version, update.path)
+        log.info("updating %s weights to version %d from %s (in-flight steps: %s)", update.model,
+                 update.version, update.path, update.in_flight)
         try:
-            await self.gate.update(update.path, update.version)
+            await self.gate.update(update.path, update.version, abort=update.abort)
             self.error = ""
         except Exception as exc:  # keep serving the old version; say why in the heartbeat
             self.error = f"version {update.version}: {type(exc).__name__}: {exc}"[:300]

@@ -1,14 +1,19 @@
 """Weight updates without half-updated steps: steps pass a gate; an update closes it, waits until
-no step is inside the engine, loads the weights, and opens it again. A step that needs a minimum
-policy version waits at the gate until the engine has it."""
+no step is inside the engine (letting running steps finish, or aborting them), loads the weights,
+and opens it again. A step that needs a minimum policy version waits at the gate until the engine
+has it. An aborted step leaves the gate, waits for it to open, and runs again on the new weights."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 
 from workers.engines.base import Engine
+
+log = logging.getLogger(__name__)
+ABORT_REPEAT_S = 0.05  # how often an aborting update re-aborts steps that reached the engine late
 
 
 class WeightGate:
@@ -39,13 +44,30 @@ class WeightGate:
             if self._running == 0:
                 self._idle.set()
 
-    async def update(self, path: str, version: int) -> None:
-        """Pause intake, let running steps finish, load, resume."""
+    @property
+    def running(self) -> int:
+        return self._running
+
+    async def update(self, path: str, version: int, *, abort: bool = False) -> None:
+        """Pause intake, let running steps finish (``abort``: abort them), load, resume."""
         self._open.clear()
         try:
+            if abort:
+                await self._abort_until_idle()
             await self._idle.wait()
             await self.engine.load_weights(path, version)
         finally:
             self._open.set()
             changed, self._changed = self._changed, asyncio.Event()
             changed.set()
+
+    async def _abort_until_idle(self) -> None:
+        """Abort what runs in the engine until no step is inside the gate. Steps that were already
+        past the gate but had not reached the engine yet are caught by the next round."""
+        while self._running:
+            if not await self.engine.abort_running():
+                log.info("the %s engine cannot abort steps; waiting for %d to finish",
+                         self.engine.kind, self._running)
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), ABORT_REPEAT_S)

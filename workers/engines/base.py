@@ -38,6 +38,12 @@ class EngineOutput:
     context_length: int
 
 
+class StepAborted(Exception):
+    """The engine stopped a step part way because the worker asked it to (``abort_running``, for a
+    weight update that aborts in-flight steps). Like any failed request it leaves the session's
+    context unchanged; the worker runs the step again once the update is done."""
+
+
 class Engine(abc.ABC):
     """Executes batches of steps. Implementations must be:
 
@@ -84,6 +90,12 @@ class Engine(abc.ABC):
         """Load weight ``version`` from ``path`` through the engine's own mechanism. The worker calls
         this only while no step of this engine is running."""
         raise NotImplementedError(f"the {self.kind} engine cannot load weights")
+
+    async def abort_running(self) -> bool:
+        """Stop the steps running now as soon as the engine can: each raises (or returns)
+        ``StepAborted``. Steps that start after this call are not affected. Returns False when the
+        engine cannot abort; a weight update then waits for its running steps to finish."""
+        return False
 
 
 def session_waves(requests: Sequence[EngineRequest]) -> list[list[int]]:

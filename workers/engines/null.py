@@ -7,6 +7,7 @@ fleet delivered every step, once, in order: ``context`` is how many steps the se
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -14,7 +15,7 @@ import numpy as np
 
 from schemas.errors import InvalidRequestError
 from schemas.messages import Mode, TokenStep, WorldStep
-from workers.engines.base import Engine, EngineOutput, EngineRequest
+from workers.engines.base import Engine, EngineOutput, EngineRequest, StepAborted
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class NullEngine(Engine):
         self._contexts: dict[str, int] = {}
         self.batch_sizes: list[int] = []
         self._version = 0
+        self._aborted = asyncio.Event()  # set (and replaced) by abort_running
 
     def models(self) -> Mapping[str, Mode]:
         return {"null-world": Mode.WORLD_MODEL_ENV, "null-lm": Mode.TOKENS}
@@ -39,8 +41,18 @@ class NullEngine(Engine):
     async def run_batch(self, model: str, requests: Sequence[EngineRequest]) -> list[EngineOutput | BaseException]:
         self.batch_sizes.append(len(requests))
         if self.config.delay_ms:
-            await asyncio.sleep(self.config.delay_ms / 1000.0)
+            aborted = self._aborted
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(aborted.wait(), self.config.delay_ms / 1000.0)
+            if aborted.is_set():
+                return [StepAborted("aborted during its simulated compute") for _ in requests]
         return [self._one(req) for req in requests]
+
+    async def abort_running(self) -> bool:
+        """Batches in their simulated compute stop now; later ones are not affected."""
+        aborted, self._aborted = self._aborted, asyncio.Event()
+        aborted.set()
+        return True
 
     def _one(self, req: EngineRequest) -> EngineOutput | BaseException:
         step = req.step

@@ -21,7 +21,7 @@ import torch
 
 from schemas.errors import InvalidRequestError
 from schemas.messages import Mode
-from workers.engines.base import Engine, EngineOutput, EngineRequest, session_waves
+from workers.engines.base import Engine, EngineOutput, EngineRequest, StepAborted, session_waves
 from workers.engines.reference_lm import LMJob, LMSessionState, ReferenceLanguageModel, ReferenceLMConfig
 from workers.engines.reference_world import (
     ReferenceWorldConfig,
@@ -78,6 +78,7 @@ class ReferenceEngine(Engine):
         self._async_lock = asyncio.Lock()
         self._lock = threading.Lock()  # sessions and torch work: one batch at a time
         self._version = 0
+        self._aborts = 0  # bumped by abort_running; batches submitted before a bump stop
 
     def models(self) -> Mapping[str, Mode]:
         return {WORLD_MODEL: Mode.WORLD_MODEL_ENV, LM_MODEL: Mode.TOKENS}
@@ -155,10 +156,22 @@ class ReferenceEngine(Engine):
 
     async def run_batch(self, model: str, requests: Sequence[EngineRequest]) -> list[Result]:
         """Run a batch in a worker thread (one at a time) so the event loop stays free."""
-        async with self._async_lock:
-            return await asyncio.to_thread(self.run_direct, model, requests)
+        mark = self._aborts
 
-    def run_direct(self, model: str, requests: Sequence[EngineRequest]) -> list[Result]:
+        def aborted() -> bool:
+            return self._aborts != mark
+
+        async with self._async_lock:
+            return await asyncio.to_thread(self.run_direct, model, requests, aborted)
+
+    async def abort_running(self) -> bool:
+        """Batches submitted before this call stop at their next decode step (language model) or
+        before their forward pass (world model, whose step is one pass)."""
+        self._aborts += 1
+        return True
+
+    def run_direct(self, model: str, requests: Sequence[EngineRequest],
+                   should_stop: Callable[[], bool] | None = None) -> list[Result]:
         """The synchronous core of ``run_batch``: also the direct call the fidelity tests use."""
         self._build()
         if model not in self.models():
@@ -169,7 +182,12 @@ class ReferenceEngine(Engine):
             # A session may appear more than once: run such batches in waves, in request order.
             for wave in session_waves(requests):
                 batch = [requests[i] for i in wave]
-                outs = self._run_world(batch) if model == WORLD_MODEL else self._run_lm(batch)
+                if should_stop is not None and should_stop():
+                    outs: list[Result] = [StepAborted("aborted before it ran") for _ in batch]
+                elif model == WORLD_MODEL:
+                    outs = self._run_world(batch)
+                else:
+                    outs = self._run_lm(batch, should_stop)
                 for i, out in zip(wave, outs, strict=True):
                     results[i] = out
             return [_NOT_RUN if r is None else r for r in results]
@@ -203,12 +221,12 @@ class ReferenceEngine(Engine):
 
     # ------------------------------------------------------------------ language model
 
-    def _run_lm(self, requests: Sequence[EngineRequest]) -> list[Result]:
+    def _run_lm(self, requests: Sequence[EngineRequest], should_stop: Callable[[], bool] | None) -> list[Result]:
         model = self._lm
         assert model is not None
         prepared = _prepare(requests, lambda request: model.prepare(self._lm_state(request), request.step))
         ready = [(i, job) for i, job in enumerate(prepared) if isinstance(job, LMJob)]
-        outputs = _guarded(lambda: model.run([job for _, job in ready]), len(ready))
+        outputs = _guarded(lambda: model.run([job for _, job in ready], should_stop), len(ready))
         results: list[Result] = [p if isinstance(p, BaseException) else _NOT_RUN for p in prepared]
         for (i, _), out in zip(ready, outputs, strict=True):
             if isinstance(out, BaseException):

@@ -14,7 +14,7 @@ experts of all steps of a session cover ``len(context) - 1`` positions in total.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +25,7 @@ from schemas.errors import InvalidRequestError
 from schemas.messages import StepInput, TokenStep
 from schemas.reference_tokenizer import EOS_ID, VOCAB_SIZE
 from workers.engines import torch_ops
+from workers.engines.base import StepAborted
 
 _ATTENTION_CHUNK_ELEMENTS = 1 << 22
 KVCache = tuple[tuple[torch.Tensor, torch.Tensor], ...]  # per layer (K, V): (tokens, heads, head_dim)
@@ -189,8 +190,10 @@ class ReferenceLanguageModel:
     # ------------------------------------------------------------------ generation
 
     @torch.no_grad()
-    def run(self, jobs: Sequence[LMJob]) -> list[LMStepResult]:
-        """Prefill every job, then decode all of them in lockstep until each is done."""
+    def run(self, jobs: Sequence[LMJob], should_stop: Callable[[], bool] | None = None) -> list[LMStepResult]:
+        """Prefill every job, then decode all of them in lockstep until each is done. ``should_stop``
+        is asked before every decode step; when it says so the run raises ``StepAborted`` (job
+        caches are new tensors, so the sessions' states are untouched)."""
         feeds = [job.tokens[job.fed : len(job.tokens) - (0 if job.budget > 0 else 1)] for job in jobs]
         for job, logits in zip(jobs, self._forward(jobs, feeds), strict=True):
             if job.budget > 0 and logits is not None:
@@ -199,6 +202,8 @@ class ReferenceLanguageModel:
                 job.finish_reason = "length"
         active = [job for job in jobs if job.finish_reason is None]
         while active:
+            if should_stop is not None and should_stop():
+                raise StepAborted(f"aborted after {max(len(job.generated) for job in jobs)} generated tokens")
             outputs = self._forward(active, [[job.tokens[-1]] for job in active])
             for job, logits in zip(active, outputs, strict=True):
                 assert logits is not None
