@@ -1,11 +1,13 @@
 """Make a tiny Llama checkpoint locally (no model hub): random weights from a fixed seed, a byte-level
 BPE tokenizer trained here with ``tokenizers``, and a chat template. vLLM loads it in seconds on CPU.
 
-    python scripts/make_tiny_model.py DIR [--moe]   # idempotent: a complete DIR is left as it is
+    python scripts/make_tiny_model.py DIR [--moe] [--seed N]   # idempotent: a complete DIR is left as it is
 
 Shape: hidden 64, 2 layers, 2 attention heads (head size 32: a size vLLM's CPU attention supports),
 1 KV head, vocabulary ~400. ``--moe``: a tiny Mixtral instead (4 experts, top 2 per token, same
-tokenizer), for routed experts. Needs ``transformers``, ``tokenizers`` and ``torch`` (the engines venv).
+tokenizer), for routed experts. ``--seed``: other random weights with the same shape and tokenizer
+(a second policy version for weight-reload tests). Needs ``transformers``, ``tokenizers`` and
+``torch`` (the engines venv).
 """
 
 from __future__ import annotations
@@ -46,20 +48,20 @@ def _corpus() -> list[str]:
     return lines
 
 
-def _recipe(moe: bool = False) -> dict[str, object]:
-    recipe: dict[str, object] = {"version": VERSION, "seed": SEED, "vocab_size": VOCAB_SIZE, "hidden_size": 64,
+def _recipe(moe: bool = False, seed: int = SEED) -> dict[str, object]:
+    recipe: dict[str, object] = {"version": VERSION, "seed": seed, "vocab_size": VOCAB_SIZE, "hidden_size": 64,
                                  "layers": 2, "heads": 2, "kv_heads": 1}
     if moe:
         recipe.update(arch="mixtral", experts=4, top_k=2)
     return recipe
 
 
-def is_complete(path: Path, moe: bool = False) -> bool:
+def is_complete(path: Path, moe: bool = False, seed: int = SEED) -> bool:
     stamp = path / STAMP
     if not stamp.is_file():
         return False
     try:
-        return bool(json.loads(stamp.read_text()) == _recipe(moe))
+        return bool(json.loads(stamp.read_text()) == _recipe(moe, seed))
     except ValueError:
         return False
 
@@ -85,9 +87,9 @@ def _train_tokenizer(out: Path) -> object:
     return fast
 
 
-def make(path: Path, moe: bool = False) -> Path:
+def make(path: Path, moe: bool = False, seed: int = SEED) -> Path:
     """Create the model in ``path`` unless a complete one is there already."""
-    if is_complete(path, moe):
+    if is_complete(path, moe, seed):
         return path
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
@@ -104,7 +106,7 @@ def make(path: Path, moe: bool = False) -> Path:
             pad_token_id=tokenizer.pad_token_id,  # type: ignore[attr-defined]
             initializer_range=0.2, torch_dtype="float32",
         )
-        torch.manual_seed(SEED)
+        torch.manual_seed(seed)
         if moe:
             config = MixtralConfig(intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, **common)
             model = MixtralForCausalLM(config).to(torch.float32)
@@ -114,7 +116,7 @@ def make(path: Path, moe: bool = False) -> Path:
         model.save_pretrained(tmp, safe_serialization=True)
         GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
                          pad_token_id=config.pad_token_id).save_pretrained(tmp)
-        (tmp / STAMP).write_text(json.dumps(_recipe(moe)))
+        (tmp / STAMP).write_text(json.dumps(_recipe(moe, seed)))
         if path.exists():
             shutil.rmtree(path)
         os.replace(tmp, path)
@@ -128,8 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("directory", type=Path)
     parser.add_argument("--moe", action="store_true", help="a tiny Mixtral (routed experts) instead of Llama")
+    parser.add_argument("--seed", type=int, default=SEED, help="the weights' random seed")
     args = parser.parse_args(argv)
-    print(make(args.directory, moe=args.moe))
+    print(make(args.directory, moe=args.moe, seed=args.seed))
     return 0
 
 

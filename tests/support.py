@@ -9,10 +9,26 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import pytest
 
+from broker.failover import reap
+from broker.scripts import Scripts
 from workers.engines.base import Engine
 from workers.settings import WorkerSettings
 from workers.worker import Worker
+
+FAST = {"heartbeat_ms": 100, "lease_ms": 500}  # worker settings for quick failover in tests
+
+
+async def reap_until_moved(scripts: Scripts, dead: str, timeout: float = 5.0, lease_ms: int = FAST["lease_ms"]) -> None:
+    """Run the reaper until the sessions of worker ``dead`` have moved."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while asyncio.get_running_loop().time() < deadline:
+        reports = await reap(scripts, lease_ms=lease_ms)
+        if any(r.worker_id == dead and r.retired for r in reports):
+            return
+        await asyncio.sleep(0.1)
+    pytest.fail(f"{dead} was not failed over")
 
 
 @dataclass

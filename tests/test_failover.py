@@ -11,24 +11,13 @@ from broker import FleetClient
 from broker.failover import reap
 from broker.scripts import Scripts
 from schemas.errors import ErrorCode, FleetError
-from tests.support import WorkerPool, world_step
+from tests.support import FAST, WorkerPool, reap_until_moved, world_step
 from workers.engines.null import NullEngine, NullEngineConfig
 from workers.engines.reference import ReferenceEngine, ReferenceEngineConfig
 
 pytestmark = pytest.mark.asyncio
-FAST = {"heartbeat_ms": 100, "lease_ms": 500}
 SHAPE = (1, 4, 2, 8, 10)
 
-
-
-async def reap_until_moved(scripts: Scripts, dead: str, timeout: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while asyncio.get_running_loop().time() < deadline:
-        reports = await reap(scripts, lease_ms=FAST["lease_ms"])
-        if any(r.worker_id == dead and r.retired for r in reports):
-            return
-        await asyncio.sleep(0.1)
-    pytest.fail(f"{dead} was not failed over")
 
 
 def ref() -> ReferenceEngine:

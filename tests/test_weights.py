@@ -10,11 +10,14 @@ import pytest
 
 from broker import FleetClient
 from broker.control import update_weights, workers_at_version
+from broker.scripts import Scripts
+from schemas.errors import ErrorCode
 from schemas.messages import TokenStep, WorldStep
-from tests.support import WorkerPool, world_step
+from tests.support import FAST, WorkerPool, reap_until_moved, world_step
 from workers.engines.base import EngineRequest
 from workers.engines.reference import ReferenceEngine, ReferenceEngineConfig
 from workers.engines.reference_lm import ReferenceLMConfig
+from workers.rebuild import teacher_forced
 from workers.worker import Worker
 
 pytestmark = pytest.mark.asyncio
@@ -206,3 +209,56 @@ async def test_update_weights_rejects_an_unknown_in_flight_policy(fleet: FleetCl
     with pytest.raises(ValueError, match="in_flight"):
         await update_weights(fleet.redis, fleet.keys, model="reference-lm", version=1, path="x", in_flight="drop")
     assert await fleet.redis.xlen(fleet.keys.control) == 0
+
+
+# --------------------------------------------------------------------------- failover across versions
+
+TURNS = [{"token_ids": [257, 260, 72, 105, 261], "sampling": {"max_tokens": 6, "seed": 5}},
+         {"token_ids": [72, 105], "sampling": {"max_tokens": 5, "seed": 6}},
+         {"token_ids": [105], "sampling": {"max_tokens": 7, "seed": 7, "temperature": 0.8}},
+         {"token_ids": [260, 72], "sampling": {"max_tokens": 6, "seed": 8}}]
+
+
+async def test_failover_after_a_weight_update_rebuilds_token_sessions_by_their_tokens(
+    fleet: FleetClient, workers: WorkerPool, scripts: Scripts, tmp_path: Path
+) -> None:
+    """Steps 0-1 ran on version 0, step 2 on version 1; the worker dies. The new owner (version 1)
+    cannot replay version-0 generations, so it feeds each recorded step with its generated tokens
+    (nothing generated); a world-model session cannot be rebuilt and says why."""
+    path = str(tmp_path / "v1.pt")
+    engine(seed=1).save_weights(path)
+    a = await workers.add(engine(), **FAST)
+    t = await fleet.create_session(model="reference-lm", mode="tokens")
+    w = await fleet.create_session(model="reference-world", mode="world_model_env")
+    b = await workers.add(engine(), **FAST)
+    assert t.owner == w.owner == a.id
+    results = []
+    for i in range(2):
+        results.append(await t.step(i, **TURNS[i]))
+        assert (await w.step(i, **world_step(i))).policy_version == 0
+    await update_weights(fleet.redis, fleet.keys, model="reference-lm", version=1, path=path)
+    await workers_at_version(fleet.redis, fleet.keys, model="reference-lm", version=1)
+    results.append(await t.step(2, **TURNS[2]))
+    assert (await w.step(2, **world_step(2))).policy_version == 1
+    assert [r.policy_version for r in results] == [0, 0, 1]
+    await workers.kill(a)
+    await reap_until_moved(scripts, a.id)
+
+    moved = await t.step(3, **TURNS[3])
+    assert moved.ok and moved.worker_id == b.id and moved.policy_version == 1, moved.error
+    direct_engine = engine(seed=1)  # the same context from the same tokens, then step 3
+    for i, result in enumerate(results):
+        record = {"generated": result.output["token_ids"]}
+        forced = teacher_forced(TokenStep.from_wire(TURNS[i]), record)
+        [out] = direct_engine.run_direct("reference-lm", [EngineRequest("d", "reference-lm", forced, reset=i == 0)])
+        assert not isinstance(out, BaseException) and out.context_length == result.context_length
+    [expected] = direct_engine.run_direct("reference-lm", [EngineRequest("d", "reference-lm",
+                                                                        TokenStep.from_wire(TURNS[3]))])
+    assert not isinstance(expected, BaseException)
+    assert moved.output["token_ids"] == expected.output["token_ids"]
+    assert moved.output["logprobs"] == expected.output["logprobs"]
+    assert moved.context_length == expected.context_length
+
+    lost = await w.step(3, **world_step(3))
+    assert lost.error is not None and lost.error.code is ErrorCode.CONTEXT_LOST
+    assert "policy version 0" in lost.error.message and lost.committed_step_id == 2

@@ -209,7 +209,7 @@ class StepExecutor:
                 raise ContextLost(f"this worker does not serve model {job.model!r}")
             self.rebuild_ms.append(await rebuild_context(
                 self.scripts.redis, self.scripts.keys, batcher, session_id=job.session_id, model=job.model,
-                mode=job.mode, committed=state.committed))
+                mode=job.mode, committed=state.committed, version=self.engine.policy_version))
             self.rebuilt_steps += state.committed + 1
         except ContextLost as exc:
             self.engine.drop_session(job.session_id)
@@ -221,7 +221,8 @@ class StepExecutor:
     async def _commit(self, job: Job, result: StepResult, state: SessionState) -> None:
         assert result.output is not None
         payload = encode(result.to_wire())
-        record = step_record(job.payload, result.output)
+        record = step_record(job.payload, result.output, version=result.policy_version,
+                             context_length=result.context_length, mode=job.mode)
         reply: ScriptReply = await until_redis_answers(lambda: self.scripts.commit(
             session_id=job.session_id, worker_id=self.worker_id, epoch=job.epoch, step_id=job.step_id,
             entry_id=job.entry_id, result=payload, context_length=result.context_length,

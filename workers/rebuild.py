@@ -1,8 +1,16 @@
 """Context rebuild: a new owner replays a session's committed step records through its engine.
 
-Each committed step leaves a record (its input payload and a digest of its output). Replaying the
-records in order rebuilds the engine's context; where the engine is deterministic every replayed
-output must match its digest, so a wrong context is caught before it produces a wrong commit.
+Each committed step leaves a record: its input payload, a digest of its output, the policy version
+that produced it, the context length after it and, for token steps, the generated token ids.
+
+- Every record produced by the weights this engine runs now: replaying the records in order
+  rebuilds the context exactly; every replayed output must match its digest, so a wrong context is
+  caught before it produces a wrong commit.
+- Some record produced by other weights (a weight update happened since): a replay cannot give the
+  same outputs. A token session's context is its token ids, all recorded: each step is fed with its
+  generated ids appended and nothing generated (``max_tokens=0``), checked by context length. A
+  world-model context is the model's own state under the old weights and cannot be rebuilt: the
+  rebuild fails with CONTEXT_LOST and says why (reset the session).
 """
 
 from __future__ import annotations
@@ -11,6 +19,7 @@ import hashlib
 import logging
 import time
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -20,7 +29,7 @@ from broker.aio import resolve
 from broker.keys import CellKeys
 from schemas.codec import decode, encode
 from schemas.errors import ErrorCode, FleetError
-from schemas.messages import Mode, parse_step_input
+from schemas.messages import Mode, StepInput, TokenStep, parse_step_input
 from workers.batcher import Batcher
 from workers.engines.base import EngineRequest, StepAborted
 
@@ -46,8 +55,20 @@ def output_digest(output: Mapping[str, Any]) -> bytes:
     return h.digest()
 
 
-def step_record(payload: bytes, output: Mapping[str, Any]) -> bytes:
-    return encode({"payload": payload, "digest": output_digest(output)})
+def step_record(payload: bytes, output: Mapping[str, Any], *, version: int, context_length: int,
+                mode: Mode) -> bytes:
+    record: dict[str, Any] = {"payload": payload, "digest": output_digest(output), "version": version,
+                              "context_length": context_length}
+    if mode is Mode.TOKENS:
+        record["generated"] = [int(t) for t in output.get("token_ids", ())]
+    return encode(record)
+
+
+def teacher_forced(step: StepInput, record: Mapping[str, Any]) -> TokenStep:
+    """A recorded token step with its generated ids appended and nothing to generate."""
+    assert isinstance(step, TokenStep)
+    return replace(step, token_ids=(*step.token_ids, *record["generated"]),
+                   sampling=replace(step.sampling, max_tokens=0), return_routed_experts=False)
 
 
 def records_kept(mode: Mode, retention: str) -> int:
@@ -66,8 +87,9 @@ def records_kept(mode: Mode, retention: str) -> int:
 
 
 async def rebuild_context(redis: Redis, keys: CellKeys, batcher: Batcher, *, session_id: str, model: str,
-                          mode: Mode, committed: int) -> float:
-    """Replay steps 0..committed into the engine; returns the ms it took. Raises ContextLost."""
+                          mode: Mode, committed: int, version: int) -> float:
+    """Replay steps 0..committed into an engine running policy ``version``; returns the ms it took.
+    Raises ContextLost."""
     started = time.perf_counter()
     fields = [f"input:{i}" for i in range(committed + 1)]
     raw: list[bytes | None] = await resolve(redis.hmget(keys.log(session_id), fields))
@@ -75,10 +97,19 @@ async def rebuild_context(redis: Redis, keys: CellKeys, batcher: Batcher, *, ses
     if missing:
         raise ContextLost(f"the session's retention kept no inputs for steps {missing[0]}..{missing[-1]}; "
                           "its context cannot be rebuilt on a new worker (reset the session)")
-    for index, rec in enumerate(raw):
-        assert rec is not None
-        record = decode(rec)
+    records = [decode(rec) for rec in raw if rec is not None]
+    # Records written before versions were recorded count as this version (digests still check).
+    other = next(((i, r["version"]) for i, r in enumerate(records) if r.get("version", version) != version), None)
+    if other is not None and (mode is not Mode.TOKENS or any("generated" not in r for r in records)):
+        what = ("a world-model context" if mode is not Mode.TOKENS
+                else "this token session's records predate generated-token records, so its context")
+        raise ContextLost(f"step {other[0]} was produced by policy version {other[1]} and this worker runs "
+                          f"version {version}: {what} cannot be rebuilt across weight versions "
+                          "(reset the session)")
+    for index, record in enumerate(records):
         step = parse_step_input(mode, decode(record["payload"]))
+        if other is not None:
+            step = teacher_forced(step, record)
         request = EngineRequest(session_key=session_id, model=model, step=step, reset=index == 0)
         try:
             out = await batcher.run(request)
@@ -86,7 +117,11 @@ async def rebuild_context(redis: Redis, keys: CellKeys, batcher: Batcher, *, ses
             raise
         except Exception as exc:
             raise ContextLost(f"replaying step {index} failed: {exc}") from exc
-        if output_digest(out.output) != record["digest"]:
+        if other is not None:
+            if out.context_length != record["context_length"]:
+                raise ContextLost(f"replayed step {index} left {out.context_length} tokens of context; "
+                                  f"the committed step left {record['context_length']}")
+        elif output_digest(out.output) != record["digest"]:
             raise ContextLost(f"replayed step {index} differs from its committed output; "
                               "the engine is not deterministic for this session")
     elapsed = (time.perf_counter() - started) * 1000.0

@@ -76,8 +76,10 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def child_env() -> dict[str, str]:
+def child_env(dev_mode: bool = False) -> dict[str, str]:
     env = {**os.environ, **VLLM_ENV}
+    if dev_mode:  # the servers' development routes: weight reloads (/pause, /collective_rpc, ...)
+        env["VLLM_SERVER_DEV_MODE"] = "1"
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     return env
 
@@ -106,9 +108,9 @@ class Service:
                 self.proc.wait(timeout=10)
 
 
-def start(cmd: Sequence[str], log: Path) -> Service:
+def start(cmd: Sequence[str], log: Path, dev_mode: bool = False) -> Service:
     handle = open(log, "wb")  # noqa: SIM115 - the child owns it
-    proc = subprocess.Popen(list(cmd), stdout=handle, stderr=subprocess.STDOUT, env=child_env(), cwd=ROOT,
+    proc = subprocess.Popen(list(cmd), stdout=handle, stderr=subprocess.STDOUT, env=child_env(dev_mode), cwd=ROOT,
                             start_new_session=True)
     handle.close()
     return Service(proc, log)
@@ -166,26 +168,35 @@ def tiny_moe() -> str:
     return make_model("tiny-moe", "--moe")
 
 
+@pytest.fixture(scope="session")
+def tiny_model_v2() -> str:
+    """The tiny Llama with other random weights: the policy a weight update moves to."""
+    return make_model("tiny-llama-v2", "--seed", "4321")
+
+
 @dataclass
 class VLLMServices:
     model: str
+    model_v2: str
     server: Service
     offline: list[list[dict[str, Any]]]
     offline_moe: list[list[dict[str, Any]]]
+    offline_v2: list[list[dict[str, Any]]]  # WEIGHT_CONVERSATIONS on model_v2
 
 
 @pytest.fixture(scope="session")
-def vllm_services(tiny_model: str, tiny_moe: str, logs_dir: Path) -> Iterator[VLLMServices]:
-    """A vLLM server (``--enable-scale-out``) and vLLM's offline answers for CONVERSATIONS (tiny Llama)
-    and MOE_CONVERSATIONS (tiny Mixtral, routed experts), started together (they overlap on the CPUs)
-    and waited for once."""
-    from tests.engines.test_vllm_engines import CONVERSATIONS, MOE_CONVERSATIONS
+def vllm_services(tiny_model: str, tiny_moe: str, tiny_model_v2: str, logs_dir: Path) -> Iterator[VLLMServices]:
+    """A vLLM server (``--enable-scale-out``, development routes on for weight reloads) and vLLM's
+    offline answers for CONVERSATIONS (tiny Llama), MOE_CONVERSATIONS (tiny Mixtral, routed experts)
+    and WEIGHT_CONVERSATIONS (the other weights), started together (they overlap on the CPUs) and
+    waited for once."""
+    from tests.engines.test_vllm_engines import CONVERSATIONS, MOE_CONVERSATIONS, WEIGHT_CONVERSATIONS
 
     port = free_port()
     server = start([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", tiny_model,
                     "--served-model-name", MODEL_NAME, "--enable-scale-out", "--dtype", "float32",
                     "--enforce-eager", "--max-model-len", "1024", "--host", "127.0.0.1", "--port", str(port),
-                    "--disable-log-stats"], logs_dir / "vllm-server.log")
+                    "--disable-log-stats"], logs_dir / "vllm-server.log", dev_mode=True)
     server.url = f"http://127.0.0.1:{port}"
     spec = logs_dir / "offline-spec.json"
     out = logs_dir / "offline-out.json"
@@ -193,14 +204,16 @@ def vllm_services(tiny_model: str, tiny_moe: str, logs_dir: Path) -> Iterator[VL
         {"model": tiny_model, "engine": VLLM_ENGINE_KW, "conversations": CONVERSATIONS},
         {"model": tiny_moe, "engine": {**VLLM_ENGINE_KW, "enable_return_routed_experts": True},
          "conversations": MOE_CONVERSATIONS},
+        {"model": tiny_model_v2, "engine": VLLM_ENGINE_KW, "conversations": WEIGHT_CONVERSATIONS},
     ]}))
     offline = start([sys.executable, "-m", "tests.engines.vllm_offline", str(spec), str(out)],
                     logs_dir / "vllm-offline.log")
     try:
         wait_exit(offline)
         wait_http(server, "/health")
-        llama, moe = json.loads(out.read_text())
-        yield VLLMServices(model=tiny_model, server=server, offline=llama, offline_moe=moe)
+        llama, moe, llama_v2 = json.loads(out.read_text())
+        yield VLLMServices(model=tiny_model, model_v2=tiny_model_v2, server=server, offline=llama,
+                           offline_moe=moe, offline_v2=llama_v2)
     finally:
         offline.stop()
         server.stop()
@@ -238,6 +251,9 @@ class SharedEngine(Engine):
     async def load_weights(self, path: str, version: int) -> None:
         await self.inner.load_weights(path, version)
 
+    async def abort_running(self) -> bool:
+        return await self.inner.abort_running()
+
 
 # --------------------------------------------------------------------------- vLLM-Omni
 
@@ -253,7 +269,7 @@ def omni_server(logs_dir: Path) -> Iterator[Service]:
     port = free_port()
     server = start([sys.executable, "-m", "workers.engines._world_standin", "--port", str(port),
                     "--model", OMNI_MODEL, "--latent-shape", ",".join(map(str, OMNI_SHAPE))],
-                   logs_dir / "omni-server.log")
+                   logs_dir / "omni-server.log", dev_mode=True)
     server.url = f"http://127.0.0.1:{port}"
     try:
         wait_http(server, "/v1/realtime/sessions/none/status")

@@ -1,5 +1,6 @@
 """The real engines' parts that need neither vllm nor vllm_omni (they run in the fast tier too):
-the registry, HTTP error mapping, multimodal feature offsets, latent decoding, lazy imports."""
+the registry, HTTP error mapping, multimodal feature offsets, latent decoding, lazy imports, and
+what a weight reload says when a server cannot do it."""
 
 from __future__ import annotations
 
@@ -15,11 +16,12 @@ import pytest
 from schemas.errors import InvalidRequestError
 from schemas.messages import TokenStep, WorldStep
 from workers.engines.base import EngineRequest
+from workers.engines.http_common import check_rpc_results
 from workers.engines.registry_real import REAL_ENGINES, build_real_engine
 from workers.engines.vllm_engine import TransientEngineError, VLLMEngine
 from workers.engines.vllm_http import VLLMHTTPConfig, VLLMHTTPEngine, merge_features, shift_features
 from workers.engines.vllm_omni_engine import VLLMOmniEngine, robot_obs
-from workers.engines.vllm_omni_http import VLLMOmniHTTPEngine, decode_latent, step_body
+from workers.engines.vllm_omni_http import VLLMOmniHTTPConfig, VLLMOmniHTTPEngine, decode_latent, step_body
 
 TURN = {"token_ids": [1, 5, 205], "sampling": {"max_tokens": 4, "seed": 7}}
 
@@ -39,7 +41,8 @@ def test_registry_builds_each_engine_without_importing_vllm() -> None:
 
 def test_engine_modules_import_no_heavy_library() -> None:
     code = ("import sys, workers.engines.registry_real, workers.engines.vllm_engine, workers.engines.vllm_http, "
-            "workers.engines.vllm_omni_engine, workers.engines.vllm_omni_http, workers.engines._world_standin\n"
+            "workers.engines.vllm_omni_engine, workers.engines.vllm_omni_http, workers.engines._world_standin, "
+            "workers.engines.http_common\n"
             "heavy = [m for m in ('torch', 'vllm', 'vllm_omni') if m in sys.modules]\n"
             "assert not heavy, heavy")
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -108,3 +111,30 @@ def test_latents_decode_from_base64_raw_tensors() -> None:
     assert out.dtype == np.float32 and np.array_equal(out, latent) and out.flags.writeable
     with pytest.raises(TransientEngineError):
         decode_latent({"encoding": "string", "video_latent": "x"})
+
+
+@pytest.mark.asyncio
+async def test_a_server_without_development_routes_says_how_to_enable_weight_reloads() -> None:
+    paths: list[str] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        paths.append(request.url.path)
+        return httpx.Response(404, json={"detail": "Not Found"})
+
+    transport = httpx.MockTransport(answer)
+    for engine in (VLLMHTTPEngine(VLLMHTTPConfig(base_url="http://test", model="m"), transport=transport),
+                   VLLMOmniHTTPEngine(VLLMOmniHTTPConfig(base_url="http://test"), transport=transport)):
+        await engine.start()
+        assert engine.policy_version == 0
+        with pytest.raises(RuntimeError, match="VLLM_SERVER_DEV_MODE=1"):
+            await engine.load_weights("/ckpt", 1)
+        assert engine.policy_version == 0
+        await engine.close()
+    assert "/collective_rpc" not in paths  # nothing is reloaded on a server that was not paused
+
+
+def test_collective_rpc_results_of_stages_without_the_method_fail() -> None:
+    check_rpc_results([None, None], "reload_weights")
+    check_rpc_results(None, "reload_weights")
+    with pytest.raises(RuntimeError, match=r"worker 1 .*todo"):
+        check_rpc_results([None, {"todo": "diffusion stage"}], "reload_weights")

@@ -25,7 +25,7 @@ from tests.engines.conftest import (
     requires_vllm,
 )
 from tests.support import worker_pool
-from workers.engines.base import EngineRequest
+from workers.engines.base import Engine, EngineRequest
 from workers.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
 from workers.engines.vllm_http import VLLMHTTPConfig, VLLMHTTPEngine
 
@@ -46,6 +46,9 @@ CONVERSATIONS: list[list[dict[str, Any]]] = [
      {"token_ids": TURN, "sampling": {"max_tokens": 12, "seed": 12, "stop_token_ids": STOPS}},
      {"token_ids": [205], "sampling": {"max_tokens": 4, "seed": 13}}],
 ]
+# Greedy from PROMPT, the tiny Llama never emits its end token: a long step (about 2 s) to abort.
+LONG_TURN: dict[str, Any] = {"token_ids": PROMPT, "sampling": {"max_tokens": 1000, "temperature": 0.0}}
+WEIGHT_CONVERSATIONS: list[list[dict[str, Any]]] = [[LONG_TURN], CONVERSATIONS[0]]  # offline on the v2 weights
 MOE_CONVERSATIONS: list[list[dict[str, Any]]] = [
     [{"token_ids": PROMPT, "sampling": {"max_tokens": 6, "seed": 21}, "return_routed_experts": True},
      {"token_ids": TURN, "sampling": {"max_tokens": 6, "seed": 22}, "return_routed_experts": True}],
@@ -234,21 +237,58 @@ async def test_failover_rebuilds_the_context_on_another_engine_kind(
         await redis.aclose()
 
 
-async def test_weight_update_through_the_control_stream_reloads_vllm_in_place(
-        redis_server: RedisServer, vllm_services: VLLMServices, inproc: VLLMEngine) -> None:
-    """Last in this file: it moves the shared engine to policy version 1 (reloading the same
-    checkpoint, so its answers must still equal vLLM's offline ones)."""
+async def check_weight_updates(url: str, services: VLLMServices, engine: Engine,
+                               first_version: int) -> None:
+    """Through the control stream: a long step is aborted by an update to the other weights and runs
+    again, whole, on them; the next session answers as vLLM offline on those weights; a second update
+    (letting steps finish) goes back to the original weights and their offline answers."""
     from broker.control import update_weights, workers_at_version
 
     prefix = f"t{uuid.uuid4().hex[:10]}"
-    async with worker_pool(redis_server.url, prefix) as pool, FleetClient(redis_server.url, prefix=prefix) as fleet:
-        await pool.add(SharedEngine(inproc))
-        await update_weights(fleet.redis, fleet.keys, model=MODEL_NAME, version=1, path=vllm_services.model)
-        await workers_at_version(fleet.redis, fleet.keys, model=MODEL_NAME, version=1, timeout=120)
-        err = await fleet.redis.hget(fleet.keys.worker(pool.running[0].id), "weights_error")
-        assert not err, err
+    v1, v2 = first_version, first_version + 1
+    async with worker_pool(url, prefix) as pool, FleetClient(url, prefix=prefix) as fleet:
+        w = await pool.add(engine)
+        long_session = await fleet.create_session(model=MODEL_NAME, mode="tokens")
+        running = long_session.submit(0, **LONG_TURN)
+        for _ in range(500):
+            if w.worker.weights is not None and w.worker.weights.gate.running:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.3)  # generating on the original weights
+        await update_weights(fleet.redis, fleet.keys, model=MODEL_NAME, version=v1, path=services.model_v2,
+                             in_flight="abort")
+        long = await asyncio.wait_for(running, 120)
+        await workers_at_version(fleet.redis, fleet.keys, model=MODEL_NAME, version=v1, timeout=120)
+        assert not await fleet.redis.hget(fleet.keys.worker(w.id), "weights_error")
+        assert w.worker.executor is not None and w.worker.executor.aborted_steps == 1
+        assert long.ok and long.policy_version == v1, long
         session = await fleet.create_session(model=MODEL_NAME, mode="tokens")
-        results = [await session.step(i, **turn) for i, turn in enumerate(CONVERSATIONS[0])]
-    assert inproc.policy_version == 1 and all(r.policy_version == 1 for r in results)
-    assert_equal_to_offline([results], [vllm_services.offline[0]],
-                            reasons={e["finish_reason"] for e in vllm_services.offline[0]})
+        on_v1 = [await session.step(i, **turn) for i, turn in enumerate(CONVERSATIONS[0])]
+
+        await update_weights(fleet.redis, fleet.keys, model=MODEL_NAME, version=v2, path=services.model)
+        await workers_at_version(fleet.redis, fleet.keys, model=MODEL_NAME, version=v2, timeout=120)
+        session = await fleet.create_session(model=MODEL_NAME, mode="tokens")
+        on_v2 = [await session.step(i, **turn) for i, turn in enumerate(CONVERSATIONS[0])]
+    assert all(r.policy_version == v1 for r in on_v1) and all(r.policy_version == v2 for r in on_v2)
+    assert_equal_to_offline([[long], on_v1], services.offline_v2,
+                            reasons={e["finish_reason"] for conv in services.offline_v2 for e in conv})
+    assert_equal_to_offline([on_v2], [services.offline[0]],
+                            reasons={e["finish_reason"] for e in services.offline[0]})
+    assert on_v1[0].output["token_ids"] != on_v2[0].output["token_ids"]  # the weights did change
+
+
+async def test_weight_updates_reload_vllm_in_process(
+        redis_server: RedisServer, vllm_services: VLLMServices, inproc: VLLMEngine) -> None:
+    """Near the end of this file: it moves the shared engine to policy version 2 (the original
+    weights again, so later answers still equal vLLM's offline ones)."""
+    await check_weight_updates(redis_server.url, vllm_services, SharedEngine(inproc), first_version=1)
+    assert inproc.policy_version == 2
+
+
+async def test_weight_updates_reload_the_vllm_server(redis_server: RedisServer, vllm_services: VLLMServices) -> None:
+    """Last in this file: the server ends on policy version 4 (the original weights again)."""
+    await check_weight_updates(redis_server.url, vllm_services, http_engine(vllm_services), first_version=3)
+    restarted = http_engine(vllm_services)  # a worker that starts later learns the server's version
+    await restarted.start()
+    assert restarted.policy_version == 4
+    await restarted.close()

@@ -9,6 +9,7 @@ import asyncio
 import base64
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -23,6 +24,7 @@ from tests.engines.conftest import OMNI_MODEL, OMNI_SHAPE, Service, requires_vll
 from tests.support import image, worker_pool
 from workers.engines._world_standin import ReferenceWorldClient, build_serving
 from workers.engines.base import Engine, EngineRequest
+from workers.engines.reference import ReferenceEngine, ReferenceEngineConfig
 from workers.engines.vllm_omni_engine import VLLMOmniEngine, VLLMOmniEngineConfig
 from workers.engines.vllm_omni_http import SessionContextLost, VLLMOmniHTTPConfig, VLLMOmniHTTPEngine
 
@@ -45,8 +47,8 @@ def obs_step(i: int, seed: int = 0, prompt: str = "pick the cup", extra: dict[st
     }
 
 
-def client() -> ReferenceWorldClient:
-    return ReferenceWorldClient(OMNI_MODEL, latent_shape=OMNI_SHAPE)
+def client(seed: int = 0) -> ReferenceWorldClient:
+    return ReferenceWorldClient(OMNI_MODEL, latent_shape=OMNI_SHAPE, seed=seed)
 
 
 def inproc_engine() -> VLLMOmniEngine:
@@ -60,8 +62,8 @@ def http_engine(server: Service, **kw: Any) -> VLLMOmniHTTPEngine:
 class Direct:
     """The vLLM-Omni serving layer called directly (no HTTP, no fleet): the anchor."""
 
-    def __init__(self) -> None:
-        self.serving = build_serving(client())
+    def __init__(self, weights_seed: int = 0) -> None:
+        self.serving = build_serving(client(weights_seed))
 
     async def session(self) -> str:
         from vllm_omni.entrypoints.openai.protocol.rollout import CreateSessionRequest
@@ -246,3 +248,66 @@ async def test_non_world_steps_are_invalid() -> None:
     engine = inproc_engine()
     out = await engine.run_batch(OMNI_MODEL, [EngineRequest("k", OMNI_MODEL, TokenStep(token_ids=(1,)))])
     assert isinstance(out[0], InvalidRequestError)
+
+
+@pytest.mark.parametrize("kind", ["inproc", "http"])
+async def test_weight_updates_reload_the_world_model_through_its_engine_client(
+        redis_server: RedisServer, kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    """Through the control stream: the engine client reloads (in process: ``collective_rpc``; over
+    HTTP: the server's development routes around it); latents then equal the serving layer on the
+    other weights, and a second update goes back (the shared server ends on its original weights)."""
+    from broker.control import update_weights, workers_at_version
+
+    paths = {}
+    for seed in (0, 1):
+        paths[seed] = str(tmp_path / f"world-{seed}.pt")
+        ReferenceEngine(ReferenceEngineConfig(latent_shape=OMNI_SHAPE, seed=seed)).save_weights(paths[seed])
+    engine = inproc_engine() if kind == "inproc" else http_engine(request.getfixturevalue("omni_server"))
+    prefix = f"t{uuid.uuid4().hex[:10]}"
+    async with worker_pool(redis_server.url, prefix) as pool, FleetClient(redis_server.url, prefix=prefix) as fleet:
+        w = await pool.add(engine)
+        episodes: dict[int, list[Any]] = {}
+        for version, seed in ((0, 0), (1, 1), (2, 0)):
+            if version:
+                await update_weights(fleet.redis, fleet.keys, model=OMNI_MODEL, version=version, path=paths[seed])
+                await workers_at_version(fleet.redis, fleet.keys, model=OMNI_MODEL, version=version, timeout=60)
+                assert not await fleet.redis.hget(fleet.keys.worker(w.id), "weights_error")
+            s = await fleet.create_session(model=OMNI_MODEL, mode="world_model_env")
+            episodes[version] = [await s.step(i, **obs_step(i)) for i in range(2)]
+    for version, seed in ((0, 0), (1, 1), (2, 0)):
+        direct = Direct(weights_seed=seed)
+        sid = await direct.session()
+        for i, r in enumerate(episodes[version]):
+            assert r.ok and r.policy_version == version, (version, i, r.error)
+            expected = await direct.step(sid, i, obs_step(i))
+            assert r.output["video_latent"].tobytes() == expected.tobytes(), (version, i)
+    assert episodes[1][0].output["video_latent"].tobytes() != episodes[0][0].output["video_latent"].tobytes()
+
+
+async def test_a_weight_update_the_engine_client_cannot_do_is_reported(
+        redis_server: RedisServer, tmp_path: Path) -> None:
+    """A stage without ``reload_weights`` (vLLM-Omni answers ``{"todo": ...}``): the worker says so in
+    its heartbeat and keeps serving the old weights."""
+
+    class NoReload(ReferenceWorldClient):
+        async def collective_rpc(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+            return [{"todo": f"{method} is not implemented for diffusion stages"}]
+
+    engine = VLLMOmniEngine(VLLMOmniEngineConfig(model=OMNI_MODEL),
+                            engine_client=NoReload(OMNI_MODEL, latent_shape=OMNI_SHAPE))
+    prefix = f"t{uuid.uuid4().hex[:10]}"
+    async with worker_pool(redis_server.url, prefix) as pool, FleetClient(redis_server.url, prefix=prefix) as fleet:
+        from broker.control import update_weights
+
+        w = await pool.add(engine)
+        await update_weights(fleet.redis, fleet.keys, model=OMNI_MODEL, version=1, path=str(tmp_path / "x.pt"))
+        error = b""
+        for _ in range(200):
+            error = await fleet.redis.hget(fleet.keys.worker(w.id), "weights_error") or b""
+            if error:
+                break
+            await asyncio.sleep(0.05)
+        assert b"todo" in error and b"version 1" in error, error
+        s = await fleet.create_session(model=OMNI_MODEL, mode="world_model_env")
+        r = await s.step(0, **obs_step(0))
+        assert r.ok and r.policy_version == 0

@@ -12,6 +12,14 @@ latent comes back the way DreamZero's formatter places it: ``result.images[0]`` 
 Bad input raises ``ValueError`` (the serving layer answers ``invalid_request``); a prompt equal to
 ``fail_prompt`` raises ``RuntimeError`` (``inference_error``), for tests.
 
+Weights, as an engine client's control surface: ``collective_rpc("reload_weights",
+kwargs={"weights_path": P})`` reloads the world model from a ``ReferenceEngine.save_weights`` file
+(other methods answer ``{"todo": ...}``, as vLLM-Omni's stages do), ``pause_generation`` /
+``resume_generation`` hold new requests (pausing waits for running ones), ``reset_prefix_cache``.
+With ``VLLM_SERVER_DEV_MODE=1`` the launcher also serves vLLM's development routes (``/pause``,
+``/collective_rpc``, ``/reset_prefix_cache``, ``/resume``, ...) around this client, as vLLM-Omni's
+API server does.
+
     python -m workers.engines._world_standin --port 8000 [--latent-shape 1,4,2,8,10] [--seed 0]
 
 serves ``/v1/realtime/sessions...`` of ``vllm_omni.entrypoints.openai.api_server.router`` with
@@ -23,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import threading
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
@@ -87,6 +96,10 @@ class ReferenceWorldClient:
         self._sessions: dict[str, Any] = {}  # engine session id -> hidden state (torch tensor)
         self._lock = threading.Lock()
         self.requests = 0
+        self.reloads: list[str] = []  # weight paths loaded, in order
+        self._admission = asyncio.Condition()
+        self._paused = False
+        self._running = 0
 
     def session_ids(self) -> list[str]:
         return sorted(self._sessions)
@@ -99,10 +112,63 @@ class ReferenceWorldClient:
                        **_: Any) -> AsyncIterator[Any]:
         params = sampling_params_list[0]
         extra = dict(getattr(params, "extra_args", None) or {})
-        if self.delay_ms:
-            await asyncio.sleep(self.delay_ms / 1000.0)
-        latent = await asyncio.to_thread(self._step, extra, getattr(params, "seed", None))
+        async with self._admission:
+            await self._admission.wait_for(lambda: not self._paused)
+            self._running += 1
+        try:
+            if self.delay_ms:
+                await asyncio.sleep(self.delay_ms / 1000.0)
+            latent = await asyncio.to_thread(self._step, extra, getattr(params, "seed", None))
+        finally:
+            async with self._admission:
+                self._running -= 1
+                self._admission.notify_all()
         yield self._output(request_id, prompt, latent)
+
+    # ------------------------------------------------------------------ control surface
+
+    async def collective_rpc(self, method: str, timeout: float | None = None, args: Sequence[Any] = (),
+                             kwargs: Mapping[str, Any] | None = None, **_: Any) -> list[Any]:
+        if method != "reload_weights":
+            return [{"todo": f"the stand-in world model does not implement {method!r}"}]
+        path = (kwargs or {}).get("weights_path") or (args[0] if args else None)
+        if not path:
+            raise ValueError("reload_weights needs weights_path")
+        await asyncio.to_thread(self._reload, str(path))
+        return [None]
+
+    def _reload(self, path: str) -> None:
+        import torch
+
+        from workers.engines.weights import check_state, copy_state
+
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        world = {k[len("world."):]: v for k, v in state.items() if k.startswith("world.")}
+        if "world_seed" not in state:
+            raise ValueError("weights file has no world_seed")
+        with self._lock:
+            check_state(self._model, world)
+            copy_state(self._model, world)
+            self._model.reseed_projections(int(state["world_seed"]))
+            self.reloads.append(path)
+
+    async def pause_generation(self, *, mode: str = "abort", wait_for_inflight_requests: bool = False,
+                               clear_cache: bool = True, **_: Any) -> None:
+        """Hold new requests and wait for the running ones (a world step cannot be cut short)."""
+        async with self._admission:
+            self._paused = True
+            await self._admission.wait_for(lambda: self._running == 0)
+
+    async def resume_generation(self, **_: Any) -> None:
+        async with self._admission:
+            self._paused = False
+            self._admission.notify_all()
+
+    async def is_paused(self) -> bool:
+        return self._paused
+
+    async def reset_prefix_cache(self, *_: Any, **__: Any) -> bool:
+        return True  # no prefix cache: session states are kept per session
 
     def _step(self, extra: Mapping[str, Any], seed: int | None) -> np.ndarray:
         import torch
@@ -152,6 +218,11 @@ def build_app(client: Any, model_name: str | None = None) -> Any:
     app = FastAPI()
     app.include_router(router)
     app.state.rl_rollout_serving = build_serving(client, model_name)
+    app.state.engine_client = client
+    if os.environ.get("VLLM_SERVER_DEV_MODE") == "1":
+        from vllm.entrypoints.serve import register_vllm_dev_api_routers
+
+        register_vllm_dev_api_routers(app)
     return app
 
 

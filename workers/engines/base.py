@@ -9,7 +9,7 @@ import abc
 import asyncio
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from schemas.messages import Mode, StepInput
 
@@ -42,6 +42,41 @@ class StepAborted(Exception):
     """The engine stopped a step part way because the worker asked it to (``abort_running``, for a
     weight update that aborts in-flight steps). Like any failed request it leaves the session's
     context unchanged; the worker runs the step again once the update is done."""
+
+
+T = TypeVar("T")
+
+
+class AbortableCalls:
+    """Engine calls (a remote request, a generation) that an abort can cancel: each runs as a task;
+    ``abort_all`` cancels the ones running and each of those raises ``StepAborted`` to its caller.
+    The engine must keep a session's context untouched until its call has returned."""
+
+    def __init__(self) -> None:
+        self._running: set[asyncio.Task[Any]] = set()
+        self._aborted: set[asyncio.Task[Any]] = set()
+
+    async def run(self, call: Awaitable[T]) -> T:
+        task = asyncio.ensure_future(call)
+        self._running.add(task)
+        try:
+            return await task
+        except asyncio.CancelledError:
+            caller = asyncio.current_task()
+            if task in self._aborted and (caller is None or not caller.cancelling()):
+                raise StepAborted("aborted for a weight update") from None
+            raise  # the caller itself is being cancelled
+        finally:
+            self._running.discard(task)
+            self._aborted.discard(task)
+
+    def abort_all(self) -> int:
+        """Cancel every running call; how many there were."""
+        live = [task for task in self._running if not task.done()]
+        for task in live:
+            self._aborted.add(task)
+            task.cancel()
+        return len(live)
 
 
 class Engine(abc.ABC):

@@ -28,7 +28,7 @@ import numpy as np
 
 from schemas.errors import InvalidRequestError
 from schemas.messages import Mode, SamplingParams, TokenStep
-from workers.engines.base import Engine, EngineOutput, EngineRequest, run_in_waves
+from workers.engines.base import AbortableCalls, Engine, EngineOutput, EngineRequest, run_in_waves
 
 log = logging.getLogger(__name__)
 Result = EngineOutput | BaseException
@@ -178,6 +178,7 @@ class VLLMEngine(Engine):
         self._contexts = TokenContexts()
         self._ids = itertools.count()
         self._version = 0
+        self._calls = AbortableCalls()
 
     def models(self) -> Mapping[str, Mode]:
         return {self.config.name: Mode.TOKENS}
@@ -222,6 +223,11 @@ class VLLMEngine(Engine):
         await self._llm.reset_prefix_cache()
         self._version = version
 
+    async def abort_running(self) -> bool:
+        """Cancel the running generations (vLLM aborts their requests); contexts stay as they were."""
+        self._calls.abort_all()
+        return True
+
     def drop_session(self, session_key: str) -> None:
         self._contexts.drop(session_key)
 
@@ -257,10 +263,18 @@ class VLLMEngine(Engine):
         request_id = f"{request.session_key}-{next(self._ids)}"
         final = None
         started = False
-        try:
+
+        async def consume() -> Any:
+            nonlocal started
+            last = None
             async for out in llm.generate({"prompt_token_ids": prompt}, params, request_id):
                 started = True
-                final = out
+                last = out
+            return last
+
+        try:
+            # Cancelling the generation (abort_running) makes vLLM abort the request.
+            final = await self._calls.run(consume())
         except GracefulHTTPError as exc:  # admission control (queue full, ...): try again later
             if int(exc.http_status) >= 500 or int(exc.http_status) in (408, 429):
                 raise TransientEngineError(f"vLLM: {exc.message}") from exc

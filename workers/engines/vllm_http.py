@@ -12,6 +12,14 @@ Multimodal: a step's ``multimodal`` is the ``features`` object of ``/render`` fo
 session's context length and sends the features of every earlier turn along, so the server sees
 one consistent prompt.
 
+Weights: ``load_weights`` uses the server's development routes, so the server runs with
+``VLLM_SERVER_DEV_MODE=1``: ``/pause?mode=wait``, ``/collective_rpc`` (``reload_weights`` with
+``weights_path``: vLLM's own in-place reload), ``/reset_prefix_cache`` (no KV of the old weights is
+reused), ``/update_weight_version``, ``/resume``; at start ``/weight_info`` tells which policy
+version the server already has. Without dev mode steps work and a weight update reports why it
+cannot be done. ``abort_running`` cancels this worker's generate calls (the server aborts requests
+whose client went away). One worker fronts a server.
+
 Errors: HTTP 4xx (except 408/429) -> ``InvalidRequestError`` (never retried); 5xx, 408, 429,
 timeouts and connection errors -> ``TransientEngineError`` (the worker retries those; generation is
 deterministic under the step's seed, so a retry after a lost response gives the same result).
@@ -32,7 +40,8 @@ import numpy as np
 
 from schemas.errors import InvalidRequestError
 from schemas.messages import Mode, TokenStep
-from workers.engines.base import Engine, EngineRequest
+from workers.engines.base import AbortableCalls, Engine, EngineRequest
+from workers.engines.http_common import http_client, post_json, reload_over_http
 from workers.engines.vllm_engine import (
     DEFAULT_SEED,
     Generation,
@@ -43,7 +52,6 @@ from workers.engines.vllm_engine import (
     sampling_fields,
 )
 
-_TRANSIENT_STATUS = {408, 425, 429}
 __all__ = ["TransientEngineError", "VLLMHTTPConfig", "VLLMHTTPEngine"]
 
 
@@ -60,49 +68,6 @@ class VLLMHTTPConfig:
     max_connections: int = 64
     default_seed: int = DEFAULT_SEED
     max_batch_size: int = 64
-
-
-def http_client(base_url: str, *, timeout_s: float, connect_timeout_s: float, max_connections: int,
-                transport: httpx.AsyncBaseTransport | None = None) -> httpx.AsyncClient:
-    """One pooled client per engine: connections are reused across steps."""
-    return httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
-                             limits=httpx.Limits(max_connections=max_connections,
-                                                 max_keepalive_connections=max_connections),
-                             transport=transport)
-
-
-def _error_message(response: httpx.Response) -> str:
-    try:
-        body = response.json()
-    except ValueError:
-        return response.text[:500]
-    if isinstance(body, Mapping):
-        err = body.get("error")
-        if isinstance(err, Mapping) and "message" in err:
-            return str(err["message"])
-        if "detail" in body:
-            return str(body["detail"])
-    return str(body)[:500]
-
-
-def check_response(response: httpx.Response, what: str) -> Any:
-    """The JSON body of a 2xx answer; else the mapped exception."""
-    if response.status_code < 300:
-        return response.json()
-    message = f"{what}: HTTP {response.status_code}: {_error_message(response)}"
-    if 400 <= response.status_code < 500 and response.status_code not in _TRANSIENT_STATUS:
-        raise InvalidRequestError(message)
-    raise TransientEngineError(message)
-
-
-async def post_json(client: httpx.AsyncClient, path: str, body: Mapping[str, Any], what: str) -> Any:
-    try:
-        response = await client.post(path, json=body)
-    except httpx.TimeoutException as exc:
-        raise TransientEngineError(f"{what}: timed out ({type(exc).__name__})") from exc
-    except httpx.TransportError as exc:
-        raise TransientEngineError(f"{what}: {type(exc).__name__}: {exc}") from exc
-    return check_response(response, what)
 
 
 def decode_npy_b64(data: str) -> np.ndarray:
@@ -201,6 +166,8 @@ class VLLMHTTPEngine(Engine):
         self._features = _Features()
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:8]
+        self._calls = AbortableCalls()
+        self._version = 0
 
     def models(self) -> Mapping[str, Mode]:
         return {self.config.model: Mode.TOKENS}
@@ -220,7 +187,32 @@ class VLLMHTTPEngine(Engine):
         return self._client
 
     async def start(self) -> None:
-        self._http()
+        self._version = await self._server_version()
+
+    async def _server_version(self) -> int:
+        """The policy version the server already runs (a number set by an earlier update), else 0."""
+        try:
+            response = await self._http().get("/weight_info")
+            value = response.json().get("weight_version") if response.status_code == 200 else None
+            return int(value) if value is not None else 0
+        except (httpx.HTTPError, ValueError, TypeError, AttributeError):
+            return 0
+
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    async def load_weights(self, path: str, version: int) -> None:
+        """vLLM's in-place reload on the server (see the module doc). Called only while no step of
+        this worker runs."""
+        await reload_over_http(self._http(), path, version=version)
+        self._version = version
+
+    async def abort_running(self) -> bool:
+        """Cancel this worker's running generate calls: the server aborts a request whose client
+        went away (its generate route runs ``with_cancellation``)."""
+        self._calls.abort_all()
+        return True
 
     async def close(self) -> None:
         client, self._client = self._client, None
@@ -268,7 +260,7 @@ class VLLMHTTPEngine(Engine):
         features = merge_features(parts)
         if features is not None:
             body["features"] = features
-        answer = await post_json(self._http(), "/inference/v1/generate", body, "generate")
+        answer = await self._calls.run(post_json(self._http(), "/inference/v1/generate", body, "generate"))
         choices = answer.get("choices") if isinstance(answer, Mapping) else None
         if not choices:
             raise TransientEngineError("generate: the server answered without choices")

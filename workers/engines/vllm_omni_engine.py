@@ -14,6 +14,11 @@ session. Stateless steps run in their own engine session (the worker names it ``
 
 Output: ``{"video_latent": float32 ndarray}``; context length = steps in the session's context.
 
+Weights: ``load_weights`` is the engine client's own reload, ``collective_rpc("reload_weights",
+kwargs={"weights_path": ...})`` on every stage, then ``reset_prefix_cache()``; a stage that does
+not implement it answers ``{"todo": ...}`` and the update fails with that reason (the old weights
+keep serving). Session contexts are kept across a reload, as the in-process vLLM engine keeps them.
+
 The engine client is injectable: ``engine_client=`` (an object), or ``client_factory="module:callable"``
 with ``client_options`` (e.g. the CPU stand-in ``workers.engines._world_standin:ReferenceWorldClient``);
 by default ``vllm_omni.entrypoints.async_omni.AsyncOmni(model=weights, **client_options)`` (DreamZero
@@ -34,6 +39,7 @@ import numpy as np
 from schemas.errors import InvalidRequestError
 from schemas.messages import Mode, WorldStep
 from workers.engines.base import Engine, EngineOutput, EngineRequest, run_in_waves
+from workers.engines.http_common import check_rpc_results
 
 log = logging.getLogger(__name__)
 Result = EngineOutput | BaseException
@@ -106,6 +112,7 @@ class VLLMOmniEngine(Engine):
         self._client = engine_client
         self._openpi: Any = None
         self._steps: dict[str, int] = {}  # session key -> steps in its engine context
+        self._version = 0
 
     def models(self) -> Mapping[str, Mode]:
         return {self.config.model: Mode.WORLD_MODEL_ENV}
@@ -141,6 +148,20 @@ class VLLMOmniEngine(Engine):
             result = shutdown()
             if asyncio.iscoroutine(result):
                 await result
+
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    async def load_weights(self, path: str, version: int) -> None:
+        """The engine client's own reload (see the module doc); only called between steps."""
+        await self.start()
+        results = await self._client.collective_rpc("reload_weights", kwargs={"weights_path": path})
+        check_rpc_results(results, "reload_weights")
+        reset = getattr(self._client, "reset_prefix_cache", None)
+        if callable(reset) and not await reset():
+            raise RuntimeError("reset_prefix_cache failed after reloading the weights")
+        self._version = version
 
     def drop_session(self, session_key: str) -> None:
         self._steps.pop(session_key, None)

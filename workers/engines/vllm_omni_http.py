@@ -19,6 +19,11 @@ is followed by ``/status``: if the server did not commit the step, the retry res
 the latent is gone and the server's context is ahead of the fleet's, so the engine closes that
 server session and raises ``SessionContextLost`` (code ``context_lost``) until the session is rebuilt
 from a reset step. 404/410 for a session this worker holds also mean its context is gone.
+
+Weights: ``load_weights`` runs the server engine's own reload through its development routes
+(``VLLM_SERVER_DEV_MODE=1``, as for the vLLM HTTP engine): ``/pause?mode=wait``, ``/collective_rpc``
+``reload_weights``, ``/reset_prefix_cache``, ``/resume``. A world step is not aborted part way
+(the server session would be left ahead of the fleet): an aborting update lets it finish.
 """
 
 from __future__ import annotations
@@ -37,7 +42,8 @@ import numpy as np
 from schemas.errors import ErrorCode, FleetError, InvalidRequestError
 from schemas.messages import Mode, WorldStep
 from workers.engines.base import Engine, EngineOutput, EngineRequest, run_in_waves
-from workers.engines.vllm_http import TransientEngineError, check_response, http_client
+from workers.engines.http_common import check_response, http_client, reload_over_http
+from workers.engines.vllm_engine import TransientEngineError
 from workers.engines.vllm_omni_engine import world_step
 
 log = logging.getLogger(__name__)
@@ -120,6 +126,7 @@ class VLLMOmniHTTPEngine(Engine):
         self._lost: set[str] = set()
         self._closing: set[asyncio.Task[None]] = set()
         self._pending_close: list[str] = []
+        self._version = 0
 
     def models(self) -> Mapping[str, Mode]:
         return {self.config.model: Mode.WORLD_MODEL_ENV}
@@ -148,6 +155,15 @@ class VLLMOmniHTTPEngine(Engine):
 
     async def start(self) -> None:
         self._http()
+
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    async def load_weights(self, path: str, version: int) -> None:
+        """The server engine's own reload (see the module doc); only called between steps."""
+        await reload_over_http(self._http(), path, version=None)
+        self._version = version
 
     async def close(self) -> None:
         for key in list(self._remotes):
