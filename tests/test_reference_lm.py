@@ -246,3 +246,20 @@ def test_model_api_directly() -> None:
     assert result.state.fed == result.context_length - 1
     with pytest.raises(InvalidRequestError):
         model.generate([(None, tstep((300,), max_tokens=1))])
+
+
+def test_drop_session_never_waits_for_a_running_batch(engine: ReferenceEngine) -> None:
+    """The worker calls drop_session on its event loop: waiting for a batch would stall heartbeats
+    and reads for as long as the batch runs. The drop applies before the next batch instead."""
+    import threading
+
+    first = ok(engine.run_direct(LM_MODEL, [req("a", tstep(prompt("hi"), max_tokens=3, seed=1), reset=True)])[0])
+    assert "a" in engine.session_keys()
+    with engine._lock:  # a batch holds the engine
+        dropper = threading.Thread(target=engine.drop_session, args=("a",))
+        dropper.start()
+        dropper.join(timeout=10)
+        assert not dropper.is_alive()
+    again = ok(engine.run_direct(LM_MODEL, [req("a", tstep(prompt("hi"), max_tokens=3, seed=1))])[0])
+    assert again.context_length == first.context_length  # started fresh: the drop was applied
+    assert again.output["token_ids"] == first.output["token_ids"]

@@ -111,7 +111,8 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     def drop_session(self, session_key: str) -> None:
-        """Forget a session's context (reset/close/handover). Unknown keys are ignored."""
+        """Forget a session's context (reset/close/handover). Unknown keys are ignored. Runs on the
+        worker's event loop: it must return at once, never wait for a running batch."""
 
     def max_batch_size(self, model: str) -> int:
         return 32

@@ -77,6 +77,8 @@ class ReferenceEngine(Engine):
         self._lm_sessions: dict[str, LMSessionState] = {}
         self._async_lock = asyncio.Lock()
         self._lock = threading.Lock()  # sessions and torch work: one batch at a time
+        self._drops_lock = threading.Lock()
+        self._drops: set[str] = set()  # sessions to forget before the next batch (see drop_session)
         self._version = 0
         self._aborts = 0  # bumped by abort_running; batches submitted before a bump stop
 
@@ -145,13 +147,29 @@ class ReferenceEngine(Engine):
             self._world.reseed_projections(int(state["world_seed"]))
 
     def drop_session(self, session_key: str) -> None:
-        with self._lock:
-            self._world_sessions.pop(session_key, None)
-            self._lm_sessions.pop(session_key, None)
+        """Called on the worker's event loop, so it never waits for a running batch (that would
+        stall heartbeats and reads for the whole batch): the drop is queued and applied now if the
+        engine is free, else before the next batch, i.e. after the running one, as if it had waited."""
+        with self._drops_lock:
+            self._drops.add(session_key)
+        if self._lock.acquire(blocking=False):
+            try:
+                self._apply_drops()
+            finally:
+                self._lock.release()
+
+    def _apply_drops(self) -> None:
+        """Forget the queued sessions; the caller holds ``_lock``."""
+        with self._drops_lock:
+            drops, self._drops = self._drops, set()
+        for key in drops:
+            self._world_sessions.pop(key, None)
+            self._lm_sessions.pop(key, None)
 
     def session_keys(self) -> list[str]:
         """Keys of all stored contexts (for tests and diagnostics)."""
         with self._lock:
+            self._apply_drops()
             return sorted({*self._world_sessions, *self._lm_sessions})
 
     async def run_batch(self, model: str, requests: Sequence[EngineRequest]) -> list[Result]:
@@ -178,6 +196,7 @@ class ReferenceEngine(Engine):
             error = InvalidRequestError(f"unknown model {model!r}; expected one of: {', '.join(self.models())}")
             return [error for _ in requests]
         with self._lock:
+            self._apply_drops()
             results: list[Result | None] = [None] * len(requests)
             # A session may appear more than once: run such batches in waves, in request order.
             for wave in session_waves(requests):
