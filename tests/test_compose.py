@@ -26,3 +26,13 @@ def test_compose_services() -> None:
 def test_dockerfile_installs_the_package() -> None:
     text = (ROOT / "Dockerfile").read_text()
     assert 'ENTRYPOINT ["rollout-fleet"]' in text and "torch==2.13.0" in text
+
+
+def test_compose_has_a_service_per_real_engine_behind_profiles() -> None:
+    services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    engines = {name: svc["command"][svc["command"].index("--engine") + 1]
+               for name, svc in services.items() if "--engine" in svc.get("command", [])}
+    assert set(engines.values()) >= {"reference", "vllm", "vllm-http", "vllm-omni"}
+    for name, engine in engines.items():
+        assert ("profiles" in services[name]) == (engine != "reference"), name  # only the reference starts by default
+    assert services["vllm-server"]["environment"]["VLLM_SERVER_DEV_MODE"] == "1"  # weight updates
