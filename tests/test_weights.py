@@ -4,6 +4,7 @@ produced it, no step runs half-updated, steps can require a minimum version."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,8 @@ from broker.scripts import Scripts
 from schemas.errors import ErrorCode
 from schemas.messages import TokenStep, WorldStep
 from tests.support import FAST, WorkerPool, reap_until_moved, world_step
-from workers.engines.base import EngineRequest
+from workers.engines.base import EngineOutput, EngineRequest, StepAborted
+from workers.engines.null import NullEngine
 from workers.engines.reference import ReferenceEngine, ReferenceEngineConfig
 from workers.engines.reference_lm import ReferenceLMConfig
 from workers.rebuild import teacher_forced
@@ -262,3 +264,21 @@ async def test_failover_after_a_weight_update_rebuilds_token_sessions_by_their_t
     lost = await w.step(3, **world_step(3))
     assert lost.error is not None and lost.error.code is ErrorCode.CONTEXT_LOST
     assert "policy version 0" in lost.error.message and lost.committed_step_id == 2
+
+
+async def test_an_engine_that_aborts_steps_on_its_own_fails_them_like_any_engine_error(
+    fleet: FleetClient, workers: WorkerPool
+) -> None:
+    """Only an aborting weight update makes a step run again; otherwise StepAborted is an engine
+    error (retried, then answered and dead-lettered), never an endless loop."""
+
+    class SelfAborting(NullEngine):
+        async def run_batch(self, model: str, requests: Sequence[EngineRequest]) -> list[EngineOutput | BaseException]:
+            return [StepAborted("aborted by the engine itself") for _ in requests]
+
+    await workers.add(SelfAborting(), max_attempts=2, retry_backoff_ms=1)
+    s = await fleet.create_session(model="null-world", mode="world_model_env")
+    r = await asyncio.wait_for(s.step(0, **world_step(0)), 10)
+    assert r.error is not None and r.error.code is ErrorCode.INFERENCE_ERROR and r.attempt == 2
+    assert "aborted by the engine itself" in r.error.message
+    assert await fleet.redis.xlen(fleet.keys.dead) == 1

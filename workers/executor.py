@@ -127,6 +127,10 @@ class StepExecutor:
                         return
                     outcome = await self._run_engine(job, request, state)
                 except StepAborted:
+                    if not self.gate.aborting:  # the engine stopped it on its own (only rebuilds get here)
+                        await self.fail(job, ErrorCode.INFERENCE_ERROR, "the engine aborted the step "
+                                        "without a weight update", state, fallback=True, dead_letter=True)
+                        return
                     self.aborted_steps += 1
                     log.info("step %s/%d aborted for a weight update; it runs again after it",
                              job.session_id, job.step_id)
@@ -173,8 +177,6 @@ class StepExecutor:
             try:
                 out = await batcher.run(request)
                 return out, attempt, (time.perf_counter() - started) * 1000.0
-            except StepAborted:
-                raise
             except InvalidRequestError as exc:  # never retried
                 await self.fail(job, exc.code, exc.message, state, fallback=True, attempt=attempt)
                 return None
@@ -191,6 +193,8 @@ class StepExecutor:
                 if state.committed >= 0 and not await self._rebuild(job, state):
                     return None
             except Exception as exc:
+                if isinstance(exc, StepAborted) and self.gate.aborting:
+                    raise  # a weight update stopped it: run_step runs it again after the update
                 if attempt == attempts:
                     await self.fail(job, ErrorCode.INFERENCE_ERROR, f"{type(exc).__name__}: {exc}", state,
                                     fallback=True, attempt=attempt, dead_letter=True)

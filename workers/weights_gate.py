@@ -25,6 +25,7 @@ class WeightGate:
         self._idle.set()
         self._running = 0
         self._changed = asyncio.Event()
+        self._aborting = False
 
     @contextlib.asynccontextmanager
     async def step(self, min_version: int = 0) -> AsyncIterator[int]:
@@ -48,15 +49,22 @@ class WeightGate:
     def running(self) -> int:
         return self._running
 
+    @property
+    def aborting(self) -> bool:
+        """An update is aborting the steps inside the gate (a StepAborted now is ours)."""
+        return self._aborting
+
     async def update(self, path: str, version: int, *, abort: bool = False) -> None:
         """Pause intake, let running steps finish (``abort``: abort them), load, resume."""
         self._open.clear()
         try:
             if abort:
+                self._aborting = True
                 await self._abort_until_idle()
             await self._idle.wait()
             await self.engine.load_weights(path, version)
         finally:
+            self._aborting = False
             self._open.set()
             changed, self._changed = self._changed, asyncio.Event()
             changed.set()
