@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 
 from schemas.errors import InvalidRequestError
+from schemas.messages import Mode
+from workers.engines.base import Engine
 from workers.engines.vllm_engine import TransientEngineError
 
 _TRANSIENT_STATUS = {408, 425, 429}
@@ -93,3 +95,68 @@ async def reload_over_http(http: httpx.AsyncClient, path: str, *, version: int |
             await post_json(http, "/update_weight_version", {"new_version": str(version)}, "update_weight_version")
     finally:
         await post_json(http, "/resume", None, "resume")
+
+
+class ServerConfig(Protocol):
+    """What the engines that front a server share in their configs."""
+
+    @property
+    def base_url(self) -> str: ...
+    @property
+    def model(self) -> str: ...
+    @property
+    def server_model(self) -> str | None: ...
+    @property
+    def timeout_s(self) -> float: ...
+    @property
+    def connect_timeout_s(self) -> float: ...
+    @property
+    def max_connections(self) -> int: ...
+    @property
+    def max_batch_size(self) -> int: ...
+
+
+class ServerEngine(Engine):
+    """An engine that fronts one server: one pooled client, the fleet's and the server's model
+    names, and weight reloads through the server's development routes."""
+
+    mode: Mode
+    server_keeps_version = True  # the server has /update_weight_version (vLLM does, vLLM-Omni not)
+
+    def __init__(self, config: ServerConfig, transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self.server_config = config
+        self._transport = transport
+        self._client: httpx.AsyncClient | None = None
+        self._version = 0
+
+    def models(self) -> Mapping[str, Mode]:
+        return {self.server_config.model: self.mode}
+
+    def max_batch_size(self, model: str) -> int:
+        return self.server_config.max_batch_size
+
+    @property
+    def server_model(self) -> str:
+        return self.server_config.server_model or self.server_config.model
+
+    def _http(self) -> httpx.AsyncClient:
+        if self._client is None:
+            cfg = self.server_config
+            self._client = http_client(cfg.base_url, timeout_s=cfg.timeout_s, connect_timeout_s=cfg.connect_timeout_s,
+                                       max_connections=cfg.max_connections, transport=self._transport)
+        return self._client
+
+    async def _close_http(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            await client.aclose()
+
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    async def load_weights(self, path: str, version: int) -> None:
+        """The server engine's own in-place reload (``reload_over_http``); the worker calls it only
+        while none of its steps runs."""
+        await reload_over_http(self._http(), path, version=version if self.server_keeps_version else None)
+        self._version = version

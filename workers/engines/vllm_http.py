@@ -40,8 +40,8 @@ import numpy as np
 
 from schemas.errors import InvalidRequestError
 from schemas.messages import Mode, TokenStep
-from workers.engines.base import AbortableCalls, Engine, EngineRequest
-from workers.engines.http_common import http_client, post_json, reload_over_http
+from workers.engines.base import AbortableCalls, EngineRequest
+from workers.engines.http_common import ServerEngine, post_json
 from workers.engines.vllm_engine import (
     DEFAULT_SEED,
     Generation,
@@ -153,38 +153,20 @@ class _Features:
 # --------------------------------------------------------------------------- the engine
 
 
-class VLLMHTTPEngine(Engine):
+class VLLMHTTPEngine(ServerEngine):
     """Serves ``config.model`` (tokens) by calling one vLLM server."""
 
     kind = "vllm-http"
+    mode = Mode.TOKENS
 
     def __init__(self, config: VLLMHTTPConfig, *, transport: httpx.AsyncBaseTransport | None = None) -> None:
+        super().__init__(config, transport)
         self.config = config
-        self._transport = transport
-        self._client: httpx.AsyncClient | None = None
         self._contexts = TokenContexts()
         self._features = _Features()
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:8]
         self._calls = AbortableCalls()
-        self._version = 0
-
-    def models(self) -> Mapping[str, Mode]:
-        return {self.config.model: Mode.TOKENS}
-
-    def max_batch_size(self, model: str) -> int:
-        return self.config.max_batch_size
-
-    @property
-    def server_model(self) -> str:
-        return self.config.server_model or self.config.model
-
-    def _http(self) -> httpx.AsyncClient:
-        if self._client is None:
-            cfg = self.config
-            self._client = http_client(cfg.base_url, timeout_s=cfg.timeout_s, connect_timeout_s=cfg.connect_timeout_s,
-                                       max_connections=cfg.max_connections, transport=self._transport)
-        return self._client
 
     async def start(self) -> None:
         self._version = await self._server_version()
@@ -198,16 +180,6 @@ class VLLMHTTPEngine(Engine):
         except (httpx.HTTPError, ValueError, TypeError, AttributeError):
             return 0
 
-    @property
-    def policy_version(self) -> int:
-        return self._version
-
-    async def load_weights(self, path: str, version: int) -> None:
-        """vLLM's in-place reload on the server (see the module doc). Called only while no step of
-        this worker runs."""
-        await reload_over_http(self._http(), path, version=version)
-        self._version = version
-
     async def abort_running(self) -> bool:
         """Cancel this worker's running generate calls: the server aborts a request whose client
         went away (its generate route runs ``with_cancellation``)."""
@@ -215,10 +187,8 @@ class VLLMHTTPEngine(Engine):
         return True
 
     async def close(self) -> None:
-        client, self._client = self._client, None
         self._contexts.clear()
-        if client is not None:
-            await client.aclose()
+        await self._close_http()
 
     def drop_session(self, session_key: str) -> None:
         self._contexts.drop(session_key)

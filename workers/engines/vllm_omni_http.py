@@ -41,8 +41,8 @@ import numpy as np
 
 from schemas.errors import ErrorCode, FleetError, InvalidRequestError
 from schemas.messages import Mode, WorldStep
-from workers.engines.base import Engine, EngineOutput, EngineRequest, run_in_waves
-from workers.engines.http_common import check_response, http_client, reload_over_http
+from workers.engines.base import EngineOutput, EngineRequest, run_in_waves
+from workers.engines.http_common import ServerEngine, check_response
 from workers.engines.vllm_engine import TransientEngineError
 from workers.engines.vllm_omni_engine import world_step
 
@@ -113,30 +113,20 @@ def decode_latent(next_observation: Mapping[str, Any]) -> np.ndarray:
     return np.frombuffer(raw, dtype=dtype).reshape(shape).copy()
 
 
-class VLLMOmniHTTPEngine(Engine):
+class VLLMOmniHTTPEngine(ServerEngine):
     """Serves ``config.model`` (world_model_env) by calling one vLLM-Omni server."""
 
     kind = "vllm-omni-http"
+    mode = Mode.WORLD_MODEL_ENV
+    server_keeps_version = False
 
     def __init__(self, config: VLLMOmniHTTPConfig, *, transport: httpx.AsyncBaseTransport | None = None) -> None:
+        super().__init__(config, transport)
         self.config = config
-        self._transport = transport
-        self._client: httpx.AsyncClient | None = None
         self._remotes: dict[str, _Remote] = {}
         self._lost: set[str] = set()
         self._closing: set[asyncio.Task[None]] = set()
         self._pending_close: list[str] = []
-        self._version = 0
-
-    def models(self) -> Mapping[str, Mode]:
-        return {self.config.model: Mode.WORLD_MODEL_ENV}
-
-    def max_batch_size(self, model: str) -> int:
-        return self.config.max_batch_size
-
-    @property
-    def server_model(self) -> str:
-        return self.config.server_model or self.config.model
 
     def server_session(self, session_key: str) -> str | None:
         """The server's session id for one of ours (for tests and diagnostics)."""
@@ -146,24 +136,8 @@ class VLLMOmniHTTPEngine(Engine):
     def session_keys(self) -> list[str]:
         return sorted(self._remotes)
 
-    def _http(self) -> httpx.AsyncClient:
-        if self._client is None:
-            cfg = self.config
-            self._client = http_client(cfg.base_url, timeout_s=cfg.timeout_s, connect_timeout_s=cfg.connect_timeout_s,
-                                       max_connections=cfg.max_connections, transport=self._transport)
-        return self._client
-
     async def start(self) -> None:
         self._http()
-
-    @property
-    def policy_version(self) -> int:
-        return self._version
-
-    async def load_weights(self, path: str, version: int) -> None:
-        """The server engine's own reload (see the module doc); only called between steps."""
-        await reload_over_http(self._http(), path, version=None)
-        self._version = version
 
     async def close(self) -> None:
         for key in list(self._remotes):
@@ -171,9 +145,7 @@ class VLLMOmniHTTPEngine(Engine):
         await self._flush_closes()
         if self._closing:
             await asyncio.gather(*self._closing, return_exceptions=True)
-        client, self._client = self._client, None
-        if client is not None:
-            await client.aclose()
+        await self._close_http()
 
     # ------------------------------------------------------------------ sessions
 
