@@ -219,6 +219,44 @@ def vllm_services(tiny_model: str, tiny_moe: str, tiny_model_v2: str, logs_dir: 
         server.stop()
 
 
+@pytest.fixture(scope="session")
+def tiny_llava() -> str:
+    return make_model("tiny-llava", "--llava")
+
+
+@dataclass
+class VLMServices:
+    server: Service
+    offline: list[list[dict[str, Any]]]  # VLM_CONVERSATIONS (images) on tiny_llava
+
+
+@pytest.fixture(scope="session")
+def vlm_services(tiny_llava: str, logs_dir: Path) -> Iterator[VLMServices]:
+    """A vLLM server on the tiny LLaVA and vLLM's offline answers for the multimodal conversations
+    (started together, waited for once)."""
+    from tests.engines.test_vllm_multimodal import VLM_MODEL, offline_spec
+
+    port = free_port()
+    server = start([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", tiny_llava,
+                    "--served-model-name", VLM_MODEL, "--enable-scale-out", "--dtype", "float32",
+                    "--enforce-eager", "--max-model-len", "1024", "--limit-mm-per-prompt", '{"image": 8}',
+                    "--host", "127.0.0.1", "--port", str(port), "--disable-log-stats"], logs_dir / "vlm-server.log")
+    server.url = f"http://127.0.0.1:{port}"
+    spec, out = logs_dir / "vlm-offline-spec.json", logs_dir / "vlm-offline-out.json"
+    engine = {**VLLM_ENGINE_KW, "limit_mm_per_prompt": {"image": 8}}
+    spec.write_text(json.dumps({"runs": [{"model": tiny_llava, "engine": engine, "conversations": offline_spec()}]}))
+    offline = start([sys.executable, "-m", "tests.engines.vllm_offline", str(spec), str(out)],
+                    logs_dir / "vlm-offline.log")
+    try:
+        wait_exit(offline)
+        wait_http(server, "/health")
+        [answers] = json.loads(out.read_text())
+        yield VLMServices(server=server, offline=answers)
+    finally:
+        offline.stop()
+        server.stop()
+
+
 class SharedEngine(Engine):
     """Lends one started engine to several in-process workers: ``close`` is left to the owner."""
 

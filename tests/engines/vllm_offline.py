@@ -3,11 +3,13 @@
     python -m tests.engines.vllm_offline SPEC.json OUT.json
 
 SPEC: ``{"runs": [{"model": DIR, "engine": {LLM kwargs}, "conversations": [[{"token_ids": [...],
-"sampling": {...}}, ...], ...]}, ...]}``. Each conversation's context is kept here, independently of
-the fleet: turn k's prompt is the conversation's earlier prompts and generations plus its own ids.
-All conversations' turn k go to one ``LLM.generate`` call. OUT: per run, per conversation, per turn,
-``{"token_ids", "logprobs", "finish_reason", "context_length"}`` (+ ``"routed_experts"`` as nested
-lists when the engine returns them).
+"sampling": {...}, "images": [HxWx3 uint8 nested lists]}, ...], ...]}, ...]}`` (``images``
+optional). Each conversation's context is kept here, independently of the fleet: turn k's prompt is
+the conversation's earlier prompts and generations plus its own ids, with every image so far as
+``multi_modal_data`` (its ``token_ids`` hold one image token per image; vLLM expands them). All
+conversations' turn k go to one ``LLM.generate`` call. OUT: per run, per conversation, per turn,
+``{"token_ids", "logprobs", "finish_reason", "context_length"}`` (context length counted in vLLM's
+expanded prompt) (+ ``"routed_experts"`` as nested lists when the engine returns them).
 
 vLLM starts engine processes: this runs as its own process, under the ``__main__`` guard.
 """
@@ -20,6 +22,8 @@ from typing import Any
 
 
 def run(spec: dict[str, Any]) -> list[list[dict[str, Any]]]:
+    import numpy as np
+    from PIL import Image
     from vllm import LLM
     from vllm.sampling_params import SamplingParams
 
@@ -29,6 +33,7 @@ def run(spec: dict[str, Any]) -> list[list[dict[str, Any]]]:
     llm = LLM(model=spec["model"], **spec.get("engine", {}))
     conversations: list[list[dict[str, Any]]] = spec["conversations"]
     contexts: list[list[int]] = [[] for _ in conversations]
+    images: list[list[Any]] = [[] for _ in conversations]
     results: list[list[dict[str, Any]]] = [[] for _ in conversations]
     turns = max(len(c) for c in conversations)
     for turn in range(turns):
@@ -38,7 +43,11 @@ def run(spec: dict[str, Any]) -> list[list[dict[str, Any]]]:
         for i in live:
             step = conversations[i][turn]
             contexts[i] = [*contexts[i], *step["token_ids"]]
-            prompts.append({"prompt_token_ids": contexts[i]})
+            images[i].extend(Image.fromarray(np.asarray(a, dtype=np.uint8)) for a in step.get("images", []))
+            prompt: dict[str, Any] = {"prompt_token_ids": contexts[i]}
+            if images[i]:
+                prompt["multi_modal_data"] = {"image": list(images[i])}
+            prompts.append(prompt)
             sampling = OurSampling.from_wire(step.get("sampling"))
             params.append(SamplingParams(**sampling_fields(sampling, DEFAULT_SEED)))
         outs = llm.generate(prompts, params, use_tqdm=False)
@@ -48,7 +57,7 @@ def run(spec: dict[str, Any]) -> list[list[dict[str, Any]]]:
             logprobs = [float(entry[t].logprob) for t, entry in zip(ids, completion.logprobs, strict=True)]
             contexts[i] = [*contexts[i], *ids]
             entry = {"token_ids": ids, "logprobs": logprobs, "finish_reason": completion.finish_reason,
-                     "context_length": len(contexts[i])}
+                     "context_length": len(out.prompt_token_ids) + len(ids)}
             if completion.routed_experts is not None:
                 entry["routed_experts"] = completion.routed_experts.tolist()
             results[i].append(entry)

@@ -11,6 +11,10 @@ probabilities), ``finish_reason`` ("stop" | "length" | "abort") and ``routed_exp
 ``(tokens - 1, layers, top_k)``, when the step asks and the engine was started with
 ``enable_return_routed_experts``). Randomness comes from the step's seed, else ``default_seed``.
 
+Multimodal: a step's ``multimodal`` is the ``features`` object of ``/v1/chat/completions/render``
+(see ``mm_features``); the engine input carries every turn's items, built as vLLM's
+token-in/token-out server builds them.
+
 A batch is submitted to the async engine all at once (vLLM batches them itself). vLLM is imported
 when the engine starts, never at module import.
 """
@@ -29,6 +33,7 @@ import numpy as np
 from schemas.errors import InvalidRequestError
 from schemas.messages import Mode, SamplingParams, TokenStep
 from workers.engines.base import AbortableCalls, Engine, EngineOutput, EngineRequest, run_in_waves
+from workers.engines.mm_features import SessionFeatures, merge_features
 
 log = logging.getLogger(__name__)
 Result = EngineOutput | BaseException
@@ -179,6 +184,7 @@ class VLLMEngine(Engine):
         self._ids = itertools.count()
         self._version = 0
         self._calls = AbortableCalls()
+        self._features = SessionFeatures()
 
     def models(self) -> Mapping[str, Mode]:
         return {self.config.name: Mode.TOKENS}
@@ -230,6 +236,7 @@ class VLLMEngine(Engine):
 
     def drop_session(self, session_key: str) -> None:
         self._contexts.drop(session_key)
+        self._features.drop(session_key)
 
     def session_keys(self) -> list[str]:
         return self._contexts.keys()
@@ -260,6 +267,8 @@ class VLLMEngine(Engine):
             raise InvalidRequestError(f"sampling: {exc}") from exc
         from vllm.exceptions import GracefulHTTPError, VLLMClientError
 
+        parts = self._features.for_step(request, step, len(prompt))
+        engine_input = prompt_input(prompt, merge_features(parts))
         request_id = f"{request.session_key}-{next(self._ids)}"
         final = None
         started = False
@@ -267,7 +276,7 @@ class VLLMEngine(Engine):
         async def consume() -> Any:
             nonlocal started
             last = None
-            async for out in llm.generate({"prompt_token_ids": prompt}, params, request_id):
+            async for out in llm.generate(engine_input, params, request_id):
                 started = True
                 last = out
             return last
@@ -287,7 +296,34 @@ class VLLMEngine(Engine):
             raise
         if final is None or not final.outputs:
             raise RuntimeError(f"vLLM returned no output for {request_id}")
-        return completion_generation(final.outputs[0])
+        generation = completion_generation(final.outputs[0])
+        self._features.commit(request, parts)
+        return generation
+
+
+def prompt_input(prompt: list[int], features: Mapping[str, Any] | None) -> Any:
+    """The engine input of a prompt: token ids, plus the multimodal items of ``features`` (the
+    ``/render`` format, session offsets) built the way vLLM's token-in/token-out server builds them."""
+    if features is None:
+        return {"prompt_token_ids": prompt}
+    from pydantic import ValidationError
+    from vllm.entrypoints.scale_out.token_in_token_out.mm_features import mm_kwargs_from_features
+    from vllm.entrypoints.scale_out.token_in_token_out.protocol import MultiModalFeatures
+    from vllm.inputs import mm_input
+    from vllm.multimodal.inputs import MultiModalKwargsItems, PlaceholderRange
+
+    try:
+        parsed = MultiModalFeatures.model_validate(dict(features))
+        mm_kwargs = mm_kwargs_from_features(parsed)
+    except (ValidationError, ValueError, TypeError) as exc:
+        raise InvalidRequestError(f"multimodal: {exc}") from exc
+    placeholders = {modality: [PlaceholderRange(offset=p.offset, length=p.length) for p in ranges]
+                    for modality, ranges in parsed.mm_placeholders.items()}
+    for ranges in placeholders.values():
+        if any(r.offset < 0 or r.offset + r.length > len(prompt) for r in ranges):
+            raise InvalidRequestError("multimodal: a placeholder lies outside the prompt")
+    return mm_input(prompt_token_ids=prompt, mm_kwargs=MultiModalKwargsItems(mm_kwargs),
+                    mm_hashes=parsed.mm_hashes, mm_placeholders=placeholders)
 
 
 def completion_generation(completion: Any) -> Generation:
