@@ -29,6 +29,7 @@ import numpy as np
 from redis.exceptions import RedisError
 
 from broker.client import FleetClient, Session
+from broker.render import ChatRenderer, has_images
 from schemas.errors import FleetError
 from schemas.messages import StepResult
 from schemas.reference_tokenizer import ReferenceTokenizer
@@ -138,6 +139,7 @@ class RolloutSample:
     weight_versions: list[int] = field(default_factory=list)
     routed_experts: np.ndarray | None = None
     turns: int = 0
+    multimodal_features: dict[str, Any] | None = None  # the prompt's render features (VLM prompts)
 
     def append(self, tokens: Sequence[int], log_probs: Sequence[float] | None = None) -> None:
         """Response tokens: generated ones with their log probs (trainable), others without."""
@@ -281,8 +283,12 @@ class _Rollout:
         sampling = {"max_tokens": self.remaining, "temperature": cfg.temperature, "top_p": cfg.top_p,
                     "top_k": cfg.top_k, "seed": (self.seed + turn_index) % _SEED_SPACE,
                     "stop_token_ids": self.stop_ids}
+        # The prompt's images go with step 0 only: the worker keeps them in the session's context.
+        features = self.sample.multimodal_features if turn_index == 0 else None
+        extra = {} if features is None else {"multimodal": features}
         result = await self.session.step(turn_index, token_ids=self.sample.tokens[self.sent:], sampling=sampling,
-                                         return_routed_experts=cfg.return_routed_experts, timeout=cfg.step_timeout)
+                                         return_routed_experts=cfg.return_routed_experts, timeout=cfg.step_timeout,
+                                         **extra)
         self.sample.turns = turn_index + 1
         if not result.ok:
             error = result.error
@@ -356,9 +362,13 @@ class _Rollout:
 
 async def run_multiturn(fleet: FleetClient, env: Environment, messages: Sequence[Mapping[str, Any]],
                         config: MultiTurnConfig | None = None, *, tokenizer: ChatTokenizer | None = None,
-                        session_id: str | None = None) -> RolloutSample:
+                        session_id: str | None = None, renderer: ChatRenderer | None = None) -> RolloutSample:
     """Roll out one sample: ``env.reset()``, the prompt as step 0, then model turn / env turn until
     the env is done or a budget ends. ``env.close()`` and the session's close always run.
+
+    ``renderer`` (e.g. ``broker.render.ServerRenderer``) renders the prompt instead of the
+    tokenizer; prompts with images need one, and their features go with step 0. Observations of
+    later turns are text, tokenized here.
 
     A failed step ends the sample with status ``failed`` (``metadata["error"]``); bad
     configuration, a malformed engine answer or a session that cannot be created raise.
@@ -368,12 +378,20 @@ async def run_multiturn(fleet: FleetClient, env: Environment, messages: Sequence
     active: BaseException | None = None
     try:
         env.reset()
-        prompt = _template_ids(tok.apply_chat_template(
-            list(messages), tools=config.tools, tokenize=True, add_generation_prompt=True,
-            **dict(config.chat_template_kwargs)))
+        features: dict[str, Any] | None = None
+        if renderer is not None:
+            rendered = await renderer.render(list(messages), tools=config.tools,
+                                             chat_template_kwargs=config.chat_template_kwargs)
+            prompt, features = list(rendered.token_ids), rendered.features
+        elif has_images(messages):
+            raise ValueError("a prompt with images needs a renderer (broker.render.ServerRenderer)")
+        else:
+            prompt = _template_ids(tok.apply_chat_template(
+                list(messages), tools=config.tools, tokenize=True, add_generation_prompt=True,
+                **dict(config.chat_template_kwargs)))
         if not prompt:
             raise ValueError("the rendered prompt is empty")
-        return await _run_session(fleet, env, prompt, config, tok, session_id)
+        return await _run_session(fleet, env, prompt, config, tok, session_id, features)
     except BaseException as error:
         active = error
         raise
@@ -387,11 +405,13 @@ async def run_multiturn(fleet: FleetClient, env: Environment, messages: Sequence
 
 
 async def _run_session(fleet: FleetClient, env: Environment, prompt: list[int], config: MultiTurnConfig,
-                       tokenizer: ChatTokenizer, session_id: str | None) -> RolloutSample:
+                       tokenizer: ChatTokenizer, session_id: str | None,
+                       features: dict[str, Any] | None = None) -> RolloutSample:
     seed = config.seed if config.seed is not None else random.SystemRandom().randrange(_SEED_SPACE)
     session = await fleet.create_session(config.model, "tokens", session_id=session_id)
     sample = RolloutSample(tokens=list(prompt), prompt_length=len(prompt), session_id=session.session_id,
-                           metadata={"fleet_session_id": session.session_id, "sampling_seed": seed})
+                           metadata={"fleet_session_id": session.session_id, "sampling_seed": seed},
+                           multimodal_features=features)
     try:
         rollout = _Rollout(session, config, tokenizer, sample, seed)
         await rollout.run(env)

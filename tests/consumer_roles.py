@@ -25,10 +25,13 @@ async def trainer(url: str, prefix: str, name: str) -> None:
             ResultConsumer(fleet, "rollouts", group="trainers", consumer=name, claim_idle_ms=500) as results:
         async for delivery in results:
             r = delivery.result
-            # The trainer's store is keyed by (session_id, step_id): storing twice is recognised.
-            first = await fleet.redis.hsetnx(f"{prefix}:store", f"{r.session_id}:{r.step_id}", name)
-            if first:
-                await fleet.redis.rpush(f"{prefix}:handled", f"{r.session_id}:{r.step_id}:{name}")
+            key = f"{r.session_id}:{r.step_id}"
+            # The trainer's store is keyed by (session_id, step_id): storing twice is recognised. Each
+            # delivery is logged with the store write in one transaction (a kill cannot split them).
+            pipe = fleet.redis.pipeline(transaction=True)
+            pipe.hsetnx(f"{prefix}:store", key, name)
+            pipe.rpush(f"{prefix}:deliveries", f"{key}:{name}")
+            await pipe.execute()
             await delivery.ack()
 
 

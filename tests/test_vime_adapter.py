@@ -43,6 +43,7 @@ class Sample:
     weight_versions: list[str] = field(default_factory=list)
     rollout_log_probs: list[float] | None = None
     rollout_routed_experts: Any = None
+    multimodal_train_inputs: Any = None
     status: Status = Status.PENDING
     metadata: dict[str, Any] = field(default_factory=dict)
 
@@ -114,7 +115,7 @@ async def test_env_module_from_a_file_and_request_checks(args: SimpleNamespace, 
     assert done.status is Sample.Status.COMPLETED
     with pytest.raises(ValueError, match="pending"):
         await vime.generate(args, done, dict(SAMPLING))
-    with pytest.raises(ValueError, match="multimodal"):
+    with pytest.raises(ValueError, match="fleet_render_url"):  # images are rendered by a vLLM server
         await vime.generate(args, Sample(prompt="x", multimodal_inputs={"images": ["a.png"]}), dict(SAMPLING))
     args.partial_rollout = True
     with pytest.raises(ValueError, match="partial"):

@@ -10,7 +10,12 @@ Fleet settings come from ``args`` attributes, all optional:
 - ``fleet_redis_url`` (default ``redis://127.0.0.1:6379/0``), ``fleet_prefix`` (``rf``),
   ``fleet_cell`` (``0``): one FleetClient per (url, prefix, cell) and event loop, reused;
 - ``fleet_model`` (``reference-lm``), ``fleet_step_timeout`` (seconds, none by default),
-  ``fleet_tokenizer`` (an HF-like tokenizer; default the reference tokenizer).
+  ``fleet_tokenizer`` (an HF-like tokenizer; default the reference tokenizer);
+- for prompts with images (``sample.multimodal_inputs["images"]``): ``fleet_render_url`` (a vLLM
+  server of the policy; default vime's router at ``vllm_router_ip``:``vllm_router_port``) and
+  ``fleet_render_model`` (default ``hf_checkpoint``). The prompt is rendered there
+  (``broker.render``), its features go with the first step, and ``sample.multimodal_train_inputs``
+  is filled from them (decoded with vLLM's own serializer, so vLLM must be importable).
 
 vime's own ``max_turns``, ``rollout_max_context_len``, ``apply_chat_template_kwargs``,
 ``append_eos_token_after_stop_str_in_multi_turn`` and ``use_rollout_routing_replay`` (with
@@ -30,6 +35,7 @@ from typing import Any
 
 from broker.client import DEFAULT_URL, FleetClient
 from broker.multiturn import ChatTokenizer, MultiTurnConfig, RolloutSample, run_multiturn
+from broker.render import ServerRenderer, has_images
 from schemas.reference_tokenizer import ReferenceTokenizer
 
 DEFAULT_MODEL = "reference-lm"
@@ -97,12 +103,45 @@ def _check_request(args: Any, sample: Any) -> None:
         raise ValueError("args.rollout_interaction_env_path must name the environment module")
 
 
+def _images(sample: Any) -> list[Any]:
+    return list((getattr(sample, "multimodal_inputs", None) or {}).get("images") or [])
+
+
 def _messages(sample: Any) -> list[dict[str, Any]]:
-    if (getattr(sample, "multimodal_inputs", None) or {}).get("images"):
-        raise ValueError("multimodal prompts are not supported on the fleet yet (reference-lm is text only)")
     if isinstance(sample.prompt, list):
         return [dict(message) for message in sample.prompt]
-    return [{"role": "user", "content": str(sample.prompt).replace("<image>", "").lstrip()}]
+    text = str(sample.prompt).replace("<image>", "").lstrip()
+    images = _images(sample)
+    if not images:
+        return [{"role": "user", "content": text}]
+    return [{"role": "user", "content": [*({"type": "image", "image": image} for image in images),
+                                         {"type": "text", "text": text}]}]
+
+
+def _render_target(args: Any) -> tuple[str, str]:
+    """(server URL, model) that renders prompts with images."""
+    url = getattr(args, "fleet_render_url", None)
+    if not url and getattr(args, "vllm_router_ip", None) and getattr(args, "vllm_router_port", None):
+        url = f"http://{args.vllm_router_ip}:{args.vllm_router_port}"
+    model = getattr(args, "fleet_render_model", None) or getattr(args, "hf_checkpoint", None)
+    if not url or not model:
+        raise ValueError("a prompt with images is rendered by a vLLM server: set args.fleet_render_url "
+                         "and args.fleet_render_model (or hf_checkpoint)")
+    return str(url), str(model)
+
+
+def train_inputs_from_features(features: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The processor outputs of a rendered prompt's images (``pixel_values``, ...) as the model
+    takes them for all images at once, batched the way vLLM batches them for that model: what the
+    trainer feeds the model next to ``sample.tokens``."""
+    encoded = (features or {}).get("kwargs_data") or {}
+    if not encoded.get("image"):
+        return None
+    from vllm.entrypoints.scale_out.token_in_token_out.mm_serde import decode_mm_kwargs_item
+    from vllm.multimodal.inputs import MultiModalKwargsItems
+
+    items = MultiModalKwargsItems({"image": [decode_mm_kwargs_item(item) for item in encoded["image"]]})
+    return dict(items.get_data())
 
 
 def _config(args: Any, sample: Any, sampling_params: dict[str, Any]) -> MultiTurnConfig:
@@ -145,11 +184,17 @@ async def generate(args: Any, sample: Any, sampling_params: dict[str, Any]) -> A
     fleet = await fleet_for(getattr(args, "fleet_redis_url", None) or DEFAULT_URL,
                             getattr(args, "fleet_prefix", None) or "rf", str(getattr(args, "fleet_cell", None) or "0"))
     messages = _messages(sample)
+    render_target = _render_target(args) if has_images(messages) else None
     tokenizer: ChatTokenizer | None = getattr(args, "fleet_tokenizer", None)
     build_env = getattr(load_env_module(args.rollout_interaction_env_path), "build_env", None)
     if not callable(build_env):
         raise ValueError("the environment module must expose a callable build_env(sample, args)")
     env = build_env(sample=sample, args=args)
-    result = await run_multiturn(fleet, env, messages, config,
-                                 tokenizer=tokenizer if tokenizer is not None else ReferenceTokenizer())
-    return _fill(args, sample, result)
+    tok = tokenizer if tokenizer is not None else ReferenceTokenizer()
+    if render_target is None:
+        return _fill(args, sample, await run_multiturn(fleet, env, messages, config, tokenizer=tok))
+    async with ServerRenderer(*render_target) as renderer:
+        result = await run_multiturn(fleet, env, messages, config, tokenizer=tok, renderer=renderer)
+    _fill(args, sample, result)
+    sample.multimodal_train_inputs = train_inputs_from_features(result.multimodal_features)
+    return sample

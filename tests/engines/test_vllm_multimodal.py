@@ -162,3 +162,109 @@ async def test_image_turns_through_the_inprocess_engine_equal_offline_generate(
     finally:
         await engine.close()
     assert_equal_to_offline(results, vlm_services.offline)
+
+
+# --------------------------------------------------------------------------- VLM rollouts for trainers
+
+
+class RetryEnv:
+    """Two model turns: a text observation after the first, done after the second."""
+
+    def __init__(self) -> None:
+        self.turns = self.closes = 0
+
+    def reset(self) -> None:
+        pass
+
+    def step(self, response: str) -> tuple[str, bool, dict[str, Any]]:
+        self.turns += 1
+        return "try again", self.turns >= 2, {}
+
+    def format_observation(self, observation: str) -> dict[str, str]:
+        return {"role": "user", "content": observation}
+
+    def close(self) -> None:
+        self.closes += 1
+
+
+def build_env(*, sample: Any, args: Any) -> RetryEnv:
+    """This module is also the vime adapter's environment module."""
+    return RetryEnv()
+
+
+def first_turn_stop(offline: VLMServices) -> tuple[list[int], list[float], int]:
+    """vLLM offline's answer to VLM_TURNS[0][0] (image 0, "what is 2 + 3?", seed 1) cut at its 4th
+    token, and that token: a rollout that stops on it generates exactly this first turn."""
+    first = offline.offline[0][0]
+    ids, stop = first["token_ids"][:4], first["token_ids"][3]
+    assert stop not in ids[:3]
+    return ids, first["logprobs"][:4], stop
+
+
+def check_rollout(tokens: list[int], prompt_length: int, log_probs: list[float], loss_mask: list[int],
+                  offline: VLMServices) -> None:
+    """The prompt is the rendered one (image tokens expanded); the first turn equals vLLM offline on
+    the same image and sampling; an observation and a second turn followed."""
+    prompt = expanded(chat_ids([0], "what is 2 + 3?"))
+    assert prompt_length == len(prompt) and tokens[:prompt_length] == prompt
+    ids, logprobs, _ = first_turn_stop(offline)
+    assert tokens[prompt_length:prompt_length + 4] == ids
+    assert log_probs[:4] == logprobs and loss_mask[:4] == [1] * 4
+    assert 0 in loss_mask[4:] and 1 in loss_mask[4:]  # the observation (not trained on), then turn two
+
+
+async def test_a_vlm_rollout_through_the_multiturn_driver(
+        redis_server: RedisServer, vlm_services: VLMServices, tiny_llava: str) -> None:
+    from transformers import AutoTokenizer
+
+    from broker.multiturn import MultiTurnConfig, run_multiturn
+    from broker.render import ServerRenderer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llava)
+    messages = [{"role": "user", "content": [{"type": "image", "image": image(0)},
+                                             {"type": "text", "text": "what is 2 + 3?"}]}]
+    prefix = f"t{uuid.uuid4().hex[:10]}"
+    env = RetryEnv()
+    async with worker_pool(redis_server.url, prefix) as pool, FleetClient(redis_server.url, prefix=prefix) as fleet, \
+            ServerRenderer(vlm_services.server.url, VLM_MODEL) as renderer:
+        await pool.add(VLLMHTTPEngine(VLLMHTTPConfig(base_url=vlm_services.server.url, model=VLM_MODEL)))
+        _, _, stop = first_turn_stop(vlm_services)
+        config = MultiTurnConfig(model=VLM_MODEL, max_turns=2, max_new_tokens=24, seed=1, stop_token_ids=(stop,))
+        sample = await run_multiturn(fleet, env, messages, config, tokenizer=tokenizer, renderer=renderer)
+    assert env.closes == 1 and sample.turns == 2, sample.metadata
+    assert sample.multimodal_features is not None and len(sample.multimodal_features["mm_hashes"]["image"]) == 1
+    check_rollout(sample.tokens, sample.prompt_length, sample.rollout_log_probs, sample.loss_mask, vlm_services)
+
+
+async def test_the_vime_adapter_rolls_out_a_prompt_with_an_image(
+        redis_server: RedisServer, vlm_services: VLMServices, tiny_llava: str) -> None:
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from broker.integrations import vime
+    from tests.test_vime_adapter import Sample
+
+    _, _, stop = first_turn_stop(vlm_services)
+    prefix = f"t{uuid.uuid4().hex[:10]}"
+    args = SimpleNamespace(fleet_redis_url=redis_server.url, fleet_prefix=prefix, fleet_model=VLM_MODEL,
+                           fleet_tokenizer=AutoTokenizer.from_pretrained(tiny_llava),
+                           fleet_render_url=vlm_services.server.url, fleet_render_model=VLM_MODEL,
+                           rollout_interaction_env_path=__name__, max_turns=2, rollout_max_context_len=None,
+                           partial_rollout=False, apply_chat_template_kwargs=None,
+                           append_eos_token_after_stop_str_in_multi_turn=True, use_rollout_routing_replay=False)
+    sampling = {"max_new_tokens": 24, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "seed": 1,
+                "stop_token_ids": [stop]}
+    sample = Sample(prompt="<image>what is 2 + 3?", multimodal_inputs={"images": [image(0)]})
+    async with worker_pool(redis_server.url, prefix) as pool:
+        await pool.add(VLLMHTTPEngine(VLLMHTTPConfig(base_url=vlm_services.server.url, model=VLM_MODEL)))
+        try:
+            await vime.generate(args, sample, sampling)
+        finally:
+            await vime.close_fleets()
+    assert sample.status is Sample.Status.COMPLETED, sample.metadata
+    assert sample.loss_mask is not None and sample.rollout_log_probs is not None
+    check_rollout(sample.tokens, len(sample.tokens) - sample.response_length, sample.rollout_log_probs,
+                  sample.loss_mask, vlm_services)
+    pixels = sample.multimodal_train_inputs["pixel_values"]  # the processor's output, for the trainer
+    assert tuple(pixels.shape) == (1, 3, 32, 32)

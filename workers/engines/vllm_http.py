@@ -38,6 +38,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from broker.render import messages_for_render
 from schemas.errors import InvalidRequestError
 from schemas.messages import Mode, TokenStep
 from workers.engines.base import AbortableCalls, EngineRequest
@@ -140,11 +141,12 @@ class VLLMHTTPEngine(ServerEngine):
 
     async def render_chat(self, messages: Sequence[Mapping[str, Any]], **options: Any,
                           ) -> tuple[list[int], dict[str, Any] | None]:
-        """Chat messages -> (token ids, multimodal ``features`` or None) by the server's chat template.
+        """Chat messages -> (token ids, multimodal ``features`` or None) by the server's chat template
+        (image parts as in ``broker.render``).
 
         ``options`` go into the render request (e.g. ``add_generation_prompt``, ``chat_template_kwargs``).
         """
-        body = {"model": self.server_model, "messages": list(messages), **options}
+        body = {"model": self.server_model, "messages": messages_for_render(messages), **options}
         rendered = await post_json(self._http(), "/v1/chat/completions/render", body, "render")
         ids = [int(t) for t in rendered.get("token_ids") or []]
         features = rendered.get("features")
