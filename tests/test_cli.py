@@ -60,3 +60,24 @@ def test_status_command(redis_server: RedisServer) -> None:
 def test_bench_passes_its_options_through() -> None:
     out = subprocess.run([*CLI, "bench", "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "--size" in out.stdout and "--only" in out.stdout
+
+
+def test_update_weights_announces_on_the_control_stream(redis_server: RedisServer) -> None:
+    url = redis_server.url
+    prefix = "cliw"
+    base = [*CLI, "update-weights", "--redis-url", url, "--prefix", prefix, "--model", "reference-lm"]
+    out = subprocess.run([*base, "--version", "2", "--path", "/ckpt/v2", "--abort-in-flight"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "version 2" in out.stdout, out.stderr[-2000:]
+    out = subprocess.run([*base, "--version", "3", "--path", "/ckpt/v3"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    client = redis.Redis.from_url(url)
+    try:
+        entries = client.xrange(f"{prefix}:{{0}}:control")
+        fields = [{k.decode(): v.decode() for k, v in f.items()} for _, f in entries]
+    finally:
+        client.close()
+    assert [(f["version"], f["path"], f["in_flight"]) for f in fields] == [("2", "/ckpt/v2", "abort"),
+                                                                          ("3", "/ckpt/v3", "finish")]
+    bad = subprocess.run([*base, "--version", "0", "--path", "/x"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.strip() == "update-weights: policy versions start at 1"

@@ -188,6 +188,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
 
 def _cmd_update_weights(args: argparse.Namespace) -> int:
     from redis.asyncio import Redis
+    from redis.exceptions import RedisError
 
     from broker.control import update_weights, workers_at_version
     from broker.keys import CellKeys
@@ -206,7 +207,11 @@ def _cmd_update_weights(args: argparse.Namespace) -> int:
         finally:
             await redis.aclose()
 
-    asyncio.run(go())
+    try:
+        asyncio.run(go())
+    except (ValueError, TimeoutError, RedisError, OSError) as exc:  # bad input, no Redis, --wait ran out
+        print(f"update-weights: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
