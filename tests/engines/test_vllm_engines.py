@@ -254,7 +254,7 @@ async def check_weight_updates(url: str, services: VLLMServices, engine: Engine,
             if w.worker.weights is not None and w.worker.weights.gate.running:
                 break
             await asyncio.sleep(0.01)
-        await asyncio.sleep(0.3)  # generating on the original weights
+        await asyncio.sleep(0.1)  # generating on the original weights (the whole step takes about 2 s)
         await update_weights(fleet.redis, fleet.keys, model=MODEL_NAME, version=v1, path=services.model_v2,
                              in_flight="abort")
         long = await asyncio.wait_for(running, 120)
