@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import random
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol
@@ -28,33 +28,21 @@ from typing import Any, Protocol
 import numpy as np
 from redis.exceptions import RedisError
 
+from broker.chat_tokens import (
+    ChatTokenizer,
+    check_text_message,
+    eos_id,
+    observation_token_ids,
+    stop_ids,
+    template_ids,
+)
 from broker.client import FleetClient, Session
 from broker.render import ChatRenderer, has_images
 from schemas.errors import FleetError
 from schemas.messages import StepResult
 from schemas.reference_tokenizer import ReferenceTokenizer
 
-DUMMY_MESSAGES: tuple[Mapping[str, str], ...] = (
-    {"role": "system", "content": "You are a helpful assistant."},
-    {"role": "user", "content": "I am a user."},
-    {"role": "assistant", "content": "I am an assistant."},
-)
 _SEED_SPACE = 1 << 62
-
-
-class ChatTokenizer(Protocol):
-    """What the driver needs of a tokenizer (a Hugging Face tokenizer or ReferenceTokenizer)."""
-
-    @property
-    def eos_token_id(self) -> Any: ...
-
-    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], tokenize: bool = ...,
-                            add_generation_prompt: bool = ..., tools: Sequence[Any] | None = ...,
-                            **kwargs: Any) -> Any: ...
-
-    def encode(self, text: str, /) -> list[int]: ...
-
-    def decode(self, ids: Iterable[int], /, skip_special_tokens: bool = ...) -> str: ...
 
 
 class Environment(Protocol):
@@ -159,64 +147,6 @@ class _Turn:
     text: str
 
 
-def observation_token_ids(tokenizer: ChatTokenizer, message: Mapping[str, Any], context: Sequence[int], *,
-                          tools: Sequence[Any] | None = None,
-                          template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
-    """The tokens that open the next user turn and the assistant's reply after ``context``.
-
-    Renders a dummy conversation with and without ``message`` and takes the suffix from the last
-    EOS of the dummy prefix (which closes the previous assistant turn); that leading EOS is dropped
-    when ``context`` already ends with it. Generated ids are never re-rendered.
-    """
-    kwargs = dict(template_kwargs or {})
-    prefix = _template_ids(tokenizer.apply_chat_template(
-        list(DUMMY_MESSAGES), tools=tools, tokenize=True, add_generation_prompt=False, **kwargs))
-    rendered = _template_ids(tokenizer.apply_chat_template(
-        [*DUMMY_MESSAGES, message], tools=tools, tokenize=True, add_generation_prompt=True, **kwargs))
-    if rendered[: len(prefix)] != prefix:
-        raise ValueError("the chat template is not prefix stable")
-    eos = _eos_id(tokenizer)
-    if eos not in prefix:
-        raise ValueError(f"the dummy conversation has no eos_token_id={eos}")
-    last_eos = len(prefix) - 1 - prefix[::-1].index(eos)
-    boundary = prefix[last_eos:] + rendered[len(prefix):]
-    return boundary[1:] if context and context[-1] == eos else boundary
-
-
-def _template_ids(value: Any) -> list[int]:
-    if isinstance(value, Mapping):
-        value = value.get("input_ids")
-    if not isinstance(value, list) or not all(type(t) is int for t in value):
-        raise TypeError("apply_chat_template(tokenize=True) must return a list of token ids")
-    return list(value)
-
-
-def _eos_id(tokenizer: ChatTokenizer) -> int:
-    eos = tokenizer.eos_token_id
-    if isinstance(eos, bool) or not isinstance(eos, int):
-        raise ValueError("tokenizer.eos_token_id must be an integer")
-    return eos
-
-
-def _check_text_message(message: Mapping[str, Any]) -> None:
-    content = message.get("content")
-    if isinstance(content, str):
-        return
-    if not isinstance(content, list) or not all(
-            isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-        raise ValueError(f"observations must be text (a string or text parts), got {content!r}")
-
-
-def _stop_ids(tokenizer: ChatTokenizer, stop: Sequence[str]) -> list[int]:
-    ids: list[int] = []
-    for text in stop:
-        encoded = tokenizer.encode(text)
-        if len(encoded) != 1:
-            raise ValueError(f"stop string {text!r} is {len(encoded)} tokens; the fleet stops on single tokens")
-        ids.append(encoded[0])
-    return ids
-
-
 def _parse_output(result: StepResult, tokenizer: ChatTokenizer) -> _Turn:
     output = result.output or {}
     finish = str(output.get("finish_reason"))
@@ -243,7 +173,7 @@ class _Rollout:
         self.sent = 0  # tokens of sample.tokens the worker's context holds
         self.generated: list[int] = []
         self.routed: list[np.ndarray] = []
-        self.stop_ids = [*config.stop_token_ids, *_stop_ids(tokenizer, config.stop)]
+        self.stop_ids = [*config.stop_token_ids, *stop_ids(tokenizer, config.stop)]
         budget = config.max_new_tokens
         if config.context_limit is not None:
             budget = min(budget, max(0, config.context_limit - sample.prompt_length))
@@ -320,7 +250,7 @@ class _Rollout:
             raise ValueError(f"the engine generated {len(turn.tokens)} tokens; {self.remaining} were asked for")
         self.sample.append(turn.tokens, turn.log_probs)
         self.generated.extend(turn.tokens)
-        eos = _eos_id(self.tokenizer)
+        eos = eos_id(self.tokenizer)
         needs_eos = (self.config.append_eos_after_stop and turn.finish == "stop" and bool(self.config.stop)
                      and turn.text.endswith(self.config.stop) and not (turn.tokens and turn.tokens[-1] == eos))
         if not needs_eos:
@@ -340,7 +270,7 @@ class _Rollout:
         if turn_index + 1 >= self.config.max_turns:
             return self.finish(RolloutStatus.TRUNCATED, "max_turns", max_turns=self.config.max_turns)
         message = env.format_observation(observation)
-        _check_text_message(message)
+        check_text_message(message)
         ids = observation_token_ids(self.tokenizer, message, self.sample.tokens, tools=self.config.tools,
                                     template_kwargs=self.config.chat_template_kwargs)
         if len(ids) < self.remaining:
@@ -386,7 +316,7 @@ async def run_multiturn(fleet: FleetClient, env: Environment, messages: Sequence
         elif has_images(messages):
             raise ValueError("a prompt with images needs a renderer (broker.render.ServerRenderer)")
         else:
-            prompt = _template_ids(tok.apply_chat_template(
+            prompt = template_ids(tok.apply_chat_template(
                 list(messages), tools=config.tools, tokenize=True, add_generation_prompt=True,
                 **dict(config.chat_template_kwargs)))
         if not prompt:

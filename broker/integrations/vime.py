@@ -33,8 +33,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from broker.chat_tokens import ChatTokenizer
 from broker.client import DEFAULT_URL, FleetClient
-from broker.multiturn import ChatTokenizer, MultiTurnConfig, RolloutSample, run_multiturn
+from broker.multiturn import MultiTurnConfig, RolloutSample, run_multiturn
 from broker.render import ServerRenderer, has_images
 from schemas.reference_tokenizer import ReferenceTokenizer
 
