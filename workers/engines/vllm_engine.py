@@ -144,6 +144,32 @@ async def run_token_batch(
     return await run_in_waves(requests, one)
 
 
+class TokenSessionEngine(Engine):
+    """What both vLLM engines keep per session on the worker: the token context, the multimodal
+    features of its turns, and the running generation calls an aborting weight update cancels."""
+
+    def __init__(self) -> None:
+        self._contexts = TokenContexts()
+        self._features = SessionFeatures()
+        self._calls = AbortableCalls()
+
+    async def abort_running(self) -> bool:
+        """Cancel the running generations (vLLM aborts their requests); contexts stay as they were."""
+        self._calls.abort_all()
+        return True
+
+    def drop_session(self, session_key: str) -> None:
+        self._contexts.drop(session_key)
+        self._features.drop(session_key)
+
+    def session_keys(self) -> list[str]:
+        return self._contexts.keys()
+
+    def context(self, session_key: str) -> list[int] | None:
+        """A copy of a session's context (for tests and diagnostics)."""
+        return self._contexts.get(session_key)
+
+
 # --------------------------------------------------------------------------- the engine
 
 
@@ -172,7 +198,7 @@ class VLLMEngineConfig:
         return self.served_model_name or os.path.basename(os.path.normpath(self.model))
 
 
-class VLLMEngine(Engine):
+class VLLMEngine(TokenSessionEngine):
     """Serves one model in ``tokens`` mode on an in-process ``vllm.v1.engine.async_llm.AsyncLLM``."""
 
     kind = "vllm"
@@ -180,11 +206,9 @@ class VLLMEngine(Engine):
     def __init__(self, config: VLLMEngineConfig) -> None:
         self.config = config
         self._llm: Any = None
-        self._contexts = TokenContexts()
+        super().__init__()
         self._ids = itertools.count()
         self._version = 0
-        self._calls = AbortableCalls()
-        self._features = SessionFeatures()
 
     def models(self) -> Mapping[str, Mode]:
         return {self.config.name: Mode.TOKENS}
@@ -228,22 +252,6 @@ class VLLMEngine(Engine):
         await self._llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
         await self._llm.reset_prefix_cache()
         self._version = version
-
-    async def abort_running(self) -> bool:
-        """Cancel the running generations (vLLM aborts their requests); contexts stay as they were."""
-        self._calls.abort_all()
-        return True
-
-    def drop_session(self, session_key: str) -> None:
-        self._contexts.drop(session_key)
-        self._features.drop(session_key)
-
-    def session_keys(self) -> list[str]:
-        return self._contexts.keys()
-
-    def context(self, session_key: str) -> list[int] | None:
-        """A copy of a session's context (for tests and diagnostics)."""
-        return self._contexts.get(session_key)
 
     async def run_batch(self, model: str, requests: Sequence[EngineRequest]) -> list[Result]:
         if model != self.config.name:

@@ -41,14 +41,14 @@ import numpy as np
 from broker.render import messages_for_render
 from schemas.errors import InvalidRequestError
 from schemas.messages import Mode, TokenStep
-from workers.engines.base import AbortableCalls, EngineRequest
+from workers.engines.base import EngineRequest
 from workers.engines.http_common import ServerEngine, post_json
-from workers.engines.mm_features import SessionFeatures, merge_features
+from workers.engines.mm_features import merge_features
 from workers.engines.vllm_engine import (
     DEFAULT_SEED,
     Generation,
     Result,
-    TokenContexts,
+    TokenSessionEngine,
     TransientEngineError,
     run_token_batch,
     sampling_fields,
@@ -92,20 +92,18 @@ def generation_from_choice(choice: Mapping[str, Any]) -> Generation:
 # --------------------------------------------------------------------------- the engine
 
 
-class VLLMHTTPEngine(ServerEngine):
+class VLLMHTTPEngine(TokenSessionEngine, ServerEngine):
     """Serves ``config.model`` (tokens) by calling one vLLM server."""
 
     kind = "vllm-http"
     mode = Mode.TOKENS
 
     def __init__(self, config: VLLMHTTPConfig, *, transport: httpx.AsyncBaseTransport | None = None) -> None:
-        super().__init__(config, transport)
+        ServerEngine.__init__(self, config, transport)
+        TokenSessionEngine.__init__(self)
         self.config = config
-        self._contexts = TokenContexts()
-        self._features = SessionFeatures()
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:8]
-        self._calls = AbortableCalls()
 
     async def start(self) -> None:
         self._version = await self._server_version()
@@ -119,25 +117,9 @@ class VLLMHTTPEngine(ServerEngine):
         except (httpx.HTTPError, ValueError, TypeError, AttributeError):
             return 0
 
-    async def abort_running(self) -> bool:
-        """Cancel this worker's running generate calls: the server aborts a request whose client
-        went away (its generate route runs ``with_cancellation``)."""
-        self._calls.abort_all()
-        return True
-
     async def close(self) -> None:
         self._contexts.clear()
         await self._close_http()
-
-    def drop_session(self, session_key: str) -> None:
-        self._contexts.drop(session_key)
-        self._features.drop(session_key)
-
-    def session_keys(self) -> list[str]:
-        return self._contexts.keys()
-
-    def context(self, session_key: str) -> list[int] | None:
-        return self._contexts.get(session_key)
 
     async def render_chat(self, messages: Sequence[Mapping[str, Any]], **options: Any,
                           ) -> tuple[list[int], dict[str, Any] | None]:
