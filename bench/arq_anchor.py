@@ -16,9 +16,7 @@ from arq import create_pool
 from arq.connections import ArqRedis, RedisSettings
 from arq.worker import Worker, func
 
-from schemas.messages import Mode, parse_step_input
-from workers.engines.base import EngineRequest
-from workers.engines.null import NullEngine, NullEngineConfig
+from bench.common import NullWorldSteps
 
 POLL_DELAY_S = 0.01
 
@@ -26,17 +24,8 @@ POLL_DELAY_S = 0.01
 async def step(ctx: dict[str, Any], session_id: str, step_id: int, inputs: dict[str, Any],
                latent_shape: list[int]) -> dict[str, Any]:
     """One world step through a NullEngine of the requested latent shape (one engine per shape)."""
-    engines: dict[tuple[int, ...], NullEngine] = ctx.setdefault("engines", {})
-    shape = tuple(latent_shape)
-    engine = engines.get(shape)
-    if engine is None:
-        engine = engines[shape] = NullEngine(NullEngineConfig(latent_shape=shape))
-    request = EngineRequest(session_key=session_id, model="null-world",
-                            step=parse_step_input(Mode.WORLD_MODEL_ENV, inputs), reset=step_id == 0)
-    out = (await engine.run_batch("null-world", [request]))[0]
-    if isinstance(out, BaseException):
-        raise out
-    return dict(out.output)
+    steps: NullWorldSteps = ctx.setdefault("steps", NullWorldSteps())
+    return await steps(session_id, step_id, inputs, latent_shape)
 
 
 async def connect(url: str, queue: str) -> ArqRedis:

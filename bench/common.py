@@ -299,3 +299,28 @@ def module_main(name: str, run: BenchFn, argv: Sequence[str] | None = None) -> i
     rows = asyncio.run(run(args.size))
     print(format_table(rows))
     return 0
+
+
+class NullWorldSteps:
+    """The anchors' server-side work for one world step: a NullEngine call, one engine per latent
+    shape (what a fleet worker with ``--engine null`` does for the same step)."""
+
+    def __init__(self) -> None:
+        self._engines: dict[tuple[int, ...], Any] = {}
+
+    async def __call__(self, session_id: str, step_id: int, inputs: dict[str, Any],
+                       latent_shape: Sequence[int]) -> dict[str, Any]:
+        from schemas.messages import Mode, parse_step_input
+        from workers.engines.base import EngineRequest
+        from workers.engines.null import NullEngine, NullEngineConfig
+
+        shape = tuple(latent_shape)
+        engine = self._engines.get(shape)
+        if engine is None:
+            engine = self._engines[shape] = NullEngine(NullEngineConfig(latent_shape=shape))
+        request = EngineRequest(session_key=session_id, model="null-world",
+                                step=parse_step_input(Mode.WORLD_MODEL_ENV, inputs), reset=step_id == 0)
+        out = (await engine.run_batch("null-world", [request]))[0]
+        if isinstance(out, BaseException):
+            raise out
+        return dict(out.output)

@@ -15,9 +15,7 @@ from typing import Any
 
 from streaq import Worker
 
-from schemas.messages import Mode, parse_step_input
-from workers.engines.base import EngineRequest
-from workers.engines.null import NullEngine, NullEngineConfig
+from bench.common import NullWorldSteps
 
 
 def build(url: str, queue: str, concurrency: int = 256) -> tuple[Worker[Any], Any]:
@@ -26,20 +24,11 @@ def build(url: str, queue: str, concurrency: int = 256) -> tuple[Worker[Any], An
     # 256 concurrent waiters would deadlock the client, so the pool is sized for them.
     worker: Worker[Any] = Worker(redis_url=url, queue_name=queue, concurrency=concurrency, handle_signals=True,
                                  redis_kwargs={"max_connections": 4 * concurrency})
-    engines: dict[tuple[int, ...], NullEngine] = {}
+    null_steps = NullWorldSteps()
 
     @worker.task(name="step", silent=True)
     async def step(session_id: str, step_id: int, inputs: dict[str, Any], latent_shape: list[int]) -> Any:
-        shape = tuple(latent_shape)
-        engine = engines.get(shape)
-        if engine is None:
-            engine = engines[shape] = NullEngine(NullEngineConfig(latent_shape=shape))
-        request = EngineRequest(session_key=session_id, model="null-world",
-                                step=parse_step_input(Mode.WORLD_MODEL_ENV, inputs), reset=step_id == 0)
-        out = (await engine.run_batch("null-world", [request]))[0]
-        if isinstance(out, BaseException):
-            raise out
-        return dict(out.output)
+        return await null_steps(session_id, step_id, inputs, latent_shape)
 
     return worker, step
 
