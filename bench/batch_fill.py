@@ -4,7 +4,7 @@ The simulated engine (bench.sim_engine) takes ``a + b*n`` ms per forward of n (a
 32), one forward at a time, so its ceiling is 32/(a+32b) steps per ms (889 steps/s). One fleet
 worker serves it to 64 sessions that step as fast as results return; the same engine behind the
 one-request-per-step HTTP anchor runs every request as a batch of one. The fleet coalesces
-the script calls of one event-loop turn into one pipeline (broker.scripts).
+the script calls of one event-loop turn into one pipeline (broker.redis.scripts).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from bench.common import (
 from bench.http_anchor import HttpRollout
 from bench.sim_engine import SIM_MODEL, SimGpuConfig
 from broker import FleetClient
-from broker.embedded import free_port
+from broker.redis.embedded import free_port
 
 NAME = "batch_fill"
 SESSIONS = 64

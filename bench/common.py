@@ -20,8 +20,8 @@ from typing import IO, Any
 import numpy as np
 from redis.asyncio import Redis
 
-from broker.embedded import RedisServer
-from broker.keys import CellKeys
+from broker.redis.embedded import RedisServer
+from broker.redis.keys import CellKeys
 
 SIZES = ("smoke", "full")
 # glibc malloc: keep freed large blocks instead of returning them to the kernel (munmap / trim);

@@ -4,7 +4,7 @@ Systems: the fleet (a worker process from ``python -m workers.cli worker --engin
 trainer on FleetClient), the direct HTTP anchor (FastAPI + uvicorn, one POST per step, httpx
 pool), arq (enqueue and wait; poll delay 0.01 s on both sides) and the floor, a Redis PING from
 asyncio redis-py (also 64 PINGs as one pipeline). Fleet workers run with glibc malloc tuned
-(workers.runner.tune_malloc) and coalesce script calls into pipelines (broker.scripts).
+(workers.runner.tune_malloc) and coalesce script calls into pipelines (broker.redis.scripts).
 Results: a tiny one (null engine default, float32 (1, 4)) and the (1, 16, 2, 44, 80) float32
 latent. Every session runs closed loop: next step when the last returned.
 """
@@ -37,7 +37,7 @@ from bench.common import (
 )
 from bench.http_anchor import HttpRollout
 from broker import FleetClient
-from broker.embedded import free_port
+from broker.redis.embedded import free_port
 
 NAME = "round_trip"
 CONCURRENCY = (1, 64)

@@ -5,7 +5,7 @@ process. Each session keeps one step in flight; steps finished inside the timed 
 Anchor settings: arq poll delay 0.01 s (worker and result wait), max_jobs 256; streaq
 concurrency 256; otherwise their defaults. ``cpu_us_*`` is the CPU each process spent per step in
 the window (client = this trainer process). The fleet coalesces the
-script calls of one event-loop turn into one pipeline (broker.scripts).
+script calls of one event-loop turn into one pipeline (broker.redis.scripts).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from bench.common import (
     world_inputs,
 )
 from broker import FleetClient
-from broker.embedded import RedisServer
+from broker.redis.embedded import RedisServer
 
 NAME = "throughput"
 SESSIONS = 256

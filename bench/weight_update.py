@@ -19,7 +19,7 @@ from pathlib import Path
 
 from bench.common import Children, Row, module_main, new_prefix, private_redis, wait_fleet_workers
 from broker import FleetClient, Session
-from broker.control import update_weights, workers_at_version
+from broker.ops.weights import update_weights, workers_at_version
 
 SHAPE = "1,4,2,8,10"
 LM_OPTS = json.dumps({"eos_token_id": -1})

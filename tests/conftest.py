@@ -9,9 +9,9 @@ import pytest
 from redis.asyncio import Redis
 
 from broker import FleetClient
-from broker.embedded import RedisServer, running_redis
-from broker.keys import CellKeys
-from broker.scripts import Scripts
+from broker.redis.embedded import RedisServer, running_redis
+from broker.redis.keys import CellKeys
+from broker.redis.scripts import Scripts
 from tests.support import WorkerPool, worker_pool
 
 

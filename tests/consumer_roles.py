@@ -6,7 +6,7 @@ import asyncio
 import sys
 
 from broker import FleetClient
-from broker.consumer import ResultConsumer
+from broker.client.consumer import ResultConsumer
 
 
 async def producer(url: str, prefix: str, sessions: int, steps: int) -> None:

@@ -11,7 +11,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from broker.status import cell_status
+from broker.ops.status import cell_status
 
 CLI = [sys.executable, "-m", "workers.cli", "--log-level", "WARNING"]
 

@@ -11,8 +11,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from broker.failover import reap
-from broker.scripts import Scripts
+from broker.ops.failover import reap
+from broker.redis.scripts import Scripts
 from workers.engines.base import Engine
 from workers.settings import WorkerSettings
 from workers.worker import Worker

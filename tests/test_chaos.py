@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from broker import FleetClient, Session
-from broker.embedded import RedisServer, free_port
+from broker.redis.embedded import RedisServer, free_port
 from schemas.messages import StepResult, TokenStep, WorldStep
 from schemas.reference_tokenizer import ReferenceTokenizer
 from tests.procs import Fleet

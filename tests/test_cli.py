@@ -10,7 +10,7 @@ import sys
 import pytest
 import redis
 
-from broker.embedded import RedisServer, free_port
+from broker.redis.embedded import RedisServer, free_port
 
 pytestmark = pytest.mark.slow
 CLI = [sys.executable, "-m", "workers.cli"]

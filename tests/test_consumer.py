@@ -11,8 +11,8 @@ import pytest
 from redis.asyncio import Redis
 
 from broker import FleetClient
-from broker.consumer import ResultConsumer
-from broker.embedded import RedisServer
+from broker.client.consumer import ResultConsumer
+from broker.redis.embedded import RedisServer
 from tests.procs import Fleet
 from tests.support import WorkerPool
 from workers.engines.null import NullEngine

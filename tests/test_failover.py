@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from broker import FleetClient
-from broker.failover import reap
-from broker.scripts import Scripts
+from broker.ops.failover import reap
+from broker.redis.scripts import Scripts
 from schemas.errors import ErrorCode, FleetError
 from tests.support import FAST, WorkerPool, reap_until_moved, world_step
 from workers.engines.null import NullEngine, NullEngineConfig

@@ -16,8 +16,8 @@ import pytest
 import uvicorn
 
 from broker import FleetClient
-from broker.embedded import RedisServer
 from broker.gateway import create_app
+from broker.redis.embedded import RedisServer
 from schemas.codec import decode
 from schemas.messages import StepResult
 from tests.support import WorkerPool, image

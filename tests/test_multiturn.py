@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from broker import FleetClient
-from broker.chat_tokens import observation_token_ids
-from broker.multiturn import MultiTurnConfig, RolloutSample, RolloutStatus, run_multiturn
+from broker.rollouts.chat_tokens import observation_token_ids
+from broker.rollouts.multiturn import MultiTurnConfig, RolloutSample, RolloutStatus, run_multiturn
 from schemas.messages import Mode, TokenStep
 from schemas.reference_tokenizer import ASSISTANT_ID, END_ID, EOS_ID, USER_ID, ReferenceTokenizer
 from tests.support import WorkerPool

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from broker.embedded import RedisServer
+from broker.redis.embedded import RedisServer
 from tests.support import WorkerPool
 from workers.engines.reference import ReferenceEngine
 

@@ -1,4 +1,4 @@
-"""broker.render's message handling (the server side is tested in tests/engines/test_vllm_multimodal.py)
+"""broker.rollouts.render's message handling (the server side is tested in tests/engines/test_vllm_multimodal.py)
 and the multi-turn driver's refusal of images without a renderer."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 from PIL import Image
 
 from broker import FleetClient
-from broker.multiturn import run_multiturn
-from broker.render import RenderError, has_images, image_url, messages_for_render
+from broker.rollouts.multiturn import run_multiturn
+from broker.rollouts.render import RenderError, has_images, image_url, messages_for_render
 from tests.test_multiturn import MathEnv
 
 

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from broker import FleetClient
-from broker.embedded import RedisServer
-from broker.replay import list_dead, replay, replay_ids
-from broker.scripts import Scripts
-from broker.supervisor import SupervisorSettings, build_worker, request_replay
+from broker.ops.replay import list_dead, replay, replay_ids
+from broker.ops.supervisor import SupervisorSettings, build_worker, request_replay
+from broker.redis.embedded import RedisServer
+from broker.redis.scripts import Scripts
 from schemas.errors import ErrorCode
 from tests.support import WorkerPool, world_step
 from workers.engines.base import EngineOutput, EngineRequest

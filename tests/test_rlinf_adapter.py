@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from broker import FleetClient, SyncFleetClient
-from broker.embedded import RedisServer
 from broker.integrations.rlinf import FleetWorldModelBackend, SlotStepError, SyncFleetWorldModelBackend
+from broker.redis.embedded import RedisServer
 from schemas.errors import ErrorCode
 from tests.support import WorkerPool, image
 from tests.test_multiturn import reference_engine

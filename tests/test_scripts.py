@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from broker.keys import INBOX_GROUP
-from broker.scripts import Scripts
+from broker.redis.keys import INBOX_GROUP
+from broker.redis.scripts import Scripts
 
 pytestmark = pytest.mark.asyncio
 

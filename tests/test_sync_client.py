@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from broker import SyncFleetClient
-from broker.embedded import RedisServer
+from broker.redis.embedded import RedisServer
 from tests.support import WorkerPool, world_step
 from workers.engines.null import NullEngine
 

@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from broker.embedded import RedisServer
 from broker.integrations import vime
+from broker.redis.embedded import RedisServer
 from schemas.reference_tokenizer import ReferenceTokenizer
 from tests.support import WorkerPool
 from tests.test_multiturn import MathEnv, ScriptedLM, reference_engine

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from broker import FleetClient
-from broker.control import update_weights, workers_at_version
-from broker.scripts import Scripts
+from broker.ops.weights import update_weights, workers_at_version
+from broker.redis.scripts import Scripts
 from schemas.errors import ErrorCode
 from schemas.messages import TokenStep, WorldStep
 from tests.support import FAST, WorkerPool, reap_until_moved, world_step
@@ -157,6 +157,7 @@ async def inside_the_engine(worker: Worker) -> None:
     raise AssertionError("the step never reached the engine")
 
 
+@pytest.mark.slow  # three 1,500-token CPU generations: the slow tier
 @pytest.mark.parametrize("in_flight", ["abort", "finish"])
 async def test_an_update_aborts_or_finishes_the_steps_in_flight(
     fleet: FleetClient, workers: WorkerPool, tmp_path: Path, in_flight: str
@@ -186,6 +187,7 @@ async def test_an_update_aborts_or_finishes_the_steps_in_flight(
     assert len(first.output["token_ids"]) == 1500 and first.committed_step_id == 0
 
 
+@pytest.mark.slow
 async def test_an_aborting_update_waits_for_engines_that_cannot_abort(
     fleet: FleetClient, workers: WorkerPool, tmp_path: Path
 ) -> None:

@@ -12,8 +12,8 @@ import time
 import pytest
 
 from broker import FleetClient
-from broker.embedded import RedisServer
-from broker.status import cell_status
+from broker.ops.status import cell_status
+from broker.redis.embedded import RedisServer
 from schemas.errors import InvalidRequestError
 from tests.support import world_step
 

@@ -149,7 +149,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_redis(args: argparse.Namespace) -> int:
-    from broker.embedded import RedisServer
+    from broker.redis.embedded import RedisServer
 
     server = RedisServer(port=args.port, directory=args.dir, appendonly=args.appendonly).start()
     print(f"redis listening at {server.url} (data in {server.directory}); Ctrl-C to stop", flush=True)
@@ -165,7 +165,7 @@ def _cmd_redis(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from broker.status import cell_status, format_status
+    from broker.ops.status import cell_status, format_status
 
     report = asyncio.run(cell_status(args.redis_url, prefix=args.prefix, cell=args.cell))
     print(format_status(report))
@@ -173,7 +173,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def _cmd_supervisor(args: argparse.Namespace) -> int:
-    from broker.supervisor import SupervisorSettings, run_supervisor
+    from broker.ops.supervisor import SupervisorSettings, run_supervisor
 
     run_supervisor(SupervisorSettings(redis_url=args.redis_url, prefix=args.prefix, cell=args.cell,
                                       lease_ms=args.lease_ms, interval_s=args.interval))
@@ -181,7 +181,7 @@ def _cmd_supervisor(args: argparse.Namespace) -> int:
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:
-    from broker.replay_cli import run_replay_command
+    from broker.ops.replay_cli import run_replay_command
 
     return asyncio.run(run_replay_command(args))
 
@@ -190,8 +190,8 @@ def _cmd_update_weights(args: argparse.Namespace) -> int:
     from redis.asyncio import Redis
     from redis.exceptions import RedisError
 
-    from broker.control import update_weights, workers_at_version
-    from broker.keys import CellKeys
+    from broker.ops.weights import update_weights, workers_at_version
+    from broker.redis.keys import CellKeys
 
     async def go() -> None:
         redis = Redis.from_url(args.redis_url)
@@ -223,9 +223,11 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from bench.run_all import main as bench_main
+    # bench/ sits above workers/ (it drives worker processes): run it as its own program rather
+    # than import it, so that imports between the packages run one way.
+    import subprocess
 
-    return bench_main(list(args.passthrough))
+    return subprocess.call([sys.executable, "-m", "bench.run_all", *args.passthrough])
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -20,7 +20,7 @@ import numpy as np
 from tqdm import tqdm
 
 from broker import FleetClient, Session
-from broker.embedded import RedisServer
+from broker.redis.embedded import RedisServer
 from schemas.messages import StepResult
 
 MODELS = {"reference": ("reference-world", "reference-lm"), "null": ("null-world", "null-lm")}
@@ -122,7 +122,7 @@ async def _trainer(config: DemoConfig, url: str, prefix: str) -> tuple[Tally, in
 
 async def _wait_for_workers(url: str, prefix: str, count: int, procs: list[subprocess.Popen[bytes]],
                             timeout: float = 180.0) -> None:
-    from broker.status import cell_status
+    from broker.ops.status import cell_status
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -16,7 +16,7 @@ from typing import TypeVar
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from broker.scripts import ScriptReply, Scripts
+from broker.redis.scripts import ScriptReply, Scripts
 from schemas.codec import decode, encode
 from schemas.errors import ErrorCode, FleetError, InvalidRequestError
 from schemas.messages import Latency, StepResult, parse_step_input

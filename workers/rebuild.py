@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 from redis.asyncio import Redis
 
-from broker.aio import resolve
-from broker.keys import CellKeys
+from broker.redis.aio import resolve
+from broker.redis.keys import CellKeys
 from schemas.codec import decode, encode
 from schemas.errors import ErrorCode, FleetError
 from schemas.messages import Mode, StepInput, TokenStep, parse_step_input

@@ -10,8 +10,8 @@ from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from broker.control import WeightUpdate
-from broker.keys import CellKeys
+from broker.ops.weights import WeightUpdate
+from broker.redis.keys import CellKeys
 from workers.engines.base import Engine
 from workers.weights_gate import WeightGate
 

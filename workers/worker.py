@@ -18,10 +18,10 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from broker.aio import resolve
-from broker.failover import fail_over
-from broker.keys import INBOX_GROUP, CellKeys
-from broker.scripts import Scripts
+from broker.ops.failover import fail_over
+from broker.redis.aio import resolve
+from broker.redis.keys import INBOX_GROUP, CellKeys
+from broker.redis.scripts import Scripts
 from schemas.codec import encode
 from schemas.errors import ErrorCode
 from schemas.messages import StepResult

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from broker.client import FleetClient, Session
-from broker.sync_client import SyncFleetClient, SyncSession
+from broker.client.sync import SyncFleetClient, SyncSession
 from schemas.errors import ErrorCode, FleetError
 from schemas.messages import GRIPPER_COUNT, JOINT_COUNT, StepResult
 

@@ -1,7 +1,7 @@
 """A vime custom generate function that rolls out on the fleet instead of a vLLM router.
 
 Point vime's ``--custom-generate-function-path`` at ``broker.integrations.vime.generate``. It runs
-the multi-turn driver (``broker.multiturn``) with the environment module named by
+the multi-turn driver (``broker.rollouts.multiturn``) with the environment module named by
 ``args.rollout_interaction_env_path`` (a module path or a ``.py`` file exposing
 ``build_env(sample=, args=)``) and fills the vime ``Sample`` in place.
 
@@ -14,7 +14,7 @@ Fleet settings come from ``args`` attributes, all optional:
 - for prompts with images (``sample.multimodal_inputs["images"]``): ``fleet_render_url`` (a vLLM
   server of the policy; default vime's router at ``vllm_router_ip``:``vllm_router_port``) and
   ``fleet_render_model`` (default ``hf_checkpoint``). The prompt is rendered there
-  (``broker.render``), its features go with the first step, and ``sample.multimodal_train_inputs``
+  (``broker.rollouts.render``), its features go with the first step, and ``sample.multimodal_train_inputs``
   is filled from them (decoded with vLLM's own serializer, so vLLM must be importable).
 
 vime's own ``max_turns``, ``rollout_max_context_len``, ``apply_chat_template_kwargs``,
@@ -33,10 +33,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from broker.chat_tokens import ChatTokenizer
 from broker.client import DEFAULT_URL, FleetClient
-from broker.multiturn import MultiTurnConfig, RolloutSample, run_multiturn
-from broker.render import ServerRenderer, has_images
+from broker.rollouts.chat_tokens import ChatTokenizer
+from broker.rollouts.multiturn import MultiTurnConfig, RolloutSample, run_multiturn
+from broker.rollouts.render import ServerRenderer, has_images
 from schemas.reference_tokenizer import ReferenceTokenizer
 
 DEFAULT_MODEL = "reference-lm"

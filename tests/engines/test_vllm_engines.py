@@ -13,7 +13,7 @@ import pytest
 import pytest_asyncio
 
 from broker import FleetClient
-from broker.embedded import RedisServer
+from broker.redis.embedded import RedisServer
 from schemas.messages import TokenStep
 from tests.engines.conftest import (
     MODEL_NAME,
@@ -205,9 +205,9 @@ async def test_failover_rebuilds_the_context_on_another_engine_kind(
     next turn still equals vLLM's offline answer."""
     from redis.asyncio import Redis
 
-    from broker.failover import reap
-    from broker.keys import CellKeys
-    from broker.scripts import Scripts
+    from broker.ops.failover import reap
+    from broker.redis.keys import CellKeys
+    from broker.redis.scripts import Scripts
 
     fast = {"heartbeat_ms": 100, "lease_ms": 500}
     prefix = f"t{uuid.uuid4().hex[:10]}"
@@ -242,7 +242,7 @@ async def check_weight_updates(url: str, services: VLLMServices, engine: Engine,
     """Through the control stream: a long step is aborted by an update to the other weights and runs
     again, whole, on them; the next session answers as vLLM offline on those weights; a second update
     (letting steps finish) goes back to the original weights and their offline answers."""
-    from broker.control import update_weights, workers_at_version
+    from broker.ops.weights import update_weights, workers_at_version
 
     prefix = f"t{uuid.uuid4().hex[:10]}"
     v1, v2 = first_version, first_version + 1

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from broker import FleetClient
-from broker.embedded import RedisServer
+from broker.redis.embedded import RedisServer
 from tests.engines.conftest import VLLM_ENV, SharedEngine, VLMServices, cache_dir, requires_vllm
 from tests.support import worker_pool
 from workers.engines.base import Engine
@@ -217,8 +217,8 @@ async def test_a_vlm_rollout_through_the_multiturn_driver(
         redis_server: RedisServer, vlm_services: VLMServices, tiny_llava: str) -> None:
     from transformers import AutoTokenizer
 
-    from broker.multiturn import MultiTurnConfig, run_multiturn
-    from broker.render import ServerRenderer
+    from broker.rollouts.multiturn import MultiTurnConfig, run_multiturn
+    from broker.rollouts.render import ServerRenderer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_llava)
     messages = [{"role": "user", "content": [{"type": "image", "image": image(0)},

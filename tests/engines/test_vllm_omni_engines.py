@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from broker import FleetClient
-from broker.embedded import RedisServer
+from broker.redis.embedded import RedisServer
 from schemas.errors import InvalidRequestError
 from schemas.messages import WorldStep
 from tests.engines.conftest import OMNI_MODEL, OMNI_SHAPE, Service, requires_vllm_omni
@@ -256,7 +256,7 @@ async def test_weight_updates_reload_the_world_model_through_its_engine_client(
     """Through the control stream: the engine client reloads (in process: ``collective_rpc``; over
     HTTP: the server's development routes around it); latents then equal the serving layer on the
     other weights, and a second update goes back (the shared server ends on its original weights)."""
-    from broker.control import update_weights, workers_at_version
+    from broker.ops.weights import update_weights, workers_at_version
 
     paths = {}
     for seed in (0, 1):
@@ -297,7 +297,7 @@ async def test_a_weight_update_the_engine_client_cannot_do_is_reported(
                             engine_client=NoReload(OMNI_MODEL, latent_shape=OMNI_SHAPE))
     prefix = f"t{uuid.uuid4().hex[:10]}"
     async with worker_pool(redis_server.url, prefix) as pool, FleetClient(redis_server.url, prefix=prefix) as fleet:
-        from broker.control import update_weights
+        from broker.ops.weights import update_weights
 
         w = await pool.add(engine)
         await update_weights(fleet.redis, fleet.keys, model=OMNI_MODEL, version=1, path=str(tmp_path / "x.pt"))

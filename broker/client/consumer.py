@@ -26,9 +26,9 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
-from broker.aio import resolve
-from broker.client import FleetClient, check_stream_name
-from broker.replies import parse_reply
+from broker.client.fleet import FleetClient, check_stream_name
+from broker.client.replies import parse_reply
+from broker.redis.aio import resolve
 from schemas.codec import decode
 from schemas.errors import InvalidRequestError
 from schemas.messages import StepResult

@@ -8,7 +8,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from broker.keys import INBOX_GROUP, CellKeys
+from broker.redis.keys import INBOX_GROUP, CellKeys
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from broker.client import DEFAULT_URL, FleetClient, Session
+from broker.client.fleet import DEFAULT_URL, FleetClient, Session
 from schemas.messages import SessionStatus, StepResult
 
 T = TypeVar("T")

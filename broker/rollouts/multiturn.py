@@ -28,7 +28,8 @@ from typing import Any, Protocol
 import numpy as np
 from redis.exceptions import RedisError
 
-from broker.chat_tokens import (
+from broker.client import FleetClient, Session
+from broker.rollouts.chat_tokens import (
     ChatTokenizer,
     check_text_message,
     eos_id,
@@ -36,8 +37,7 @@ from broker.chat_tokens import (
     stop_ids,
     template_ids,
 )
-from broker.client import FleetClient, Session
-from broker.render import ChatRenderer, has_images
+from broker.rollouts.render import ChatRenderer, has_images
 from schemas.errors import FleetError
 from schemas.messages import StepResult
 from schemas.reference_tokenizer import ReferenceTokenizer
@@ -296,7 +296,7 @@ async def run_multiturn(fleet: FleetClient, env: Environment, messages: Sequence
     """Roll out one sample: ``env.reset()``, the prompt as step 0, then model turn / env turn until
     the env is done or a budget ends. ``env.close()`` and the session's close always run.
 
-    ``renderer`` (e.g. ``broker.render.ServerRenderer``) renders the prompt instead of the
+    ``renderer`` (e.g. ``broker.rollouts.render.ServerRenderer``) renders the prompt instead of the
     tokenizer; prompts with images need one, and their features go with step 0. Observations of
     later turns are text, tokenized here.
 
@@ -314,7 +314,7 @@ async def run_multiturn(fleet: FleetClient, env: Environment, messages: Sequence
                                              chat_template_kwargs=config.chat_template_kwargs)
             prompt, features = list(rendered.token_ids), rendered.features
         elif has_images(messages):
-            raise ValueError("a prompt with images needs a renderer (broker.render.ServerRenderer)")
+            raise ValueError("a prompt with images needs a renderer (broker.rollouts.render.ServerRenderer)")
         else:
             prompt = template_ids(tok.apply_chat_template(
                 list(messages), tools=config.tools, tokenize=True, add_generation_prompt=True,

@@ -1,7 +1,7 @@
 """The supervisor: an arq worker whose cron jobs keep a cell healthy.
 
 - ``reap`` (every ``interval`` s): fail over the sessions of workers whose lease expired, then
-  retire those workers (see :mod:`broker.failover`).
+  retire those workers (see :mod:`broker.ops.failover`).
 - ``trim`` (every 30 s): forget closed sessions that expired, bound the dead-letter stream.
 - ``replay_dead`` (on request): replay dead-lettered jobs as an arq job (:func:`request_replay`).
 
@@ -22,11 +22,11 @@ from arq.connections import RedisSettings, create_pool
 from arq.worker import Worker as ArqWorker
 from redis.asyncio import Redis
 
-from broker.aio import resolve
-from broker.failover import reap
-from broker.keys import CellKeys
-from broker.replay import list_dead, replay
-from broker.scripts import Scripts
+from broker.ops.failover import reap
+from broker.ops.replay import list_dead, replay
+from broker.redis.aio import resolve
+from broker.redis.keys import CellKeys
+from broker.redis.scripts import Scripts
 
 log = logging.getLogger(__name__)
 DEAD_LETTER_KEEP = 100_000

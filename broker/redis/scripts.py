@@ -1,7 +1,7 @@
 """Lua scripts shipped beside this module, each with one small typed wrapper.
 
 Scripts are registered once per client (EVALSHA, reloaded on NOSCRIPT by redis-py). Every key a
-script touches is passed in KEYS and built by :mod:`broker.keys`.
+script touches is passed in KEYS and built by :mod:`broker.redis.keys`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import NoScriptError
 
-from broker.keys import INBOX_GROUP, CellKeys
+from broker.redis.keys import INBOX_GROUP, CellKeys
 
 Reply = list[Any]
 _Pending = tuple[str, list[str], list[Any], "asyncio.Future[Any]"]
@@ -35,7 +35,7 @@ async def _settle(fut: asyncio.Future[Any], call: Awaitable[Any]) -> None:
 
 @cache
 def lua_source(name: str) -> str:
-    return resources.files("broker").joinpath("lua", f"{name}.lua").read_text(encoding="utf-8")
+    return resources.files("broker.redis").joinpath("lua", f"{name}.lua").read_text(encoding="utf-8")
 
 
 def _s(value: Any) -> str:

@@ -9,8 +9,8 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from broker.aio import resolve
-from broker.keys import CellKeys
+from broker.redis.aio import resolve
+from broker.redis.keys import CellKeys
 
 CONTROL_MAXLEN = 1000
 

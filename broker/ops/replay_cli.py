@@ -8,9 +8,9 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from broker.keys import CellKeys
-from broker.replay import DeadJob, ReplayOutcome, list_dead, replay, replay_ids, show
-from broker.scripts import Scripts
+from broker.ops.replay import DeadJob, ReplayOutcome, list_dead, replay, replay_ids, show
+from broker.redis.keys import CellKeys
+from broker.redis.scripts import Scripts
 
 
 def _print_jobs(jobs: list[DeadJob], as_json: bool) -> None:

@@ -19,10 +19,10 @@ from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from broker.aio import resolve
-from broker.keys import CellKeys
-from broker.replies import Reply, ReplyReader
-from broker.scripts import ScriptReply, Scripts
+from broker.client.replies import Reply, ReplyReader
+from broker.redis.aio import resolve
+from broker.redis.keys import CellKeys
+from broker.redis.scripts import ScriptReply, Scripts
 from schemas.codec import decode, encode
 from schemas.errors import ErrorCode, FleetError, InvalidRequestError, PayloadTooLargeError, error_for
 from schemas.limits import DEFAULT_LIMITS, Limits
@@ -219,7 +219,7 @@ class Session:
 
     async def enqueue(self, step_id: int, *, results_stream: str, **inputs: Any) -> Enqueued:
         """Enqueue a step whose result goes to a shared results stream (read by a consumer group,
-        see :class:`broker.consumer.ResultConsumer`) instead of back to this client. Returns once the
+        see :class:`broker.client.consumer.ResultConsumer`) instead of back to this client. Returns once the
         step is queued, so a producer process can feed sessions while trainer processes consume.
         Steps enqueued one after another keep their order."""
         use_session_context = inputs.pop("use_session_context", True)

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from broker.aio import resolve
-from broker.scripts import Scripts
+from broker.redis.aio import resolve
+from broker.redis.scripts import Scripts
 
 
 def _s(value: bytes | None, default: str = "") -> str:

@@ -11,8 +11,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from broker.aio import resolve
-from broker.scripts import Scripts
+from broker.redis.aio import resolve
+from broker.redis.scripts import Scripts
 
 log = logging.getLogger(__name__)
 
