@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from broker import FleetClient
+from broker.redis.script_replies import Queued
 from schemas.codec import encode
 from schemas.errors import ErrorCode
 from schemas.limits import Limits
@@ -77,7 +78,7 @@ async def _raw_enqueue(fleet: FleetClient, s, step_id: int, payload: bytes):  # 
     fut = fleet.replies.expect(waiter_id)
     reply = await fleet.scripts.enqueue(s.session_id, s.owner, step_id=step_id, contextual=True, job_id=waiter_id,
                                         reply_to=fleet.client_id, payload=payload)
-    assert reply.status == "queued"
+    assert isinstance(reply, Queued)
     return fleet.decode_result(await fut, 0.0)
 
 

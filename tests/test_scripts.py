@@ -7,7 +7,19 @@ import asyncio
 import pytest
 
 from broker.redis.keys import INBOX_GROUP
+from broker.redis.script_replies import (
+    CommitReply,
+    Committed,
+    Created,
+    Duplicate,
+    Moved,
+    OutOfOrder,
+    Queued,
+    Refused,
+    StaleOwner,
+)
 from broker.redis.scripts import Scripts
+from schemas.errors import ErrorCode
 
 pytestmark = pytest.mark.asyncio
 
@@ -21,31 +33,30 @@ async def _register(scripts: Scripts, wid: str, capacity: int = 4) -> None:
 async def _session_with_job(scripts: Scripts, wid: str = "w1") -> tuple[str, str]:
     await _register(scripts, wid)
     created = await scripts.create("s1", "tokens", "m", lease_ms=5000, retention="full", result_window=2)
-    assert created.status == "created" and created.text(0) == wid
+    assert created == Created(wid)
     queued = await scripts.enqueue("s1", wid, step_id=0, contextual=True, job_id="j0", reply_to="c",
                                    payload=b"p")
-    assert queued.status == "queued"
-    return "s1", queued.text(0)
+    assert isinstance(queued, Queued)
+    return "s1", queued.entry_id
 
 
-async def _commit(scripts: Scripts, *, worker: str, epoch: int, step: int, entry: str) -> str:
-    reply = await scripts.commit(session_id="s1", worker_id=worker, epoch=epoch, step_id=step, entry_id=entry,
-                                 result=b"r", context_length=3, job_id="j", reply_to="c", reply_ttl_ms=60000)
-    return reply.status
+async def _commit(scripts: Scripts, *, worker: str, epoch: int, step: int, entry: str) -> CommitReply:
+    return await scripts.commit(session_id="s1", worker_id=worker, epoch=epoch, step_id=step, entry_id=entry,
+                                result=b"r", context_length=3, job_id="j", reply_to="c", reply_ttl_ms=60000)
 
 
 async def test_commit_with_a_stale_epoch_or_foreign_owner_is_refused(scripts: Scripts) -> None:
     sid, entry = await _session_with_job(scripts)
     redis, keys = scripts.redis, scripts.keys
-    assert await _commit(scripts, worker="w1", epoch=2, step=0, entry=entry) == "fenced"
-    assert await _commit(scripts, worker="w2", epoch=1, step=0, entry=entry) == "fenced"
+    assert await _commit(scripts, worker="w1", epoch=2, step=0, entry=entry) == StaleOwner("w1", 1)
+    assert await _commit(scripts, worker="w2", epoch=1, step=0, entry=entry) == StaleOwner("w1", 1)
     assert await redis.hget(keys.session(sid), "committed_step_id") == b"-1"
     assert await redis.xlen(keys.reply("c")) == 0  # a refused commit publishes nothing
     pending = await redis.xpending(keys.inbox("w1"), INBOX_GROUP)
     assert pending["pending"] == 0 and await redis.xlen(keys.inbox("w1")) == 1  # the job is still there
     # the real owner at the current epoch commits once; a second commit is a duplicate
-    assert await _commit(scripts, worker="w1", epoch=1, step=0, entry=entry) == "committed"
-    assert await _commit(scripts, worker="w1", epoch=1, step=0, entry=entry) == "duplicate"
+    assert await _commit(scripts, worker="w1", epoch=1, step=0, entry=entry) == Committed()
+    assert await _commit(scripts, worker="w1", epoch=1, step=0, entry=entry) == Duplicate()
     assert await redis.hget(keys.session(sid), "committed_step_id") == b"0"
     assert await redis.xlen(keys.reply("c")) == 2  # the result, then the stored result again
 
@@ -53,14 +64,14 @@ async def test_commit_with_a_stale_epoch_or_foreign_owner_is_refused(scripts: Sc
 async def test_after_an_epoch_bump_the_old_owner_cannot_commit(scripts: Scripts) -> None:
     sid, entry = await _session_with_job(scripts)
     await scripts.redis.hset(scripts.keys.session(sid), mapping={"owner": "w2", "epoch": 2})
-    assert await _commit(scripts, worker="w1", epoch=1, step=0, entry=entry) == "fenced"
-    assert await _commit(scripts, worker="w2", epoch=2, step=0, entry=entry) == "committed"
+    assert await _commit(scripts, worker="w1", epoch=1, step=0, entry=entry) == StaleOwner("w2", 2)
+    assert await _commit(scripts, worker="w2", epoch=2, step=0, entry=entry) == Committed()
 
 
 async def test_commit_never_skips_a_step(scripts: Scripts) -> None:
     _, entry = await _session_with_job(scripts)
-    assert await _commit(scripts, worker="w1", epoch=1, step=1, entry=entry) == "out_of_order"
-    assert await _commit(scripts, worker="w1", epoch=1, step=0, entry=entry) == "committed"
+    assert await _commit(scripts, worker="w1", epoch=1, step=1, entry=entry) == OutOfOrder(-1)
+    assert await _commit(scripts, worker="w1", epoch=1, step=0, entry=entry) == Committed()
 
 
 async def test_result_window_keeps_only_the_latest_results(scripts: Scripts) -> None:
@@ -69,8 +80,9 @@ async def test_result_window_keeps_only_the_latest_results(scripts: Scripts) -> 
         if step:
             q = await scripts.enqueue(sid, "w1", step_id=step, contextual=True, job_id=f"j{step}", reply_to="c",
                                       payload=b"p")
-            entry = q.text(0)
-        assert await _commit(scripts, worker="w1", epoch=1, step=step, entry=entry) == "committed"
+            assert isinstance(q, Queued)
+            entry = q.entry_id
+        assert await _commit(scripts, worker="w1", epoch=1, step=step, entry=entry) == Committed()
     fields = sorted(await scripts.redis.hkeys(scripts.keys.log(sid)))
     assert fields == [b"result:2", b"result:3"]  # window of 2
 
@@ -78,11 +90,11 @@ async def test_result_window_keeps_only_the_latest_results(scripts: Scripts) -> 
 async def test_placement_prefers_the_least_loaded_live_worker(scripts: Scripts) -> None:
     await _register(scripts, "a", capacity=2)
     await _register(scripts, "b", capacity=2)
-    owners = [(await scripts.create(f"s{i}", "tokens", "m", lease_ms=5000, retention="full",
-                                    result_window=1)).text(0) for i in range(4)]
-    assert sorted(owners) == ["a", "a", "b", "b"]
+    owners = [await scripts.create(f"s{i}", "tokens", "m", lease_ms=5000, retention="full", result_window=1)
+              for i in range(4)]
+    assert sorted(owners, key=repr) == [Created("a"), Created("a"), Created("b"), Created("b")]
     full = await scripts.create("s9", "tokens", "m", lease_ms=5000, retention="full", result_window=1)
-    assert (full.status, full.text(0)) == ("error", "capacity_exhausted")
+    assert isinstance(full, Refused) and full.code is ErrorCode.CAPACITY_EXHAUSTED
 
 
 async def test_placement_skips_workers_whose_lease_expired(scripts: Scripts) -> None:
@@ -90,14 +102,14 @@ async def test_placement_skips_workers_whose_lease_expired(scripts: Scripts) -> 
     await asyncio.sleep(0.05)
     await _register(scripts, "new")
     await scripts.redis.zadd(scripts.keys.workers, {"old": 0})  # heartbeat long ago
-    owners = {(await scripts.create(f"s{i}", "tokens", "m", lease_ms=5000, retention="full",
-                                    result_window=1)).text(0) for i in range(3)}
-    assert owners == {"new"}
+    owners = {await scripts.create(f"s{i}", "tokens", "m", lease_ms=5000, retention="full", result_window=1)
+              for i in range(3)}
+    assert owners == {Created("new")}
 
 
 async def test_enqueue_to_a_stale_owner_is_told_where_the_session_moved(scripts: Scripts) -> None:
     sid, _ = await _session_with_job(scripts)
     await scripts.redis.hset(scripts.keys.session(sid), mapping={"owner": "w2", "epoch": 2})
     moved = await scripts.enqueue(sid, "w1", step_id=1, contextual=True, job_id="j1", reply_to="c", payload=b"p")
-    assert (moved.status, moved.text(0)) == ("moved", "w2")
+    assert moved == Moved("w2")
     assert await scripts.redis.xlen(scripts.keys.inbox("w1")) == 1  # nothing added to the old inbox

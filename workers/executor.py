@@ -16,7 +16,8 @@ from typing import TypeVar
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from broker.redis.scripts import ScriptReply, Scripts
+from broker.redis.script_replies import CommitReply, Committed, Duplicate, StaleOwner
+from broker.redis.scripts import Scripts
 from schemas.codec import decode, encode
 from schemas.errors import ErrorCode, FleetError, InvalidRequestError
 from schemas.messages import Latency, StepResult, parse_step_input
@@ -84,7 +85,7 @@ class StepExecutor:
             job_id=job.job_id, result=payload, fallback_gen=job.gen if fallback else None,
             reply_to=job.reply_to, reply_ttl_ms=self.settings.reply_ttl_ms, dead_letter=dead_letter,
         ), f"report {job.session_id}/{job.step_id}")
-        if reply.status == "fenced":
+        if isinstance(reply, StaleOwner):
             raise Fenced(job.session_id)
 
     async def fail(self, job: Job, code: ErrorCode, message: str, state: SessionState | None, *,
@@ -227,26 +228,26 @@ class StepExecutor:
         payload = encode(result.to_wire())
         record = step_record(job.payload, result.output, version=result.policy_version,
                              context_length=result.context_length, mode=job.mode)
-        reply: ScriptReply = await until_redis_answers(lambda: self.scripts.commit(
+        reply: CommitReply = await until_redis_answers(lambda: self.scripts.commit(
             session_id=job.session_id, worker_id=self.worker_id, epoch=job.epoch, step_id=job.step_id,
             entry_id=job.entry_id, result=payload, context_length=result.context_length,
             job_id=job.job_id, reply_to=job.reply_to, reply_ttl_ms=self.settings.reply_ttl_ms,
             record=record, keep_records=records_kept(job.mode, job.retention),
         ), f"commit {job.session_id}/{job.step_id}")
-        if reply.status == "committed":
+        if isinstance(reply, Committed):
             state.committed = job.step_id
             state.engine_ready = True
             self.committed_steps += 1
             return
-        if reply.status == "fenced":
+        if isinstance(reply, StaleOwner):
             raise Fenced(job.session_id)
         # The engine ran a step that did not commit: its context is no longer the committed one.
         state.engine_ready = False
         self.engine.drop_session(job.session_id)
-        if reply.status == "duplicate":  # committed earlier; the stored result went out again
+        if isinstance(reply, Duplicate):  # committed earlier; the stored result went out again
             state.committed = max(state.committed, job.step_id)
             return
-        state.committed = reply.integer(0)
+        state.committed = reply.committed_step_id
         await self.fail(job, ErrorCode.STEP_OUT_OF_ORDER, f"step {job.step_id} could not commit "
                         f"(committed step is {state.committed})", state, fallback=False)
 
@@ -257,9 +258,9 @@ class StepExecutor:
             entry_id=job.entry_id, result=b"", context_length=0, job_id=job.job_id, reply_to=job.reply_to,
             reply_ttl_ms=self.settings.reply_ttl_ms,
         ), f"duplicate {job.session_id}/{job.step_id}")
-        if reply.status == "fenced":
+        if isinstance(reply, StaleOwner):
             raise Fenced(job.session_id)
-        if reply.status != "duplicate":
+        if not isinstance(reply, Duplicate):
             await self.fail(job, ErrorCode.STEP_ALREADY_COMMITTED,
                             f"step {job.step_id} is already committed and its result is no longer stored",
                             state, fallback=False)

@@ -21,6 +21,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from broker.ops.failover import fail_over
 from broker.redis.aio import resolve
 from broker.redis.keys import INBOX_GROUP, CellKeys
+from broker.redis.script_replies import StaleOwner
 from broker.redis.scripts import Scripts
 from schemas.codec import encode
 from schemas.errors import ErrorCode
@@ -174,9 +175,9 @@ class Worker:
         interval = self.settings.heartbeat_ms / 1000.0
         while True:
             try:
-                _, registered = await self._scripts_or_fail().heartbeat(
+                beat = await self._scripts_or_fail().heartbeat(
                     self.id, ttl_ms=3 * self.settings.lease_ms, fields=self._describe(self.state))
-                if not registered and not self._stop.is_set():
+                if not beat.registered and not self._stop.is_set():
                     await self._reincarnate()
             except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
                 log.warning("heartbeat failed: %s", exc)
@@ -305,7 +306,7 @@ class Worker:
             job_id=job.job_id, kind=job.kind, mode=job.mode.value, model=job.model, reply_to=job.reply_to,
             grace_ms=self.settings.close_grace_ms, reply_ttl_ms=self.settings.reply_ttl_ms,
         ), f"{job.kind} {job.session_id}")
-        if reply.status == "fenced":
+        if isinstance(reply, StaleOwner):
             raise Fenced(job.session_id)
         if job.kind == "close":
             self._forget(job.session_id)

@@ -11,9 +11,9 @@ import asyncio
 import dataclasses
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -22,7 +22,17 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from broker.client.replies import Reply, ReplyReader
 from broker.redis.aio import resolve
 from broker.redis.keys import CellKeys
-from broker.redis.scripts import ScriptReply, Scripts
+from broker.redis.script_replies import (
+    AlreadyClosed,
+    ControlReply,
+    Created,
+    EnqueueReply,
+    Moved,
+    Queued,
+    Refused,
+    Stored,
+)
+from broker.redis.scripts import Scripts
 from schemas.codec import decode, encode
 from schemas.errors import ErrorCode, FleetError, InvalidRequestError, PayloadTooLargeError, error_for
 from schemas.limits import DEFAULT_LIMITS, Limits
@@ -32,6 +42,7 @@ DEFAULT_URL = "redis://127.0.0.1:6379/0"
 RETENTIONS = ("full", "none")
 _MAX_MOVES = 8  # owner changes followed in one call before giving up
 REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
+_Reply = TypeVar("_Reply")
 
 
 def _new_id() -> str:
@@ -133,9 +144,9 @@ class FleetClient:
         sid = session_id or _new_id()
         reply = await self.scripts.create(sid, mode.value, model, lease_ms=self.lease_ms,
                                           retention=retention, result_window=result_window)
-        if reply.status != "created":
-            raise error_for(ErrorCode(reply.text(0)), reply.text(1))
-        return Session(self, sid, model=model, mode=mode, owner=reply.text(0))
+        if not isinstance(reply, Created):
+            raise error_for(reply.code, reply.message)
+        return Session(self, sid, model=model, mode=mode, owner=reply.owner)
 
     async def attach(self, session_id: str) -> Session:
         """A handle on an existing session (for example one created by another process)."""
@@ -229,7 +240,7 @@ class Session:
                                     inputs.get("sampling"), inputs.get("return_routed_experts", False),
                                     inputs.get("multimodal"))
             async with self._order:
-                reply = await self._send(
+                reply = await self._send_step(
                     lambda owner: self.fleet.scripts.enqueue(
                         self.session_id, owner, step_id=step_id, contextual=use_session_context,
                         job_id=_new_id(), reply_to=results_stream, payload=payload,
@@ -237,11 +248,11 @@ class Session:
                 )
         except FleetError as exc:
             return Enqueued(step_id, "error", -1, ErrorInfo(exc.code, exc.message))
-        if reply.status == "queued":
-            return Enqueued(step_id, "queued", reply.integer(1))
-        if reply.status == "stored":
-            return Enqueued(step_id, "committed", reply.integer(1))
-        return Enqueued(step_id, "error", reply.integer(2), ErrorInfo(ErrorCode(reply.text(0)), reply.text(1)))
+        if isinstance(reply, Queued):
+            return Enqueued(step_id, "queued", reply.committed_step_id)
+        if isinstance(reply, Stored):
+            return Enqueued(step_id, "committed", reply.committed_step_id)
+        return Enqueued(step_id, "error", reply.committed_step_id, ErrorInfo(reply.code, reply.message))
 
     async def step(self, step_id: int, **kwargs: Any) -> StepResult:
         """Submit a step and wait for its result (see :meth:`submit` for the arguments)."""
@@ -277,7 +288,7 @@ class Session:
         waiter = replies.expect(job_id)
         try:
             async with self._order:
-                reply = await self._send(
+                reply = await self._send_step(
                     lambda owner: self.fleet.scripts.enqueue(
                         self.session_id, owner, step_id=step_id, contextual=contextual, job_id=job_id,
                         reply_to=self.fleet.client_id, payload=payload, min_version=min_version,
@@ -286,14 +297,15 @@ class Session:
         except FleetError as exc:
             replies.forget(job_id)
             return StepResult.failure(self.session_id, step_id, exc.code, exc.message)
-        if reply.status == "stored":
+        if isinstance(reply, Stored):
             replies.forget(job_id)
-            result = self.fleet.decode_result(Reply("step", job_id, reply.integer(1), reply.values[0]), started)
+            result = self.fleet.decode_result(Reply("step", job_id, reply.committed_step_id, reply.result), started)
             return dataclasses.replace(result, duplicate=True)
-        if reply.status == "error":
+        if isinstance(reply, Refused):
             replies.forget(job_id)
-            return StepResult.failure(self.session_id, step_id, ErrorCode(reply.text(0)), reply.text(1),
-                                      committed_step_id=reply.integer(2), context_length=reply.integer(3))
+            return StepResult.failure(self.session_id, step_id, reply.code, reply.message,
+                                      committed_step_id=reply.committed_step_id,
+                                      context_length=reply.context_length)
         try:
             answer = await asyncio.wait_for(waiter, timeout)
         except TimeoutError:
@@ -302,20 +314,40 @@ class Session:
                 self.session_id, step_id, ErrorCode.TIMEOUT,
                 f"no result within {timeout}s; the step is still queued and may commit later "
                 "(re-send the same step_id to get its stored result)",
-                committed_step_id=reply.integer(1))
+                committed_step_id=reply.committed_step_id)
         return self.fleet.decode_result(answer, started)
 
-    async def _send(self, call: Any) -> ScriptReply:
-        """Run a script against the believed owner's inbox, following ownership moves and riding
-        out a Redis outage (reconnect with backoff, up to ``FleetClient.reconnect_s``).
+    async def _send_step(self, call: Callable[[str], Awaitable[EnqueueReply]]) -> Queued | Stored | Refused:
+        """:meth:`_send` for an enqueue. If a reply was lost in an outage and the retry finds our
+        step already in flight, the first attempt landed: the result is on its way to our reply
+        stream, so report it as queued."""
+        reply, lost = await self._send(call)
+        if isinstance(reply, Moved):
+            raise self._kept_moving()
+        if lost and isinstance(reply, Refused) and reply.in_flight:
+            return Queued("", reply.committed_step_id)
+        return reply
 
-        If a reply was lost in an outage and the retry finds our step already in flight, the first
-        attempt landed: the result is on its way to our reply stream, so report it as queued."""
+    async def _send_control(self, call: Callable[[str], Awaitable[ControlReply]]
+                            ) -> Queued | AlreadyClosed | Refused:
+        reply, _ = await self._send(call)
+        if isinstance(reply, Moved):
+            raise self._kept_moving()
+        return reply
+
+    def _kept_moving(self) -> FleetError:
+        return FleetError(f"session {self.session_id} kept moving between workers", code=ErrorCode.TIMEOUT)
+
+    async def _send(self, call: Callable[[str], Awaitable[_Reply]]) -> tuple[_Reply, bool]:
+        """Run a script against the believed owner's inbox, following up to ``_MAX_MOVES``
+        ownership moves and riding out a Redis outage (reconnect with backoff, up to
+        ``FleetClient.reconnect_s``). Returns the reply (Moved once the session kept moving) and
+        whether an earlier attempt's reply was lost in the outage."""
         moves, lost, delay = 0, False, 0.05
         deadline = time.monotonic() + self.fleet.reconnect_s
         while True:
             try:
-                reply: ScriptReply = await call(self.owner)
+                reply = await call(self.owner)
             except REDIS_ERRORS as exc:
                 if time.monotonic() > deadline:
                     raise FleetError(f"redis unreachable for {self.fleet.reconnect_s}s: {exc}",
@@ -324,16 +356,11 @@ class Session:
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, 2.0)
                 continue
-            if reply.status == "moved":
+            if isinstance(reply, Moved) and moves < _MAX_MOVES:
                 moves += 1
-                if moves > _MAX_MOVES:
-                    raise FleetError(f"session {self.session_id} kept moving between workers",
-                                     code=ErrorCode.TIMEOUT)
-                self.owner = reply.text(0)
+                self.owner = reply.owner
                 continue
-            if lost and reply.status == "error" and len(reply.values) > 4 and reply.text(4) == "in_flight":
-                return ScriptReply("queued", ("", reply.values[2]))
-            return reply
+            return reply, lost
 
     # ------------------------------------------------------------------ control
 
@@ -354,17 +381,17 @@ class Session:
         replies = self.fleet.replies
         waiter = replies.expect(job_id)
         async with self._order:
-            reply = await self._send(
+            reply = await self._send_control(
                 lambda owner: self.fleet.scripts.control(
                     self.session_id, owner, kind=kind, job_id=job_id, reply_to=self.fleet.client_id
                 )
             )
-        if reply.status == "error":
+        if isinstance(reply, Refused):
             replies.forget(job_id)
-            raise error_for(ErrorCode(reply.text(0)), reply.text(1))
-        if reply.status == "already_closed" or not wait:
+            raise error_for(reply.code, reply.message)
+        if isinstance(reply, AlreadyClosed) or not wait:
             replies.forget(job_id)
-            return reply.integer(0) if reply.status == "already_closed" else reply.integer(1)
+            return reply.committed_step_id
         answer = await asyncio.wait_for(waiter, timeout)
         return answer.committed
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from broker.redis.aio import resolve
+from broker.redis.script_replies import Alive, FailedOver, Gone, Retired, Skipped
 from broker.redis.scripts import Scripts
 
 log = logging.getLogger(__name__)
@@ -75,16 +76,16 @@ async def _move(scripts: Scripts, sid: str, worker_id: str, lease_ms: int, reaso
     for candidate in await _candidates(scripts, mode, model, worker_id, lease_ms):
         reply = await scripts.failover(session_id=sid, mode=mode, model=model, old=worker_id, new=candidate,
                                        lease_ms=lease_ms, reason=reason)
-        if reply.status == "moved":
+        if isinstance(reply, FailedOver):
             report.moved[sid] = candidate
-            report.jobs_moved += reply.integer(1)
-            log.info("session %s: %s -> %s (epoch %s, %s jobs)", sid, worker_id, candidate, reply.text(0),
-                     reply.text(1))
+            report.jobs_moved += reply.jobs_moved
+            log.info("session %s: %s -> %s (epoch %s, %s jobs)", sid, worker_id, candidate, reply.epoch,
+                     reply.jobs_moved)
             return
-        if reply.status == "alive":
+        if isinstance(reply, Alive):
             report.alive = True
             return
-        if reply.status in ("skip", "gone"):
+        if isinstance(reply, Skipped | Gone):
             return
     report.stuck.append(sid)
 
@@ -105,9 +106,9 @@ async def fail_over(scripts: Scripts, worker_id: str, *, lease_ms: int, reason: 
     pools: Any = await resolve(scripts.redis.smembers(scripts.keys.pool_index))
     retired = await scripts.retire(worker_id, pools=sorted(p.decode() for p in pools), lease_ms=lease_ms,
                                    reason="expired" if reason == "expired" else "drained")
-    report.alive = retired.status == "alive"
-    report.retired = retired.status == "retired"
-    report.orphans = retired.integer(0) if report.retired else 0
+    report.alive = isinstance(retired, Alive)
+    report.retired = isinstance(retired, Retired)
+    report.orphans = retired.orphans if isinstance(retired, Retired) else 0
     return report
 
 

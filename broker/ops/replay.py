@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from broker.redis.aio import resolve
+from broker.redis.script_replies import Moved, Queued, Stored
 from broker.redis.scripts import Scripts
 
 
@@ -119,15 +120,17 @@ async def replay_one(scripts: Scripts, job: DeadJob, *, dry_run: bool = False) -
         reply = await scripts.enqueue(job.session_id, owner, step_id=job.step_id, contextual=job.contextual,
                                       job_id=f"replay-{uuid.uuid4().hex}", reply_to=job.reply_to or "replay",
                                       payload=job.payload, attempt=job.attempts)
-        if reply.status != "moved":
+        if not isinstance(reply, Moved):
             break
-        owner = reply.text(0)
-    if reply.status in ("queued", "stored"):
+        owner = reply.owner
+    if isinstance(reply, Queued | Stored):
         await scripts.redis.xdel(scripts.keys.dead, job.entry_id)
-        if reply.status == "stored":
+        if isinstance(reply, Stored):
             return outcome("already_committed", "the step is committed; its stored result stands")
         return outcome("queued", f"re-enqueued step {job.step_id}; its result is committed as usual")
-    code, message = reply.text(0), reply.text(1)
+    if isinstance(reply, Moved):  # it kept moving: answer as a refusal would
+        return outcome("moved", f"session {job.session_id} kept moving between workers (now {reply.owner})")
+    code, message = reply.code.value, reply.message
     if code == "step_already_committed":
         await scripts.redis.xdel(scripts.keys.dead, job.entry_id)
         return outcome("already_committed", message)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable
-from dataclasses import dataclass
 from functools import cache
 from importlib import resources
 from typing import Any
@@ -17,8 +16,28 @@ from redis.asyncio import Redis
 from redis.exceptions import NoScriptError
 
 from broker.redis.keys import INBOX_GROUP, CellKeys
+from broker.redis.script_replies import (
+    ApplyControlReply,
+    CommitReply,
+    ControlReply,
+    CreateReply,
+    EnqueueReply,
+    FailoverReply,
+    Heartbeat,
+    ReportReply,
+    RetireReply,
+    decode_apply_control,
+    decode_commit,
+    decode_control,
+    decode_create,
+    decode_enqueue,
+    decode_failover,
+    decode_heartbeat,
+    decode_integer,
+    decode_report,
+    decode_retire,
+)
 
-Reply = list[Any]
 _Pending = tuple[str, list[str], list[Any], "asyncio.Future[Any]"]
 
 
@@ -36,30 +55,6 @@ async def _settle(fut: asyncio.Future[Any], call: Awaitable[Any]) -> None:
 @cache
 def lua_source(name: str) -> str:
     return resources.files("broker.redis").joinpath("lua", f"{name}.lua").read_text(encoding="utf-8")
-
-
-def _s(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
-@dataclass(frozen=True)
-class ScriptReply:
-    """A script's answer: a status word and the values after it."""
-
-    status: str
-    values: tuple[Any, ...]
-
-    @classmethod
-    def of(cls, raw: Any) -> ScriptReply:
-        if not isinstance(raw, list) or not raw:
-            raise RuntimeError(f"unexpected script reply {raw!r}")
-        return cls(_s(raw[0]), tuple(raw[1:]))
-
-    def text(self, index: int) -> str:
-        return _s(self.values[index])
-
-    def integer(self, index: int) -> int:
-        return int(_s(self.values[index]))
 
 
 class Scripts:
@@ -128,17 +123,17 @@ class Scripts:
     # ------------------------------------------------------------------ trainer side
 
     async def create(self, session_id: str, mode: str, model: str, *, lease_ms: int, retention: str,
-                     result_window: int) -> ScriptReply:
+                     result_window: int) -> CreateReply:
         k = self.keys
         raw = await self._call(
             "create",
             [k.workers, k.capacity, k.pool(mode, model), k.session(session_id), k.sessions],
             [session_id, mode, model, lease_ms, retention, result_window],
         )
-        return ScriptReply.of(raw)
+        return decode_create(raw)
 
     async def enqueue(self, session_id: str, owner: str, *, step_id: int, contextual: bool, job_id: str,
-                      reply_to: str, payload: bytes, attempt: int = 0, min_version: int = 0) -> ScriptReply:
+                      reply_to: str, payload: bytes, attempt: int = 0, min_version: int = 0) -> EnqueueReply:
         k = self.keys
         raw = await self._call(
             "enqueue",
@@ -146,28 +141,28 @@ class Scripts:
             [owner, step_id, "1" if contextual else "0", job_id, reply_to, payload, session_id, attempt,
              min_version],
         )
-        return ScriptReply.of(raw)
+        return decode_enqueue(raw)
 
     async def control(self, session_id: str, owner: str, *, kind: str, job_id: str,
-                      reply_to: str) -> ScriptReply:
+                      reply_to: str) -> ControlReply:
         k = self.keys
         raw = await self._call(
             "control", [k.session(session_id), k.inbox(owner)], [owner, kind, job_id, reply_to, session_id]
         )
-        return ScriptReply.of(raw)
+        return decode_control(raw)
 
     async def ack_result(self, *, stream: str, group: str, entry_id: str, session_id: str, step_id: int,
                          handled_ttl_ms: int) -> bool:
         k = self.keys
         raw = await self._call("ack_result", [k.reply(stream), k.handled(stream, group)],
                                [group, entry_id, f"{session_id}:{step_id}", handled_ttl_ms])
-        return bool(int(raw))
+        return bool(decode_integer("ack_result", raw))
 
     # ------------------------------------------------------------------ worker side
 
     async def commit(self, *, session_id: str, worker_id: str, epoch: int, step_id: int, entry_id: str,
                      result: bytes, context_length: int, job_id: str, reply_to: str, reply_ttl_ms: int,
-                     record: bytes = b"", keep_records: int = -1) -> ScriptReply:
+                     record: bytes = b"", keep_records: int = -1) -> CommitReply:
         """Commit a step; ``record`` (kept per ``keep_records``: -1 all, N last N, 0 none) is what a
         new owner replays to rebuild the session's context."""
         k = self.keys
@@ -177,11 +172,11 @@ class Scripts:
             [worker_id, epoch, step_id, entry_id, result, context_length, job_id, reply_ttl_ms, INBOX_GROUP,
              record, keep_records],
         )
-        return ScriptReply.of(raw)
+        return decode_commit(raw)
 
     async def report(self, *, session_id: str, worker_id: str, epoch: int, entry_id: str, job_id: str,
                      result: bytes, fallback_gen: int | None, reply_to: str, reply_ttl_ms: int,
-                     dead_letter: dict[str, Any] | None = None) -> ScriptReply:
+                     dead_letter: dict[str, Any] | None = None) -> ReportReply:
         """Publish a non-committing outcome; ``dead_letter`` fields also dead-letter the job."""
         k = self.keys
         flat = [item for pair in (dead_letter or {}).items() for item in pair]
@@ -191,10 +186,10 @@ class Scripts:
             [worker_id, epoch, entry_id, job_id, result, "" if fallback_gen is None else fallback_gen,
              reply_ttl_ms, INBOX_GROUP, self.DEAD_MAXLEN, *flat],
         )
-        return ScriptReply.of(raw)
+        return decode_report(raw)
 
     async def failover(self, *, session_id: str, mode: str, model: str, old: str, new: str, lease_ms: int,
-                       reason: str) -> ScriptReply:
+                       reason: str) -> FailoverReply:
         k = self.keys
         raw = await self._call(
             "failover",
@@ -202,20 +197,20 @@ class Scripts:
              k.sessions],
             [old, new, lease_ms, session_id, reason, INBOX_GROUP],
         )
-        return ScriptReply.of(raw)
+        return decode_failover(raw)
 
-    async def retire(self, worker_id: str, *, pools: list[str], lease_ms: int, reason: str) -> ScriptReply:
+    async def retire(self, worker_id: str, *, pools: list[str], lease_ms: int, reason: str) -> RetireReply:
         k = self.keys
         raw = await self._call(
             "retire",
             [k.workers, k.capacity, k.worker(worker_id), k.inbox(worker_id), k.dead, *pools],
             [worker_id, lease_ms, reason, self.DEAD_MAXLEN],
         )
-        return ScriptReply.of(raw)
+        return decode_retire(raw)
 
     async def apply_control(self, *, session_id: str, worker_id: str, epoch: int, entry_id: str,
                             job_id: str, kind: str, mode: str, model: str, reply_to: str,
-                            grace_ms: int, reply_ttl_ms: int) -> ScriptReply:
+                            grace_ms: int, reply_ttl_ms: int) -> ApplyControlReply:
         k = self.keys
         raw = await self._call(
             "apply_control",
@@ -223,7 +218,7 @@ class Scripts:
              k.pool(mode, model), k.sessions],
             [worker_id, epoch, entry_id, job_id, kind, grace_ms, reply_ttl_ms, INBOX_GROUP, session_id],
         )
-        return ScriptReply.of(raw)
+        return decode_apply_control(raw)
 
     async def register(self, worker_id: str, *, capacity: int, pools: list[str], ttl_ms: int,
                        fields: dict[str, str]) -> int:
@@ -234,13 +229,13 @@ class Scripts:
             [k.workers, k.capacity, k.worker(worker_id), k.inbox(worker_id), k.pool_index, *pools],
             [worker_id, capacity, ttl_ms, INBOX_GROUP, *flat],
         )
-        return int(raw)
+        return decode_integer("register", raw)
 
-    async def heartbeat(self, worker_id: str, *, ttl_ms: int, fields: dict[str, str]) -> tuple[int, bool]:
+    async def heartbeat(self, worker_id: str, *, ttl_ms: int, fields: dict[str, str]) -> Heartbeat:
         k = self.keys
         flat = [item for pair in fields.items() for item in pair]
         raw = await self._call("heartbeat", [k.workers, k.worker(worker_id)], [worker_id, ttl_ms, *flat])
-        return int(raw[0]), bool(int(raw[1]))
+        return decode_heartbeat(raw)
 
     async def leave_pools(self, worker_id: str, *, pools: list[str], state: str) -> None:
         await self._call("leave_pools", [self.keys.worker(worker_id), *pools], [worker_id, state])
