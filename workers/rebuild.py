@@ -27,6 +27,7 @@ from redis.asyncio import Redis
 
 from broker.redis.aio import resolve
 from broker.redis.keys import CellKeys
+from broker.redis.layouts import log_input_field
 from schemas.codec import decode, encode
 from schemas.errors import ErrorCode, FleetError
 from schemas.messages import Mode, StepInput, TokenStep, parse_step_input
@@ -91,7 +92,7 @@ async def rebuild_context(redis: Redis, keys: CellKeys, batcher: Batcher, *, ses
     """Replay steps 0..committed into an engine running policy ``version``; returns the ms it took.
     Raises ContextLost."""
     started = time.perf_counter()
-    fields = [f"input:{i}" for i in range(committed + 1)]
+    fields = [log_input_field(i) for i in range(committed + 1)]
     raw: list[bytes | None] = await resolve(redis.hmget(keys.log(session_id), fields))
     missing = [i for i, rec in enumerate(raw) if rec is None]
     if missing:

@@ -21,6 +21,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from broker.ops.failover import fail_over
 from broker.redis.aio import resolve
 from broker.redis.keys import INBOX_GROUP, CellKeys
+from broker.redis.layouts import ReplyEntry, SessionHash
 from broker.redis.script_replies import StaleOwner
 from broker.redis.scripts import Scripts
 from schemas.codec import encode
@@ -321,13 +322,14 @@ class Worker:
         state = self._sessions.get(job.session_id)
         if state is not None and state.epoch == job.epoch:
             return state
-        raw: Any = await until_redis_answers(lambda: resolve(self._redis_or_fail().hmget(
-            self.keys.session(job.session_id), ["committed_step_id", "epoch", "owner"])), "session state")
-        if raw[2] is None or raw[2].decode() != self.id or int(raw[1]) != job.epoch:
+        raw: Any = await until_redis_answers(lambda: resolve(self._redis_or_fail().hgetall(
+            self.keys.session(job.session_id))), "session state")
+        session = SessionHash.from_fields(raw) if raw else None
+        if session is None or session.owner != self.id or session.epoch != job.epoch:
             raise Fenced(job.session_id)
         # A new epoch means the engine's context (if any) may be stale: rebuild before the next step.
         self.engine.drop_session(job.session_id)
-        state = SessionState(committed=int(raw[0]), epoch=job.epoch)
+        state = SessionState(committed=session.committed_step_id, epoch=job.epoch)
         self._sessions[job.session_id] = state
         return state
 
@@ -342,16 +344,13 @@ class Worker:
         redis = self._redis_or_fail()
         inbox = self.keys.inbox(self.id)
         async with redis.pipeline(transaction=True) as pipe:
-            pipe.xadd(self.keys.dead, {"reason": f"invalid_request: {job.reason}", "entry_id": job.entry_id,
-                                       "worker_id": self.id, "job_id": job.job_id or "",
-                                       "session_id": job.session_id or "", "attempts": "0"})
+            pipe.xadd(self.keys.dead, job.dead_letter(self.id).to_fields())
             pipe.xack(inbox, INBOX_GROUP, job.entry_id)
             pipe.xdel(inbox, job.entry_id)
             if job.reply_to and job.job_id:
                 result = StepResult.failure(job.session_id or "", -1, ErrorCode.INVALID_REQUEST,
                                             f"malformed job: {job.reason}", worker_id=self.id)
                 reply = self.keys.reply(job.reply_to)
-                pipe.xadd(reply, {"kind": "step", "job_id": job.job_id, "committed": "-1",
-                                  "result": encode(result.to_wire())})
+                pipe.xadd(reply, ReplyEntry("step", job.job_id, -1, encode(result.to_wire())).to_fields())
                 pipe.pexpire(reply, self.settings.reply_ttl_ms)
             await pipe.execute()

@@ -27,8 +27,8 @@ from typing import Any
 from redis.exceptions import ResponseError
 
 from broker.client.fleet import FleetClient, check_stream_name
-from broker.client.replies import parse_reply
 from broker.redis.aio import resolve
+from broker.redis.layouts import ReplyEntry, handled_field
 from schemas.codec import decode
 from schemas.errors import InvalidRequestError
 from schemas.messages import StepResult
@@ -102,14 +102,15 @@ class ResultConsumer:
             eid = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
             if not fields:
                 continue
-            reply = parse_reply(fields)
+            reply = ReplyEntry.from_fields(fields)
             try:
                 result = StepResult.from_wire(decode(reply.result, self.fleet.limits))
             except InvalidRequestError as exc:
                 log.error("dropping undecodable result %s: %s", eid, exc)
                 await self.fleet.redis.xack(self._key, self.group, eid)
                 continue
-            seen = await resolve(self.fleet.redis.hexists(self._handled, f"{result.session_id}:{result.step_id}"))
+            handled = handled_field(result.session_id, result.step_id)
+            seen = await resolve(self.fleet.redis.hexists(self._handled, handled))
             delivery = Delivery(self, eid, result)
             if seen and result.ok:
                 await self.ack(delivery)  # a duplicate of a step the group already handled

@@ -19,9 +19,10 @@ from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from broker.client.replies import Reply, ReplyReader
+from broker.client.replies import ReplyReader
 from broker.redis.aio import resolve
 from broker.redis.keys import CellKeys
+from broker.redis.layouts import ReplyEntry, SessionHash
 from broker.redis.script_replies import (
     AlreadyClosed,
     ControlReply,
@@ -157,21 +158,9 @@ class FleetClient:
         raw: Any = await resolve(self.redis.hgetall(self.keys.session(session_id)))
         if not raw:
             raise error_for(ErrorCode.SESSION_NOT_FOUND, f"session {session_id!r} does not exist")
-        h = {k.decode(): v.decode() for k, v in raw.items()}
-        return SessionStatus(
-            session_id=session_id,
-            mode=Mode(h["mode"]),
-            model=h["model"],
-            committed_step_id=int(h["committed_step_id"]),
-            next_step_id=int(h["next_step_id"]),
-            context_length=int(h["context_length"]),
-            closed=h["closed"] == "1",
-            owner=h["owner"],
-            epoch=int(h["epoch"]),
-            retention=h.get("retention", "full"),
-        )
+        return SessionHash.from_fields(raw).status(session_id)
 
-    def decode_result(self, reply: Reply, started: float) -> StepResult:
+    def decode_result(self, reply: ReplyEntry, started: float) -> StepResult:
         """A reply entry as a StepResult, with the current committed id and the client's timing."""
         result = StepResult.from_wire(decode(reply.result, self.limits))
         total = (time.perf_counter() - started) * 1000.0
@@ -299,7 +288,8 @@ class Session:
             return StepResult.failure(self.session_id, step_id, exc.code, exc.message)
         if isinstance(reply, Stored):
             replies.forget(job_id)
-            result = self.fleet.decode_result(Reply("step", job_id, reply.committed_step_id, reply.result), started)
+            result = self.fleet.decode_result(ReplyEntry("step", job_id, reply.committed_step_id, reply.result),
+                                             started)
             return dataclasses.replace(result, duplicate=True)
         if isinstance(reply, Refused):
             replies.forget(job_id)

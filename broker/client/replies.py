@@ -5,33 +5,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from broker.redis.layouts import ReplyEntry
+
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Reply:
-    """One entry of a reply stream, as the worker's script wrote it."""
-
-    kind: str
-    job_id: str
-    committed: int
-    result: bytes
-
-
-def parse_reply(fields: dict[bytes, bytes]) -> Reply:
-    return Reply(
-        kind=fields.get(b"kind", b"step").decode(),
-        job_id=fields.get(b"job_id", b"").decode(),
-        committed=int(fields.get(b"committed", b"-1")),
-        result=fields.get(b"result", b""),
-    )
 
 
 class ReplyReader:
@@ -46,14 +28,14 @@ class ReplyReader:
         self.stream = stream
         self.block_ms = block_ms
         self.batch = batch
-        self._waiters: dict[str, asyncio.Future[Reply]] = {}
+        self._waiters: dict[str, asyncio.Future[ReplyEntry]] = {}
         self._task: asyncio.Task[None] | None = None
         self._last_id = b"0-0"
         self._deletes: set[asyncio.Task[None]] = set()
         self._stopping = False
 
-    def expect(self, job_id: str) -> asyncio.Future[Reply]:
-        fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
+    def expect(self, job_id: str) -> asyncio.Future[ReplyEntry]:
+        fut: asyncio.Future[ReplyEntry] = asyncio.get_running_loop().create_future()
         self._waiters[job_id] = fut
         return fut
 
@@ -97,7 +79,7 @@ class ReplyReader:
         ids: list[Any] = []
         for entry_id, fields in items:
             ids.append(entry_id)
-            reply = parse_reply(fields)
+            reply = ReplyEntry.from_fields(fields)
             fut = self._waiters.pop(reply.job_id, None)
             if fut is not None and not fut.done():
                 fut.set_result(reply)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from broker.redis.aio import resolve
+from broker.redis.layouts import SessionHash
 from broker.redis.script_replies import Alive, FailedOver, Gone, Retired, Skipped
 from broker.redis.scripts import Scripts
 
@@ -69,10 +70,11 @@ async def _candidates(scripts: Scripts, mode: str, model: str, exclude: str, lea
 
 async def _move(scripts: Scripts, sid: str, worker_id: str, lease_ms: int, reason: str,
                 report: FailoverReport) -> None:
-    fields: Any = await resolve(scripts.redis.hmget(scripts.keys.session(sid), ["mode", "model"]))
-    if fields[0] is None:
+    fields: Any = await resolve(scripts.redis.hgetall(scripts.keys.session(sid)))
+    if not fields:
         return
-    mode, model = fields[0].decode(), fields[1].decode()
+    session = SessionHash.from_fields(fields)
+    mode, model = session.mode.value, session.model
     for candidate in await _candidates(scripts, mode, model, worker_id, lease_ms):
         reply = await scripts.failover(session_id=sid, mode=mode, model=model, old=worker_id, new=candidate,
                                        lease_ms=lease_ms, reason=reason)

@@ -15,57 +15,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from broker.redis.aio import resolve
+from broker.redis.layouts import DeadLetter, SessionHash
 from broker.redis.script_replies import Moved, Queued, Stored
 from broker.redis.scripts import Scripts
 
-
-def _s(value: bytes | None, default: str = "") -> str:
-    return value.decode("utf-8", "replace") if value is not None else default
-
-
-@dataclass(frozen=True)
-class DeadJob:
-    entry_id: str
-    reason: str
-    attempts: int
-    worker_id: str
-    failed_ms: int
-    kind: str
-    session_id: str
-    step_id: int | None
-    contextual: bool
-    mode: str
-    model: str
-    reply_to: str
-    job_id: str
-    payload: bytes
-
-    @property
-    def code(self) -> str:
-        """The error code part of the reason (``inference_error: ...`` -> ``inference_error``)."""
-        return self.reason.split(":", 1)[0].strip()
-
-    @property
-    def replayable(self) -> bool:
-        return self.kind == "step" and bool(self.session_id) and self.step_id is not None and bool(self.payload)
-
-    @classmethod
-    def from_entry(cls, entry_id: bytes | str, f: dict[bytes, bytes]) -> DeadJob:
-        step = _s(f.get(b"step_id"))
-        return cls(
-            entry_id=entry_id.decode() if isinstance(entry_id, bytes) else entry_id,
-            reason=_s(f.get(b"reason")), attempts=int(_s(f.get(b"attempts"), "0") or 0),
-            worker_id=_s(f.get(b"worker_id")), failed_ms=int(_s(f.get(b"failed_ms"), "0") or 0),
-            kind=_s(f.get(b"kind")), session_id=_s(f.get(b"session_id")),
-            step_id=int(step) if step.lstrip("-").isdigit() else None,
-            contextual=_s(f.get(b"contextual"), "1") == "1", mode=_s(f.get(b"mode")), model=_s(f.get(b"model")),
-            reply_to=_s(f.get(b"reply_to")), job_id=_s(f.get(b"job_id")), payload=f.get(b"payload", b""),
-        )
-
-    def summary(self) -> dict[str, Any]:
-        return {"entry_id": self.entry_id, "session_id": self.session_id, "step_id": self.step_id,
-                "code": self.code, "reason": self.reason, "attempts": self.attempts, "worker_id": self.worker_id,
-                "failed_ms": self.failed_ms, "payload_bytes": len(self.payload)}
+# A dead letter as the replay tools call it; its layout belongs to broker.redis.layouts.
+DeadJob = DeadLetter
 
 
 @dataclass(frozen=True)
@@ -114,8 +69,8 @@ async def replay_one(scripts: Scripts, job: DeadJob, *, dry_run: bool = False) -
         return outcome("not_replayable", f"entry is not a step job ({job.reason})")
     if dry_run:
         return outcome("dry_run", f"would re-enqueue step {job.step_id} of {job.session_id}")
-    raw_owner: Any = await resolve(scripts.redis.hget(scripts.keys.session(job.session_id), "owner"))
-    owner = _s(raw_owner)
+    raw: Any = await resolve(scripts.redis.hgetall(scripts.keys.session(job.session_id)))
+    owner = SessionHash.from_fields(raw).owner if raw else ""  # a missing session: enqueue says so
     for _ in range(8):
         reply = await scripts.enqueue(job.session_id, owner, step_id=job.step_id, contextual=job.contextual,
                                       job_id=f"replay-{uuid.uuid4().hex}", reply_to=job.reply_to or "replay",

@@ -26,10 +26,10 @@ from broker.ops.failover import reap
 from broker.ops.replay import list_dead, replay
 from broker.redis.aio import resolve
 from broker.redis.keys import CellKeys
+from broker.redis.layouts import DEAD_LETTER_MAXLEN
 from broker.redis.scripts import Scripts
 
 log = logging.getLogger(__name__)
-DEAD_LETTER_KEEP = 100_000
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ async def trim_job(ctx: dict[str, Any]) -> dict[str, int]:
     async for sid, _owner in redis.hscan_iter(keys.sessions):
         if not await redis.exists(keys.session(sid.decode())):
             forgotten += await resolve(redis.hdel(keys.sessions, sid))
-    trimmed = await redis.xtrim(keys.dead, maxlen=DEAD_LETTER_KEEP, approximate=True)
+    trimmed = await redis.xtrim(keys.dead, maxlen=DEAD_LETTER_MAXLEN, approximate=True)
     return {"sessions_forgotten": forgotten, "dead_letters_trimmed": int(trimmed)}
 
 

@@ -16,6 +16,7 @@ from redis.asyncio import Redis
 from redis.exceptions import NoScriptError
 
 from broker.redis.keys import INBOX_GROUP, CellKeys
+from broker.redis.layouts import DEAD_LETTER_MAXLEN, handled_field
 from broker.redis.script_replies import (
     ApplyControlReply,
     CommitReply,
@@ -64,7 +65,6 @@ class Scripts:
         "create", "enqueue", "control", "commit", "report", "apply_control",
         "register", "heartbeat", "leave_pools", "failover", "retire", "ack_result",
     )
-    DEAD_MAXLEN = 100_000  # dead-letter stream bound (approximate trim)
 
     def __init__(self, redis: Redis, keys: CellKeys, *, coalesce: bool = True) -> None:
         self.redis = redis
@@ -155,7 +155,7 @@ class Scripts:
                          handled_ttl_ms: int) -> bool:
         k = self.keys
         raw = await self._call("ack_result", [k.reply(stream), k.handled(stream, group)],
-                               [group, entry_id, f"{session_id}:{step_id}", handled_ttl_ms])
+                               [group, entry_id, handled_field(session_id, step_id), handled_ttl_ms])
         return bool(decode_integer("ack_result", raw))
 
     # ------------------------------------------------------------------ worker side
@@ -184,7 +184,7 @@ class Scripts:
             "report",
             [k.session(session_id), k.inbox(worker_id), k.reply(reply_to), k.dead],
             [worker_id, epoch, entry_id, job_id, result, "" if fallback_gen is None else fallback_gen,
-             reply_ttl_ms, INBOX_GROUP, self.DEAD_MAXLEN, *flat],
+             reply_ttl_ms, INBOX_GROUP, DEAD_LETTER_MAXLEN, *flat],
         )
         return decode_report(raw)
 
@@ -204,7 +204,7 @@ class Scripts:
         raw = await self._call(
             "retire",
             [k.workers, k.capacity, k.worker(worker_id), k.inbox(worker_id), k.dead, *pools],
-            [worker_id, lease_ms, reason, self.DEAD_MAXLEN],
+            [worker_id, lease_ms, reason, DEAD_LETTER_MAXLEN],
         )
         return decode_retire(raw)
 

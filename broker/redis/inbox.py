@@ -1,0 +1,93 @@
+"""Inbox entries (``rf:{c}:inbox:<wid>`` STREAM): the jobs a worker runs, written by enqueue.lua
+(steps) and control.lua (reset, close), moved whole by failover.lua and dead-lettered whole by
+retire.lua. A malformed entry becomes a BadEntry, never a crash."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from broker.redis.layouts import DeadLetter, Fields, LayoutError, integer, text
+from schemas.messages import Mode
+
+KINDS = frozenset({"step", "reset", "close"})
+
+
+@dataclass(frozen=True)
+class InboxEntry:
+    entry_id: str  # its id in the inbox (not a field)
+    kind: str  # step | reset | close
+    job_id: str
+    session_id: str
+    step_id: int  # -1 for reset and close
+    contextual: bool
+    epoch: int  # the lease epoch it was enqueued under (failover re-stamps it)
+    gen: int
+    mode: Mode
+    model: str
+    reply_to: str
+    enqueued_ms: int
+    attempt: int
+    payload: bytes
+    retention: str = "full"
+    min_version: int = 0  # the step waits until the worker's policy version reaches it
+
+    @classmethod
+    def from_fields(cls, entry_id: bytes | str, fields: Fields) -> InboxEntry:
+        """Raises LayoutError for an entry that does not parse."""
+        kind = text(fields, "kind")
+        if kind not in KINDS:
+            raise LayoutError(f"unknown job kind {kind!r}")
+        try:
+            mode = Mode(text(fields, "mode"))
+        except ValueError as exc:
+            raise LayoutError(str(exc)) from exc
+        return cls(
+            entry_id=entry_id.decode() if isinstance(entry_id, bytes) else entry_id,
+            kind=kind, job_id=text(fields, "job_id"), session_id=text(fields, "session_id"),
+            step_id=integer(fields, "step_id"), contextual=text(fields, "contextual") == "1",
+            epoch=integer(fields, "epoch"), gen=integer(fields, "gen"), mode=mode, model=text(fields, "model"),
+            reply_to=text(fields, "reply_to"), enqueued_ms=integer(fields, "enqueued_ms"),
+            attempt=integer(fields, "attempt"), payload=fields.get(b"payload", b""),
+            retention=text(fields, "retention", "full"), min_version=integer(fields, "min_version", 0),
+        )
+
+    def dead_letter(self, reason: str, attempts: int, worker_id: str, failed_ms: int) -> DeadLetter:
+        """Everything a replay needs, plus why and how often it failed."""
+        return DeadLetter(
+            reason=reason, attempts=attempts, worker_id=worker_id, failed_ms=failed_ms, kind=self.kind,
+            job_id=self.job_id, session_id=self.session_id, step_id=self.step_id, contextual=self.contextual,
+            mode=self.mode.value, model=self.model, reply_to=self.reply_to, enqueued_ms=self.enqueued_ms,
+            payload=self.payload, min_version=self.min_version,
+        )
+
+    def dead_letter_fields(self, reason: str, attempts: int, worker_id: str, failed_ms: int) -> dict[str, object]:
+        letter = self.dead_letter(reason, attempts, worker_id, failed_ms)
+        return {str(name): value for name, value in letter.to_fields().items()}
+
+
+@dataclass(frozen=True)
+class BadEntry:
+    """An entry that does not parse; answered if it names where to answer."""
+
+    entry_id: str
+    reason: str
+    session_id: str | None
+    job_id: str | None
+    reply_to: str | None
+    fields: dict[bytes, bytes]
+
+    def dead_letter(self, worker_id: str) -> DeadLetter:
+        return DeadLetter(reason=f"invalid_request: {self.reason}", inbox_entry_id=self.entry_id,
+                          worker_id=worker_id, job_id=self.job_id or "", session_id=self.session_id or "")
+
+
+def parse_inbox_entry(entry_id: bytes | str, fields: dict[bytes, bytes]) -> InboxEntry | BadEntry:
+    try:
+        return InboxEntry.from_fields(entry_id, fields)
+    except LayoutError as exc:
+        def opt(name: str) -> str | None:
+            raw = fields.get(name.encode())
+            return raw.decode("utf-8", "replace") if raw is not None else None
+
+        eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+        return BadEntry(eid, str(exc), opt("session_id"), opt("job_id"), opt("reply_to"), fields)

@@ -1,0 +1,208 @@
+"""The field layouts of the cell's hashes and stream entries, each owned here (encode and decode).
+
+The Lua scripts write the same fields; each script's header names the ones it reads and writes.
+Inbox entries live in :mod:`broker.redis.inbox`. Fields arrive as redis-py gives them without
+``decode_responses``: bytes names, bytes values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from redis.typing import EncodableT, FieldT
+
+from schemas.messages import Mode, SessionStatus
+
+Fields = Mapping[bytes, bytes]  # as read
+Entry = dict[FieldT, EncodableT]  # as written (what redis-py takes)
+
+
+class LayoutError(ValueError):
+    """A hash or stream entry does not have the layout its owner here expects."""
+
+
+def text(fields: Fields, name: str, default: str | None = None) -> str:
+    """One field as text; ``default`` when it is absent (LayoutError if there is no default)."""
+    value = fields.get(name.encode())
+    if value is None:
+        if default is None:
+            raise LayoutError(f"missing field {name!r}")
+        return default
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise LayoutError(f"field {name!r} is not utf-8") from exc
+
+
+def integer(fields: Fields, name: str, default: int | None = None) -> int:
+    raw = text(fields, name, None if default is None else str(default))
+    try:
+        return int(raw)
+    except ValueError as exc:
+        raise LayoutError(f"field {name!r} is not an integer: {raw!r}") from exc
+
+
+# ---------------------------------------------------------------------- rf:{c}:session:<sid> HASH
+
+@dataclass(frozen=True)
+class SessionHash:
+    """A session's record. Written whole by create.lua; enqueue, control, commit, report,
+    apply_control and failover.lua move single fields (their headers say which)."""
+
+    mode: Mode
+    model: str
+    owner: str
+    epoch: int  # the lease epoch: +1 on every failover (the fence of commit, report, apply_control)
+    committed_step_id: int
+    next_step_id: int
+    context_length: int
+    closed: bool
+    gen: int = 0  # +1 per reset or step fallback: steps enqueued before it belong to the old one
+    reset_pending: int = 0  # resets enqueued and not yet applied (no stored-result retries meanwhile)
+    retention: str = "full"
+    result_window: int = 1
+    created_ms: int = 0
+    updated_ms: int = 0
+
+    @classmethod
+    def from_fields(cls, fields: Fields) -> SessionHash:
+        try:
+            mode = Mode(text(fields, "mode"))
+        except ValueError as exc:
+            raise LayoutError(f"session hash: {exc}") from exc
+        return cls(
+            mode=mode, model=text(fields, "model"), owner=text(fields, "owner"), epoch=integer(fields, "epoch"),
+            committed_step_id=integer(fields, "committed_step_id"), next_step_id=integer(fields, "next_step_id"),
+            context_length=integer(fields, "context_length"), closed=text(fields, "closed") == "1",
+            gen=integer(fields, "gen", 0), reset_pending=integer(fields, "reset_pending", 0),
+            retention=text(fields, "retention", "full"), result_window=integer(fields, "result_window", 1),
+            created_ms=integer(fields, "created_ms", 0), updated_ms=integer(fields, "updated_ms", 0),
+        )
+
+    def status(self, session_id: str) -> SessionStatus:
+        return SessionStatus(
+            session_id=session_id, mode=self.mode, model=self.model, committed_step_id=self.committed_step_id,
+            next_step_id=self.next_step_id, context_length=self.context_length, closed=self.closed,
+            owner=self.owner, epoch=self.epoch, retention=self.retention,
+        )
+
+
+# ---------------------------------------------------------------------- rf:{c}:log:<sid> HASH
+
+def log_result_field(step_id: int) -> str:
+    """The stored result of a committed step (kept for the session's result window)."""
+    return f"result:{step_id}"
+
+
+def log_input_field(step_id: int) -> str:
+    """The step record a new owner replays to rebuild the context (kept per retention)."""
+    return f"input:{step_id}"
+
+
+# ---------------------------------------------------------------------- rf:{c}:handled:<stream>:<group> HASH
+
+def handled_field(session_id: str, step_id: int) -> str:
+    """A step a consumer group has handled (ack_result.lua sets it; duplicates are found by it)."""
+    return f"{session_id}:{step_id}"
+
+
+# ---------------------------------------------------------------------- rf:{c}:reply:<consumer> STREAM
+
+@dataclass(frozen=True)
+class ReplyEntry:
+    """One result for a trainer: written by commit, report and apply_control.lua (and by a worker
+    answering a malformed job)."""
+
+    kind: str  # step | reset | close
+    job_id: str
+    committed: int
+    result: bytes  # an encoded StepResult ('' for reset and close)
+
+    @classmethod
+    def from_fields(cls, fields: Fields) -> ReplyEntry:
+        return cls(kind=text(fields, "kind", "step"), job_id=text(fields, "job_id", ""),
+                   committed=integer(fields, "committed", -1), result=fields.get(b"result", b""))
+
+    def to_fields(self) -> Entry:
+        return {"kind": self.kind, "job_id": self.job_id, "committed": self.committed, "result": self.result}
+
+
+# ---------------------------------------------------------------------- rf:{c}:dead STREAM
+
+DEAD_LETTER_MAXLEN = 100_000  # the dead-letter stream's bound (approximate trim), for every writer
+
+
+def _optional_step(fields: Fields) -> int | None:
+    step = text(fields, "step_id", "")
+    return int(step) if step.lstrip("-").isdigit() else None
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    """A job that failed for good, with why: written by report.lua (fields from
+    :meth:`broker.redis.inbox.InboxEntry.dead_letter`), by retire.lua (the orphaned inbox entry's
+    fields after reason, worker_id, failed_ms) and by a worker for a malformed entry (a few fields,
+    ``inbox_entry_id`` among them). Every field but the reason may be absent when read."""
+
+    reason: str
+    entry_id: str = ""  # its id in the dead-letter stream (not a field)
+    attempts: int = 0
+    worker_id: str = ""
+    failed_ms: int = 0
+    kind: str = ""
+    session_id: str = ""
+    step_id: int | None = None
+    contextual: bool = True
+    mode: str = ""
+    model: str = ""
+    reply_to: str = ""
+    job_id: str = ""
+    payload: bytes = b""
+    enqueued_ms: int | None = None
+    min_version: int | None = None
+    inbox_entry_id: str | None = None  # the malformed entry's id in its inbox
+
+    @property
+    def code(self) -> str:
+        """The error code part of the reason (``inference_error: ...`` -> ``inference_error``)."""
+        return self.reason.split(":", 1)[0].strip()
+
+    @property
+    def replayable(self) -> bool:
+        return self.kind == "step" and bool(self.session_id) and self.step_id is not None and bool(self.payload)
+
+    @classmethod
+    def from_entry(cls, entry_id: bytes | str, fields: Fields) -> DeadLetter:
+        def lenient(name: str, default: str = "") -> str:  # dead letters are read whatever they hold
+            raw = fields.get(name.encode())
+            return raw.decode("utf-8", "replace") if raw is not None else default
+
+        return cls(
+            entry_id=entry_id.decode() if isinstance(entry_id, bytes) else entry_id,
+            reason=lenient("reason"), attempts=int(lenient("attempts", "0") or 0),
+            worker_id=lenient("worker_id"), failed_ms=int(lenient("failed_ms", "0") or 0),
+            kind=lenient("kind"), session_id=lenient("session_id"), step_id=_optional_step(fields),
+            contextual=lenient("contextual", "1") == "1", mode=lenient("mode"), model=lenient("model"),
+            reply_to=lenient("reply_to"), job_id=lenient("job_id"), payload=fields.get(b"payload", b""),
+        )
+
+    def to_fields(self) -> Entry:
+        """The fields to XADD (absent ones left out), in the order the writers always used."""
+        if self.inbox_entry_id is not None:  # a malformed entry: what could be read of it
+            return {"reason": self.reason, "entry_id": self.inbox_entry_id, "worker_id": self.worker_id,
+                    "job_id": self.job_id, "session_id": self.session_id, "attempts": str(self.attempts)}
+        fields: dict[FieldT, EncodableT | None] = {
+            "reason": self.reason, "attempts": self.attempts, "worker_id": self.worker_id,
+            "failed_ms": self.failed_ms, "kind": self.kind, "job_id": self.job_id,
+            "session_id": self.session_id, "step_id": self.step_id, "contextual": "1" if self.contextual else "0",
+            "mode": self.mode, "model": self.model, "reply_to": self.reply_to, "enqueued_ms": self.enqueued_ms,
+            "payload": self.payload, "min_version": self.min_version,
+        }
+        return {name: value for name, value in fields.items() if value is not None}
+
+    def summary(self) -> dict[str, Any]:
+        return {"entry_id": self.entry_id, "session_id": self.session_id, "step_id": self.step_id,
+                "code": self.code, "reason": self.reason, "attempts": self.attempts, "worker_id": self.worker_id,
+                "failed_ms": self.failed_ms, "payload_bytes": len(self.payload)}

@@ -1,0 +1,110 @@
+"""The field layouts: what the Lua scripts write is what broker.redis.layouts and broker.redis.inbox
+read, and what Python writes reads back the same."""
+
+from __future__ import annotations
+
+import pytest
+
+from broker.redis.inbox import BadEntry, InboxEntry, parse_inbox_entry
+from broker.redis.layouts import (
+    DeadLetter,
+    LayoutError,
+    ReplyEntry,
+    SessionHash,
+    handled_field,
+    log_input_field,
+    log_result_field,
+)
+from broker.redis.script_replies import Committed, Queued, Retired
+from broker.redis.scripts import Scripts
+from schemas.messages import Mode
+
+
+async def _queued_step(scripts: Scripts) -> InboxEntry:
+    await scripts.register("w1", capacity=2, pools=[scripts.keys.pool("tokens", "m")], ttl_ms=15000,
+                           fields={"state": "active"})
+    await scripts.create("s1", "tokens", "m", lease_ms=5000, retention="last:2", result_window=3)
+    queued = await scripts.enqueue("s1", "w1", step_id=0, contextual=True, job_id="j0", reply_to="c",
+                                   payload=b"p", attempt=2, min_version=5)
+    assert isinstance(queued, Queued)
+    raw = await scripts.redis.xrange(scripts.keys.inbox("w1"))
+    entry = parse_inbox_entry(*raw[0])
+    assert isinstance(entry, InboxEntry) and entry.entry_id == queued.entry_id
+    return entry
+
+
+async def test_the_session_hash_create_writes_reads_back(scripts: Scripts) -> None:
+    await _queued_step(scripts)
+    session = SessionHash.from_fields(await scripts.redis.hgetall(scripts.keys.session("s1")))
+    assert (session.mode, session.model, session.owner, session.epoch) == (Mode.TOKENS, "m", "w1", 1)
+    assert (session.committed_step_id, session.next_step_id, session.context_length) == (-1, 1, 0)
+    assert (session.closed, session.gen, session.reset_pending) == (False, 0, 0)
+    assert (session.retention, session.result_window) == ("last:2", 3)
+    assert session.created_ms > 0 and session.updated_ms >= session.created_ms
+    assert session.status("s1").owner == "w1"
+
+
+async def test_an_inbox_entry_enqueue_writes_reads_back(scripts: Scripts) -> None:
+    entry = await _queued_step(scripts)
+    assert (entry.kind, entry.job_id, entry.session_id, entry.step_id, entry.contextual) == ("step", "j0", "s1", 0,
+                                                                                             True)
+    assert (entry.epoch, entry.gen, entry.mode, entry.model, entry.reply_to) == (1, 0, Mode.TOKENS, "m", "c")
+    assert (entry.attempt, entry.payload, entry.retention, entry.min_version) == (2, b"p", "last:2", 5)
+
+
+async def test_commit_writes_a_reply_entry_and_the_log_fields_named_here(scripts: Scripts) -> None:
+    entry = await _queued_step(scripts)
+    reply = await scripts.commit(session_id="s1", worker_id="w1", epoch=1, step_id=0, entry_id=entry.entry_id,
+                                 result=b"r", context_length=3, job_id="j0", reply_to="c", reply_ttl_ms=60000,
+                                 record=b"rec")
+    assert reply == Committed()
+    published = await scripts.redis.xrange(scripts.keys.reply("c"))
+    assert ReplyEntry.from_fields(published[0][1]) == ReplyEntry("step", "j0", 0, b"r")
+    log = await scripts.redis.hgetall(scripts.keys.log("s1"))
+    assert log == {log_result_field(0).encode(): b"r", log_input_field(0).encode(): b"rec"}
+
+
+async def test_ack_result_marks_the_handled_field_named_here(scripts: Scripts) -> None:
+    keys = scripts.keys
+    await scripts.redis.xgroup_create(keys.reply("res"), "g", id="0", mkstream=True)
+    entry_id = await scripts.redis.xadd(keys.reply("res"), ReplyEntry("step", "j", 4, b"r").to_fields())
+    assert await scripts.ack_result(stream="res", group="g", entry_id=entry_id.decode(), session_id="s1", step_id=4,
+                                    handled_ttl_ms=60000)
+    assert await scripts.redis.hkeys(keys.handled("res", "g")) == [handled_field("s1", 4).encode()]
+
+
+async def test_a_dead_letter_written_from_a_job_reads_back_replayable(scripts: Scripts) -> None:
+    entry = await _queued_step(scripts)
+    letter = entry.dead_letter("inference_error: boom", 3, "w1", 1234)
+    entry_id = await scripts.redis.xadd(scripts.keys.dead, letter.to_fields())
+    read = DeadLetter.from_entry(entry_id, (await scripts.redis.xrange(scripts.keys.dead))[0][1])
+    assert read.replayable and read.code == "inference_error"
+    assert (read.session_id, read.step_id, read.payload, read.attempts, read.failed_ms) == ("s1", 0, b"p", 3, 1234)
+    assert (read.mode, read.model, read.reply_to, read.job_id, read.contextual) == ("tokens", "m", "c", "j0", True)
+
+
+async def test_retire_dead_letters_orphans_in_the_dead_letter_layout(scripts: Scripts) -> None:
+    await _queued_step(scripts)
+    retired = await scripts.retire("w1", pools=[scripts.keys.pool("tokens", "m")], lease_ms=5000, reason="drained")
+    assert retired == Retired(1)
+    raw = await scripts.redis.xrange(scripts.keys.dead)
+    letter = DeadLetter.from_entry(*raw[0])
+    assert letter.reason.startswith("orphaned") and letter.worker_id == "w1" and letter.failed_ms > 0
+    assert (letter.session_id, letter.step_id, letter.payload, letter.replayable) == ("s1", 0, b"p", True)
+
+
+def test_a_malformed_entry_is_a_bad_entry_with_what_could_be_read() -> None:
+    bad = parse_inbox_entry(b"1-0", {b"kind": b"step", b"job_id": b"j", b"reply_to": b"c", b"step_id": b"x"})
+    assert isinstance(bad, BadEntry) and bad.job_id == "j" and bad.reply_to == "c"
+    assert bad.dead_letter("w1").to_fields() == {"reason": f"invalid_request: {bad.reason}", "entry_id": "1-0",
+                                                 "worker_id": "w1", "job_id": "j", "session_id": "",
+                                                 "attempts": "0"}
+    unknown = parse_inbox_entry("1-1", {b"kind": b"teleport"})
+    assert isinstance(unknown, BadEntry) and "unknown job kind" in unknown.reason
+
+
+def test_a_session_hash_missing_a_field_raises_a_layout_error() -> None:
+    with pytest.raises(LayoutError, match="missing field 'owner'"):
+        SessionHash.from_fields({b"mode": b"tokens", b"model": b"m"})
+    with pytest.raises(LayoutError, match="session hash"):
+        SessionHash.from_fields({b"mode": b"nonsense"})
