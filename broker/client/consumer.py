@@ -26,8 +26,9 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
-from broker.client.fleet import FleetClient, check_stream_name
+from broker.client.fleet import FleetClient
 from broker.redis.aio import resolve
+from broker.redis.keys import check_stream_name
 from broker.redis.layouts import ReplyEntry, handled_field
 from schemas.codec import decode
 from schemas.errors import InvalidRequestError

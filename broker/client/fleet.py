@@ -21,7 +21,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from broker.client.replies import ReplyReader
 from broker.redis.aio import resolve
-from broker.redis.keys import CellKeys
+from broker.redis.keys import CellKeys, check_stream_name
 from broker.redis.layouts import ReplyEntry, SessionHash
 from broker.redis.script_replies import (
     AlreadyClosed,
@@ -308,9 +308,8 @@ class Session:
         return self.fleet.decode_result(answer, started)
 
     async def _send_step(self, call: Callable[[str], Awaitable[EnqueueReply]]) -> Queued | Stored | Refused:
-        """:meth:`_send` for an enqueue. If a reply was lost in an outage and the retry finds our
-        step already in flight, the first attempt landed: the result is on its way to our reply
-        stream, so report it as queued."""
+        """:meth:`_send` for an enqueue. If a reply was lost in an outage and the retry finds our step
+        in flight, the first attempt landed (its result is on its way to us): report it as queued."""
         reply, lost = await self._send(call)
         if isinstance(reply, Moved):
             raise self._kept_moving()
@@ -318,8 +317,7 @@ class Session:
             return Queued("", reply.committed_step_id)
         return reply
 
-    async def _send_control(self, call: Callable[[str], Awaitable[ControlReply]]
-                            ) -> Queued | AlreadyClosed | Refused:
+    async def _send_control(self, call: Callable[[str], Awaitable[ControlReply]]) -> Queued | AlreadyClosed | Refused:
         reply, _ = await self._send(call)
         if isinstance(reply, Moved):
             raise self._kept_moving()
@@ -399,8 +397,3 @@ class Enqueued:
     status: str
     committed_step_id: int
     error: ErrorInfo | None = None
-
-
-def check_stream_name(name: str) -> None:
-    if not name or any(c in name for c in "{}: \n") or len(name) > 200:
-        raise InvalidRequestError(f"invalid results stream name {name!r}: no braces, colons or spaces")

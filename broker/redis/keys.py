@@ -5,7 +5,27 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from schemas.errors import InvalidRequestError
+
 INBOX_GROUP = "workers"  # consumer group name on every inbox stream
+MAX_NAME_LENGTH = 200  # a caller-chosen name inside a key (results stream, consumer group)
+
+
+def key_part_problem(part: str, *, max_length: int | None = None) -> str | None:
+    """Why ``part`` cannot go into a key name, or None. Braces would change the hash tag (the key
+    would leave the cell's slot) and colons would make two keys look like one."""
+    if not part or any(c in part for c in "{}: \n"):
+        return "no braces, colons or spaces"
+    if max_length is not None and len(part) > max_length:
+        return f"at most {max_length} characters"
+    return None
+
+
+def check_stream_name(name: str) -> None:
+    """A results stream or consumer group name a trainer chose (it goes into a key name)."""
+    problem = key_part_problem(name, max_length=MAX_NAME_LENGTH)
+    if problem is not None:
+        raise InvalidRequestError(f"invalid results stream name {name!r}: {problem}")
 
 
 @dataclass(frozen=True)
@@ -15,8 +35,9 @@ class CellKeys:
 
     def __post_init__(self) -> None:
         for part in (self.prefix, self.cell):
-            if not part or any(c in part for c in "{}: \n"):
-                raise ValueError(f"invalid key part {part!r}: no braces, colons or spaces")
+            problem = key_part_problem(part)
+            if problem is not None:
+                raise ValueError(f"invalid key part {part!r}: {problem}")
 
     @property
     def base(self) -> str:
