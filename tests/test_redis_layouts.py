@@ -3,6 +3,9 @@ read, and what Python writes reads back the same."""
 
 from __future__ import annotations
 
+import dataclasses
+import re
+
 import pytest
 
 from broker.redis.inbox import BadEntry, InboxEntry, parse_inbox_entry
@@ -16,7 +19,7 @@ from broker.redis.layouts import (
     log_result_field,
 )
 from broker.redis.script_replies import Committed, Queued, Retired
-from broker.redis.scripts import Scripts
+from broker.redis.scripts import PRELUDE_MARK, Scripts, lua_file, lua_source
 from schemas.messages import Mode
 
 
@@ -108,3 +111,21 @@ def test_a_session_hash_missing_a_field_raises_a_layout_error() -> None:
         SessionHash.from_fields({b"mode": b"tokens", b"model": b"m"})
     with pytest.raises(LayoutError, match="session hash"):
         SessionHash.from_fields({b"mode": b"nonsense"})
+
+
+@pytest.mark.parametrize("name", Scripts.NAMES)
+def test_every_script_has_its_header_and_takes_shared_idioms_from_the_prelude(name: str) -> None:
+    source = lua_file(name)
+    header = "\n".join(line for line in source.splitlines() if line.startswith("--"))
+    for part in ("-- KEYS:", "-- ARGV:", "Returns"):
+        assert part in header, f"{name}.lua header lacks {part!r}"
+    assert "'TIME'" not in source, "the Redis clock in ms is prelude.lua's now_ms()"
+    uses = {fn for fn in ("now_ms", "fenced", "session_refusal") if re.search(rf"\b{fn}\(", source)}
+    assert (PRELUDE_MARK in source) == bool(uses)
+    assert lua_source(name).startswith(lua_file("prelude")) == bool(uses)
+
+
+def test_create_writes_every_field_of_the_session_hash() -> None:
+    source = lua_file("create")
+    missing = [f.name for f in dataclasses.fields(SessionHash) if f"'{f.name}'" not in source]
+    assert not missing

@@ -2,7 +2,8 @@
 -- acknowledge and delete the entry. Returns 1 the first time the group handles that step, 0 for
 -- a duplicate delivery (a re-published or re-claimed result).
 -- KEYS: 1 results stream, 2 handled hash of the group
--- ARGV: 1 group, 2 entry id, 3 "session_id:step_id", 4 handled ttl ms
+-- ARGV: 1 group, 2 entry id, 3 handled field "session_id:step_id" (layouts.handled_field), 4 handled ttl ms
+-- Returns 1 | 0
 local first = redis.call('HSETNX', KEYS[2], ARGV[3], 1)
 redis.call('PEXPIRE', KEYS[2], ARGV[4])
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])

@@ -1,12 +1,16 @@
 -- The owner applies a reset or close control job from its inbox, fenced like a commit.
 -- reset: committed -> -1, context 0, stored results dropped. close: the worker's load drops, the
 -- session and its log expire after the grace TTL.
+-- Uses: prelude.lua (fenced)
 -- KEYS: 1 session hash, 2 log hash, 3 inbox, 4 reply stream, 5 pool zset, 6 sessions hash
 -- ARGV: 1 worker id, 2 job epoch, 3 inbox entry id, 4 job_id, 5 kind, 6 grace ttl ms,
 --       7 reply ttl ms, 8 inbox group, 9 session_id
+-- Fields (broker/redis/layouts.py): reads session owner, epoch, committed_step_id, reset_pending;
+--       writes session committed_step_id, context_length, reset_pending (reset); drops the log
+--       (reset); adds a reply entry (kind, job_id, committed, result '')
 -- Returns {'applied', committed} | {'fenced', owner, epoch}
 local s = redis.call('HMGET', KEYS[1], 'owner', 'epoch', 'committed_step_id', 'reset_pending')
-if s[1] and (s[1] ~= ARGV[1] or s[2] ~= ARGV[2]) then
+if s[1] and fenced(s[1], s[2], ARGV[1], ARGV[2]) then
   return {'fenced', s[1], s[2]}
 end
 local committed = tonumber(s[3] or '-1')

@@ -1,12 +1,17 @@
 -- Commit step k of a session: the exactly-once point. Fenced by owner and lease epoch.
+-- Uses: prelude.lua (now_ms, fenced)
 -- KEYS: 1 session hash, 2 log hash, 3 inbox, 4 reply stream
 -- ARGV: 1 worker id, 2 job epoch, 3 step_id, 4 inbox entry id, 5 result, 6 context_length,
 --       7 job_id, 8 reply ttl ms, 9 inbox group, 10 step record for context rebuild ('' = none),
 --       11 records kept (-1 = all, N = the last N)
+-- Fields (broker/redis/layouts.py): reads session owner, epoch, committed_step_id, result_window;
+--       writes session committed_step_id, context_length, updated_ms; log result:<step> (the
+--       last result_window kept) and input:<step> (per ARGV 11); adds a reply entry (kind,
+--       job_id, committed, result)
 -- Returns {'committed'} | {'duplicate'} | {'duplicate_unstored', committed}
 --       | {'fenced', owner, epoch} | {'out_of_order', committed}
 local s = redis.call('HMGET', KEYS[1], 'owner', 'epoch', 'committed_step_id', 'result_window')
-if s[1] ~= ARGV[1] or s[2] ~= ARGV[2] then
+if fenced(s[1], s[2], ARGV[1], ARGV[2]) then
   return {'fenced', s[1] or '', s[2] or ''}
 end
 local step = tonumber(ARGV[3])
@@ -29,9 +34,7 @@ end
 if committed ~= step - 1 then
   return {'out_of_order', committed}
 end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-redis.call('HSET', KEYS[1], 'committed_step_id', step, 'context_length', ARGV[6], 'updated_ms', now)
+redis.call('HSET', KEYS[1], 'committed_step_id', step, 'context_length', ARGV[6], 'updated_ms', now_ms())
 redis.call('HSET', KEYS[2], 'result:' .. step, ARGV[5])
 local window = tonumber(s[4] or '1')
 if step - window >= 0 then

@@ -3,27 +3,26 @@
 --        owner applies it. close: marks the session closed at once (later steps get
 --        session_closed); the owner drops the engine state after the queued steps. Closing twice
 --        is fine.
+-- Uses: prelude.lua (now_ms, session_refusal)
 -- KEYS: 1 session hash, 2 inbox of the believed owner
 -- ARGV: 1 believed owner, 2 kind ('reset'|'close'), 3 job_id, 4 reply_to, 5 session_id
+-- Fields (broker/redis/layouts.py, inbox.py): reads session owner, epoch, committed_step_id,
+--       context_length, closed, gen, mode, model; writes session next_step_id, gen,
+--       reset_pending (reset) or closed (close), updated_ms; adds an inbox entry (the fields of
+--       enqueue.lua's, step_id -1, payload '')
 -- Returns {'queued', entry_id, committed} | {'already_closed', committed}
 --       | {'error', code, message, committed, context_length} | {'moved', owner}
 local s = redis.call('HMGET', KEYS[1], 'owner', 'epoch', 'committed_step_id', 'context_length',
   'closed', 'gen', 'mode', 'model')
 local owner, committed = s[1], tonumber(s[3])
-if not owner then
-  return {'error', 'session_not_found', 'session ' .. ARGV[5] .. ' does not exist', -1, 0}
+if owner and s[5] == '1' and ARGV[2] == 'close' then
+  return {'already_closed', committed}
 end
-if s[5] == '1' then
-  if ARGV[2] == 'close' then
-    return {'already_closed', committed}
-  end
-  return {'error', 'session_closed', 'session ' .. ARGV[5] .. ' is closed', committed, s[4]}
+local refusal = session_refusal(owner, s[5], committed, s[4], ARGV[1], ARGV[5])
+if refusal then
+  return refusal
 end
-if owner ~= ARGV[1] then
-  return {'moved', owner}
-end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now = now_ms()
 if ARGV[2] == 'reset' then
   redis.call('HSET', KEYS[1], 'next_step_id', 0, 'gen', tonumber(s[6]) + 1, 'updated_ms', now)
   redis.call('HINCRBY', KEYS[1], 'reset_pending', 1)

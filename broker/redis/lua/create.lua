@@ -1,9 +1,12 @@
 -- Create a session on the least loaded live worker serving (mode, model) with free capacity.
+-- Uses: prelude.lua (now_ms)
 -- KEYS: 1 workers zset, 2 capacity hash, 3 pool zset (mode, model), 4 session hash, 5 sessions hash (session id -> owner)
 -- ARGV: 1 session_id, 2 mode, 3 model, 4 lease_ms, 5 retention, 6 result_window
+-- Fields (broker/redis/layouts.py SessionHash): writes the whole session hash: mode, model, owner,
+--       epoch, committed_step_id, next_step_id, context_length, closed, gen, reset_pending,
+--       retention, result_window, created_ms, updated_ms
 -- Returns {'created', owner} | {'error', code, message}
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now = now_ms()
 local lease = tonumber(ARGV[4])
 if redis.call('EXISTS', KEYS[4]) == 1 then
   return {'error', 'invalid_request', 'session ' .. ARGV[1] .. ' already exists'}

@@ -1,20 +1,21 @@
 -- Enqueue one step job into its owner's inbox, enforcing the step-id rules atomically.
+-- Uses: prelude.lua (now_ms, session_refusal)
 -- KEYS: 1 session hash, 2 inbox of the owner the client believes in, 3 log hash
 -- ARGV: 1 believed owner, 2 step_id, 3 contextual ('1'|'0'), 4 job_id, 5 reply_to, 6 payload,
 --       7 session_id, 8 attempt, 9 minimum policy version
+-- Fields (broker/redis/layouts.py, inbox.py): reads session owner, epoch, committed_step_id,
+--       next_step_id, context_length, closed, gen, reset_pending, mode, model, retention; writes
+--       session next_step_id; reads log result:<step>; adds an inbox entry (kind, job_id,
+--       session_id, step_id, contextual, epoch, gen, mode, model, reply_to, enqueued_ms, attempt,
+--       retention, min_version, payload)
 -- Returns {'queued', entry_id, committed} | {'stored', result, committed}
---       | {'error', code, message, committed, context_length} | {'moved', owner}
+--       | {'error', code, message, committed, context_length[, 'in_flight']} | {'moved', owner}
 local s = redis.call('HMGET', KEYS[1], 'owner', 'epoch', 'committed_step_id', 'next_step_id',
   'context_length', 'closed', 'gen', 'reset_pending', 'mode', 'model', 'retention')
 local owner, committed, ctx = s[1], tonumber(s[3]), s[5]
-if not owner then
-  return {'error', 'session_not_found', 'session ' .. ARGV[7] .. ' does not exist', -1, 0}
-end
-if s[6] == '1' then
-  return {'error', 'session_closed', 'session ' .. ARGV[7] .. ' is closed', committed, ctx}
-end
-if owner ~= ARGV[1] then
-  return {'moved', owner}
+local refusal = session_refusal(owner, s[6], committed, ctx, ARGV[1], ARGV[7])
+if refusal then
+  return refusal
 end
 local step = tonumber(ARGV[2])
 if ARGV[3] == '1' then
@@ -37,12 +38,10 @@ if ARGV[3] == '1' then
   end
   redis.call('HSET', KEYS[1], 'next_step_id', nxt + 1)
 end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local id = redis.call('XADD', KEYS[2], '*',
   'kind', 'step', 'job_id', ARGV[4], 'session_id', ARGV[7], 'step_id', step,
   'contextual', ARGV[3], 'epoch', s[2], 'gen', s[7], 'mode', s[9], 'model', s[10],
-  'reply_to', ARGV[5], 'enqueued_ms', now, 'attempt', ARGV[8], 'retention', s[11] or 'full',
+  'reply_to', ARGV[5], 'enqueued_ms', now_ms(), 'attempt', ARGV[8], 'retention', s[11] or 'full',
   'min_version', ARGV[9] or '0',
   'payload', ARGV[6])
 return {'queued', id, committed}

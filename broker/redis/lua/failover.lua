@@ -3,9 +3,12 @@
 -- owner can neither commit (fenced) nor receive the session's jobs.
 -- reason 'expired': only if the old owner's heartbeat is older than the lease.
 -- reason 'handover': the old owner itself hands the session over (drain), no lease wait.
+-- Uses: prelude.lua (now_ms)
 -- KEYS: 1 workers zset, 2 capacity hash, 3 pool zset (mode, model), 4 session hash, 5 old inbox,
 --       6 new inbox, 7 sessions hash
 -- ARGV: 1 old worker id, 2 new worker id, 3 lease ms, 4 session_id, 5 reason, 6 inbox group
+-- Fields (broker/redis/layouts.py, inbox.py): reads session owner, epoch; writes session owner,
+--       epoch, updated_ms; moves inbox entries whole (matched by session_id, epoch re-stamped)
 -- Returns {'moved', new_epoch, jobs_moved} | {'skip', owner} | {'gone'} | {'alive'}
 --       | {'retry', why}
 local s = redis.call('HMGET', KEYS[4], 'owner', 'epoch')
@@ -15,8 +18,7 @@ end
 if s[1] ~= ARGV[1] then
   return {'skip', s[1]}
 end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now = now_ms()
 local lease = tonumber(ARGV[3])
 if ARGV[5] == 'expired' then
   local hb = redis.call('ZSCORE', KEYS[1], ARGV[1])

@@ -1,9 +1,10 @@
 -- Refresh a worker's liveness: the heartbeat score, its description and the description's expiry.
+-- Uses: prelude.lua (now_ms)
 -- KEYS: 1 workers zset, 2 worker hash
 -- ARGV: 1 worker id, 2 worker hash ttl ms, 3.. field/value pairs
+-- Fields: writes the worker hash's heartbeat_ms and the given fields
 -- Returns {now, still_registered (1|0)}
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now = now_ms()
 local known = redis.call('ZSCORE', KEYS[1], ARGV[1])
 if not known then
   return {now, 0}

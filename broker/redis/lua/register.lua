@@ -1,9 +1,10 @@
 -- Register a worker (a new incarnation) and join the placement pools it serves.
+-- Uses: prelude.lua (now_ms)
 -- KEYS: 1 workers zset, 2 capacity hash, 3 worker hash, 4 inbox, 5 pool index set, 6.. pool zsets
 -- ARGV: 1 worker id, 2 capacity, 3 worker hash ttl ms, 4 inbox group, 5.. field/value pairs
+-- Fields: writes the worker hash anew: registered_ms, heartbeat_ms and the given fields
 -- Returns now (ms, Redis clock)
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now = now_ms()
 redis.call('ZADD', KEYS[1], now, ARGV[1])
 redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
 redis.call('DEL', KEYS[3])

@@ -2,13 +2,17 @@
 -- A contextual step's final failure lets the trainer retry the same step_id: next_step_id falls
 -- back to committed+1 unless a newer generation (a reset or an earlier fallback) was enqueued.
 -- A job that failed for good is also dead-lettered (atomically), with the reason and attempts.
+-- Uses: prelude.lua (fenced)
 -- KEYS: 1 session hash, 2 inbox, 3 reply stream, 4 dead-letter stream
 -- ARGV: 1 worker id, 2 job epoch, 3 inbox entry id, 4 job_id, 5 result, 6 fallback gen ('' = none),
 --       7 reply ttl ms, 8 inbox group, 9 dead-letter maxlen, 10.. dead-letter field/value pairs (none
 --       when the job is not dead-lettered)
+-- Fields (broker/redis/layouts.py): reads session owner, epoch, committed_step_id, gen; writes
+--       session next_step_id, gen (fallback); adds a dead letter (DeadLetter.to_fields, ARGV 10..)
+--       and a reply entry (kind, job_id, committed, result)
 -- Returns {'published', committed} | {'fenced', owner, epoch}
 local s = redis.call('HMGET', KEYS[1], 'owner', 'epoch', 'committed_step_id', 'gen')
-if s[1] and (s[1] ~= ARGV[1] or s[2] ~= ARGV[2]) then
+if s[1] and fenced(s[1], s[2], ARGV[1], ARGV[2]) then
   return {'fenced', s[1], s[2]}
 end
 local committed = tonumber(s[3] or '-1')

@@ -1,11 +1,13 @@
 -- Remove a worker that owns no sessions any more (dead, or drained): its heartbeat entry, its
 -- capacity, its description, its pools and its inbox. Entries left in the inbox belong to no live
 -- session; they go to the dead-letter stream with the reason 'orphaned', never silently away.
+-- Uses: prelude.lua (now_ms)
 -- KEYS: 1 workers zset, 2 capacity hash, 3 worker hash, 4 inbox, 5 dead-letter stream, 6.. pools
 -- ARGV: 1 worker id, 2 lease ms, 3 reason ('expired'|'drained'), 4 dead-letter maxlen
+-- Fields (broker/redis/layouts.py DeadLetter): each orphan is dead-lettered as reason, worker_id,
+--       failed_ms followed by the inbox entry's own fields (broker/redis/inbox.py)
 -- Returns {'retired', orphans} | {'alive'}
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now = now_ms()
 if ARGV[3] == 'expired' then
   local hb = redis.call('ZSCORE', KEYS[1], ARGV[1])
   if hb and now - tonumber(hb) <= tonumber(ARGV[2]) then

@@ -1,0 +1,32 @@
+-- prelude.lua: the idioms several scripts share, written once. Redis has no include, so
+-- broker.redis.scripts.lua_source prepends this file to every script whose header says
+-- "Uses: prelude.lua"; each script stays one file.
+
+-- Redis server time in ms (TIME answers seconds and microseconds): one clock for every worker.
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+-- The fence: true when the session hash's owner and lease epoch (as stored, strings) are not the
+-- caller's worker id and job epoch (ARGV strings). A fenced caller changes nothing.
+local function fenced(owner, epoch, worker_id, job_epoch)
+  return owner ~= worker_id or epoch ~= job_epoch
+end
+
+-- The session lookup of enqueue and control: the reply that stops the call (session_not_found,
+-- session_closed, moved to another owner), or nil when the session is open and owned by the
+-- owner the caller believes in. committed and context_length go back with the errors.
+local function session_refusal(owner, closed, committed, context_length, believed_owner, session_id)
+  if not owner then
+    return {'error', 'session_not_found', 'session ' .. session_id .. ' does not exist', -1, 0}
+  end
+  if closed == '1' then
+    return {'error', 'session_closed', 'session ' .. session_id .. ' is closed', committed, context_length}
+  end
+  if owner ~= believed_owner then
+    return {'moved', owner}
+  end
+  return nil
+end
+
