@@ -18,12 +18,20 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from broker.redis.scripts import ScriptReply, Scripts
 from schemas.codec import decode, encode
-from schemas.errors import ErrorCode, FleetError, InvalidRequestError
+from schemas.errors import (
+    ContextLost,
+    ErrorCode,
+    Fenced,
+    FleetError,
+    InvalidRequestError,
+    StepAborted,
+    TransientEngineError,
+)
 from schemas.messages import Latency, StepResult, parse_step_input
 from workers.batcher import Batcher
-from workers.engines.base import Engine, EngineOutput, EngineRequest, StepAborted
+from workers.engines.base import Engine, EngineOutput, EngineRequest
 from workers.jobs import Job
-from workers.rebuild import ContextLost, rebuild_context, records_kept, step_record
+from workers.rebuild import rebuild_context, records_kept, step_record
 from workers.settings import WorkerSettings
 from workers.weights_gate import WeightGate
 
@@ -52,10 +60,6 @@ class SessionState:
     committed: int
     epoch: int
     engine_ready: bool = False  # the engine holds the context of every committed step
-
-
-class Fenced(Exception):
-    """This worker no longer owns the session (lease epoch or owner moved on)."""
 
 
 class StepExecutor:
@@ -181,6 +185,10 @@ class StepExecutor:
                 await self.fail(job, exc.code, exc.message, state, fallback=True, attempt=attempt)
                 return None
             except FleetError as exc:
+                if isinstance(exc, TransientEngineError | StepAborted):
+                    if not await self._retry_or_fail(job, state, exc, attempt):
+                        return None
+                    continue
                 # The engine lost the session's context (e.g. a remote server restarted): rebuild it
                 # from the committed step records and try again, instead of failing the session.
                 if exc.code is not ErrorCode.CONTEXT_LOST or state is None or attempt == attempts:
@@ -193,17 +201,23 @@ class StepExecutor:
                 if state.committed >= 0 and not await self._rebuild(job, state):
                     return None
             except Exception as exc:
-                if isinstance(exc, StepAborted) and self.gate.aborting:
-                    raise  # a weight update stopped it: run_step runs it again after the update
-                if attempt == attempts:
-                    await self.fail(job, ErrorCode.INFERENCE_ERROR, f"{type(exc).__name__}: {exc}", state,
-                                    fallback=True, attempt=attempt, dead_letter=True)
+                if not await self._retry_or_fail(job, state, exc, attempt):
                     return None
-                delay = self.settings.retry_backoff_ms / 1000.0 * (2 ** (attempt - 1))
-                log.warning("step %s/%d attempt %d failed (%s); retrying in %.3fs",
-                            job.session_id, job.step_id, attempt, exc, delay)
-                await asyncio.sleep(delay * (0.5 + random.random()))
         return None  # pragma: no cover - the loop always returns
+
+    async def _retry_or_fail(self, job: Job, state: SessionState | None, exc: Exception, attempt: int) -> bool:
+        if isinstance(exc, StepAborted) and self.gate.aborting:
+            raise exc  # a weight update stopped it: run_step runs it again after the update
+        text = exc.message if isinstance(exc, FleetError) else str(exc)
+        if attempt == self.settings.max_attempts:
+            await self.fail(job, ErrorCode.INFERENCE_ERROR, f"{type(exc).__name__}: {text}", state,
+                            fallback=True, attempt=attempt, dead_letter=True)
+            return False
+        delay = self.settings.retry_backoff_ms / 1000.0 * (2 ** (attempt - 1))
+        log.warning("step %s/%d attempt %d failed (%s); retrying in %.3fs",
+                    job.session_id, job.step_id, attempt, text, delay)
+        await asyncio.sleep(delay * (0.5 + random.random()))
+        return True
 
     async def _rebuild(self, job: Job, state: SessionState) -> bool:
         """Rebuild the engine context of a session this worker took over; False if it failed."""

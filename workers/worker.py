@@ -23,11 +23,11 @@ from broker.redis.aio import resolve
 from broker.redis.keys import INBOX_GROUP, CellKeys
 from broker.redis.scripts import Scripts
 from schemas.codec import encode
-from schemas.errors import ErrorCode
+from schemas.errors import ErrorCode, Fenced
 from schemas.messages import StepResult
 from workers.batcher import Batcher
 from workers.engines.base import Engine
-from workers.executor import Fenced, SessionState, StepExecutor, until_redis_answers
+from workers.executor import SessionState, StepExecutor, until_redis_answers
 from workers.jobs import BadJob, Job, parse_job
 from workers.settings import WorkerSettings, new_worker_id
 from workers.weight_control import WeightControl

@@ -17,6 +17,7 @@ from redis.asyncio import Redis
 from redis.exceptions import NoScriptError
 
 from broker.redis.keys import INBOX_GROUP, CellKeys
+from schemas.errors import ScriptError
 
 Reply = list[Any]
 _Pending = tuple[str, list[str], list[Any], "asyncio.Future[Any]"]
@@ -52,7 +53,7 @@ class ScriptReply:
     @classmethod
     def of(cls, raw: Any) -> ScriptReply:
         if not isinstance(raw, list) or not raw:
-            raise RuntimeError(f"unexpected script reply {raw!r}")
+            raise ScriptError(f"unexpected script reply {raw!r}")
         return cls(_s(raw[0]), tuple(raw[1:]))
 
     def text(self, index: int) -> str:
