@@ -9,13 +9,10 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
-
+from broker.redis.backoff import until_redis_answers
 from broker.redis.scripts import ScriptReply, Scripts
 from schemas.codec import decode, encode
 from schemas.errors import (
@@ -37,20 +34,6 @@ from workers.weights_gate import WeightGate
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
-
-
-async def until_redis_answers(call: Callable[[], Awaitable[T]], what: str) -> T:
-    """Retry a Redis call with backoff until Redis answers. Only for calls that are safe to repeat:
-    the commit, report and control scripts are (a repeated commit is answered as a duplicate)."""
-    delay = 0.05
-    while True:
-        try:
-            return await call()
-        except REDIS_ERRORS as exc:
-            log.warning("%s: redis unavailable (%s); retrying in %.2fs", what, exc, delay)
-            await asyncio.sleep(delay)
-            delay = min(2 * delay, 2.0)
 
 
 @dataclass

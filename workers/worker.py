@@ -20,6 +20,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from broker.ops.failover import fail_over
 from broker.redis.aio import resolve
+from broker.redis.backoff import Backoff, until_redis_answers
 from broker.redis.keys import INBOX_GROUP, CellKeys
 from broker.redis.scripts import Scripts
 from schemas.codec import encode
@@ -27,7 +28,7 @@ from schemas.errors import ErrorCode, Fenced
 from schemas.messages import StepResult
 from workers.batcher import Batcher
 from workers.engines.base import Engine
-from workers.executor import SessionState, StepExecutor, until_redis_answers
+from workers.executor import SessionState, StepExecutor
 from workers.jobs import BadJob, Job, parse_job
 from workers.settings import WorkerSettings, new_worker_id
 from workers.weight_control import WeightControl
@@ -217,19 +218,18 @@ class Worker:
         here are skipped."""
         redis = self._redis_or_fail()
         cursor = "0"
-        backoff = 0.05
+        backoff = Backoff()
         while not self._stop.is_set():
             inbox = self.keys.inbox(self.id)  # changes when the worker re-registers as a new incarnation
             try:
                 resp: Any = await redis.xreadgroup(INBOX_GROUP, self.id, {inbox: cursor},
                                                    count=self.settings.read_count, block=self.settings.block_ms)
-                backoff = 0.05
+                backoff.reset()
             except (RedisConnectionError, RedisTimeoutError, OSError, ResponseError) as exc:
                 # ResponseError: our inbox was deleted under a blocked read (we were retired as dead);
                 # the heartbeat re-registers us as a new incarnation with a new inbox.
-                log.warning("inbox read failed (%s); retrying in %.2fs", exc, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(2 * backoff, 2.0)
+                log.warning("inbox read failed (%s); retrying in %.2fs", exc, backoff.delay)
+                await backoff.wait()
                 cursor = "0"
                 continue
             entries = resp[0][1] if resp else []

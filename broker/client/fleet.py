@@ -16,22 +16,27 @@ from dataclasses import dataclass
 from typing import Any
 
 from redis.asyncio import Redis
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from broker.client.replies import Reply, ReplyReader
 from broker.redis.aio import resolve
+from broker.redis.backoff import REDIS_ERRORS, Backoff
 from broker.redis.keys import CellKeys
 from broker.redis.scripts import ScriptReply, Scripts
 from schemas.codec import decode, encode
-from schemas.errors import ErrorCode, FleetError, InvalidRequestError, PayloadTooLargeError, error_for
+from schemas.errors import (
+    ErrorCode,
+    FleetError,
+    FleetTimeoutError,
+    InvalidRequestError,
+    PayloadTooLargeError,
+    error_for,
+)
 from schemas.limits import DEFAULT_LIMITS, Limits
 from schemas.messages import ErrorInfo, Mode, SessionStatus, StepResult, parse_mode, parse_step_input
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 RETENTIONS = ("full", "none")
 _MAX_MOVES = 8  # owner changes followed in one call before giving up
-REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
 
 
 def _new_id() -> str:
@@ -311,24 +316,21 @@ class Session:
 
         If a reply was lost in an outage and the retry finds our step already in flight, the first
         attempt landed: the result is on its way to our reply stream, so report it as queued."""
-        moves, lost, delay = 0, False, 0.05
+        moves, lost, backoff = 0, False, Backoff()
         deadline = time.monotonic() + self.fleet.reconnect_s
         while True:
             try:
                 reply: ScriptReply = await call(self.owner)
             except REDIS_ERRORS as exc:
                 if time.monotonic() > deadline:
-                    raise FleetError(f"redis unreachable for {self.fleet.reconnect_s}s: {exc}",
-                                     code=ErrorCode.TIMEOUT) from exc
+                    raise FleetTimeoutError(f"redis unreachable for {self.fleet.reconnect_s}s: {exc}") from exc
                 lost = True
-                await asyncio.sleep(delay)
-                delay = min(2 * delay, 2.0)
+                await backoff.wait()
                 continue
             if reply.status == "moved":
                 moves += 1
                 if moves > _MAX_MOVES:
-                    raise FleetError(f"session {self.session_id} kept moving between workers",
-                                     code=ErrorCode.TIMEOUT)
+                    raise FleetTimeoutError(f"session {self.session_id} kept moving between workers")
                 self.owner = reply.text(0)
                 continue
             if lost and reply.status == "error" and len(reply.values) > 4 and reply.text(4) == "in_flight":
