@@ -1,4 +1,9 @@
-"""The closed set of error codes on the wire, and the project's one error tree."""
+"""The closed set of error codes on the wire, and the project's one error tree.
+
+Every ``ErrorCode`` has its class (``error_for`` maps each code to it). The classes after the
+wire-code ones are raised inside the fleet (engines, workers, the trainer-side renderer); a
+trainer only ever sees their code.
+"""
 
 from __future__ import annotations
 
@@ -35,6 +40,9 @@ class FleetError(Exception):
         return f"{self.code.value}: {self.message}"
 
 
+# ---------------------------------------------------------------------- one class per wire code
+
+
 class InvalidRequestError(FleetError):
     """Input that can never succeed: wrong shapes, dtypes, fields. Never retried."""
 
@@ -55,6 +63,18 @@ class SessionClosedError(FleetError):
     code = ErrorCode.SESSION_CLOSED
 
 
+class StepAlreadyCommittedError(FleetError):
+    """The step is committed and its stored result is gone: it can neither run again nor be re-sent."""
+
+    code = ErrorCode.STEP_ALREADY_COMMITTED
+
+
+class StepOutOfOrderError(FleetError):
+    """The step is not the session's next one (an earlier step failed or is still missing)."""
+
+    code = ErrorCode.STEP_OUT_OF_ORDER
+
+
 class CapacityExhaustedError(FleetError):
     code = ErrorCode.CAPACITY_EXHAUSTED
 
@@ -65,17 +85,61 @@ class InferenceError(FleetError):
     code = ErrorCode.INFERENCE_ERROR
 
 
+class ContextLost(FleetError):
+    """A session's engine context cannot be (re)built: the engine lost it, or the retained step
+    records cannot replay it."""
+
+    code = ErrorCode.CONTEXT_LOST
+
+
+class FleetTimeoutError(FleetError):
+    """No answer in time (a step's result, a Redis outage past the reconnect window)."""
+
+    code = ErrorCode.TIMEOUT
+
+
+# ---------------------------------------------------------------------- raised inside the fleet
+
+
+class TransientEngineError(InferenceError):
+    """The engine could not run the step now (overload, lost connection, server error): retry."""
+
+
+class StepAborted(InferenceError):
+    """The engine stopped a step part way because the worker asked it to (``abort_running``, for a
+    weight update that aborts in-flight steps). Like any failed request it leaves the session's
+    context unchanged; the worker runs the step again once the update is done. One the engine
+    stopped on its own is an inference error like any other."""
+
+
+class Fenced(FleetError):
+    """This worker no longer owns the session (lease epoch or owner moved on). Never published:
+    the session's new owner answers its jobs."""
+
+    code = ErrorCode.INFERENCE_ERROR
+
+
+class ScriptError(FleetError):
+    """A Lua script answered something its wrapper does not know."""
+
+    code = ErrorCode.INFERENCE_ERROR
+
+
+class RenderError(InvalidRequestError, ValueError):
+    """The server could not render the prompt (bad messages, unknown model, server error). Still a
+    ValueError, as it was before the error tree held it."""
+
+
 _BY_CODE: dict[ErrorCode, type[FleetError]] = {
-    ErrorCode.INVALID_REQUEST: InvalidRequestError,
-    ErrorCode.PAYLOAD_TOO_LARGE: PayloadTooLargeError,
-    ErrorCode.SESSION_NOT_FOUND: SessionNotFoundError,
-    ErrorCode.SESSION_CLOSED: SessionClosedError,
-    ErrorCode.CAPACITY_EXHAUSTED: CapacityExhaustedError,
-    ErrorCode.INFERENCE_ERROR: InferenceError,
+    cls.code: cls
+    for cls in (
+        SessionNotFoundError, SessionClosedError, StepAlreadyCommittedError, StepOutOfOrderError,
+        InvalidRequestError, InferenceError, CapacityExhaustedError, PayloadTooLargeError, ContextLost,
+        FleetTimeoutError,
+    )
 }
 
 
 def error_for(code: ErrorCode, message: str) -> FleetError:
-    """The most specific exception for a wire code (for APIs that raise instead of returning)."""
-    cls = _BY_CODE.get(code, FleetError)
-    return cls(message, code=code)
+    """The exception of a wire code (for APIs that raise instead of returning)."""
+    return _BY_CODE[code](message)

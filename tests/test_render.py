@@ -13,7 +13,8 @@ from PIL import Image
 
 from broker import FleetClient
 from broker.rollouts.multiturn import run_multiturn
-from broker.rollouts.render import RenderError, has_images, image_url, messages_for_render
+from broker.rollouts.render import has_images, image_url, messages_for_render
+from schemas.errors import RenderError
 from tests.test_multiturn import MathEnv
 
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from broker.redis import script_replies as r
-from schemas.errors import ErrorCode
+from schemas.errors import ErrorCode, ScriptError
 
 # (decoder, raw reply as redis-py returns it, typed reply)
 SHAPES: list[tuple[Callable[[Any], object], list[Any], object]] = [
@@ -75,14 +75,14 @@ MALFORMED: list[tuple[Callable[[Any], object], Any, str]] = [
 
 @pytest.mark.parametrize(("decode", "raw", "why"), MALFORMED, ids=lambda v: getattr(v, "__name__", None))
 def test_a_malformed_reply_raises_a_clear_error(decode: Callable[[Any], object], raw: Any, why: str) -> None:
-    with pytest.raises(r.MalformedScriptReply, match=re.escape(why)) as info:
+    with pytest.raises(ScriptError, match=re.escape(why)) as info:
         decode(raw)
-    assert str(info.value).split(".lua:", 1)[0] in {"create", "enqueue", "control", "commit", "report",
+    assert info.value.message.split(".lua:", 1)[0] in {"create", "enqueue", "control", "commit", "report",
                                                      "apply_control", "failover", "retire", "heartbeat"}
 
 
 def test_single_integer_replies() -> None:
     assert r.decode_integer("register", 1_700_000_000_000) == 1_700_000_000_000
     assert r.decode_integer("ack_result", 0) == 0
-    with pytest.raises(r.MalformedScriptReply, match=r"ack_result\.lua: expected an integer"):
+    with pytest.raises(ScriptError, match=r"ack_result\.lua: expected an integer"):
         r.decode_integer("ack_result", [1])

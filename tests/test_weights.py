@@ -12,10 +12,10 @@ import pytest
 from broker import FleetClient
 from broker.ops.weights import update_weights, workers_at_version
 from broker.redis.scripts import Scripts
-from schemas.errors import ErrorCode
+from schemas.errors import ErrorCode, StepAborted
 from schemas.messages import TokenStep, WorldStep
 from tests.support import FAST, WorkerPool, reap_until_moved, world_step
-from workers.engines.base import EngineOutput, EngineRequest, StepAborted
+from workers.engines.base import EngineOutput, EngineRequest
 from workers.engines.null import NullEngine
 from workers.engines.reference import ReferenceEngine, ReferenceEngineConfig
 from workers.engines.reference_lm import ReferenceLMConfig

@@ -1,6 +1,7 @@
-"""Runs one job end to end: decode, engine (with retries), then commit or report through Lua.
+"""Runs one job end to end: decode, engine (with retries), then commit through Lua.
 
-Kept apart from the worker loop so the exactly-once rules live in one small place.
+Kept apart from the worker loop so the exactly-once rules live in one small place. Every way a step
+can fail raises ``StepFailed``; the worker answers it with :meth:`StepExecutor.publish_failure`.
 """
 
 from __future__ import annotations
@@ -9,41 +10,31 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TypeVar
 
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
-
-from broker.redis.script_replies import CommitReply, Committed, Duplicate, StaleOwner
+from broker.redis.script_replies import Committed, Duplicate, DuplicateUnstored, OutOfOrder
 from broker.redis.scripts import Scripts
 from schemas.codec import decode, encode
-from schemas.errors import ErrorCode, FleetError, InvalidRequestError
-from schemas.messages import Latency, StepResult, parse_step_input
+from schemas.errors import (
+    ContextLost,
+    ErrorCode,
+    FleetError,
+    InvalidRequestError,
+    StepAborted,
+    TransientEngineError,
+)
+from schemas.messages import Latency, StepInput, StepResult, parse_step_input
 from workers.batcher import Batcher
-from workers.engines.base import Engine, EngineOutput, EngineRequest, StepAborted
-from workers.jobs import Job
-from workers.rebuild import ContextLost, rebuild_context, records_kept, step_record
+from workers.engines.base import Engine, EngineOutput, EngineRequest
+from workers.failure import StepFailed, finish_before_cancel, settled
+from workers.job_scripts import JobScripts
+from workers.jobs import BadJob, Job
+from workers.rebuild import rebuild_context, records_kept, step_record
 from workers.settings import WorkerSettings
 from workers.weights_gate import WeightGate
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
-REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
-
-
-async def until_redis_answers(call: Callable[[], Awaitable[T]], what: str) -> T:
-    """Retry a Redis call with backoff until Redis answers. Only for calls that are safe to repeat:
-    the commit, report and control scripts are (a repeated commit is answered as a duplicate)."""
-    delay = 0.05
-    while True:
-        try:
-            return await call()
-        except REDIS_ERRORS as exc:
-            log.warning("%s: redis unavailable (%s); retrying in %.2fs", what, exc, delay)
-            await asyncio.sleep(delay)
-            delay = min(2 * delay, 2.0)
+EngineRun = tuple[EngineOutput, int, float, int]  # output, attempt, engine ms, policy version
 
 
 @dataclass
@@ -55,91 +46,67 @@ class SessionState:
     engine_ready: bool = False  # the engine holds the context of every committed step
 
 
-class Fenced(Exception):
-    """This worker no longer owns the session (lease epoch or owner moved on)."""
-
-
 class StepExecutor:
     def __init__(self, settings: WorkerSettings, scripts: Scripts, engine: Engine,
                  batchers: dict[str, Batcher], gate: WeightGate) -> None:
         self.settings = settings
         self.gate = gate
         self.scripts = scripts
+        self.jobs = JobScripts(scripts, settings)
         self.engine = engine
         self.batchers = batchers
-        self.worker_id = settings.worker_id
         self.committed_steps = 0
         self.failed_steps = 0
         self.rebuilt_steps = 0
         self.aborted_steps = 0  # runs stopped by an aborting weight update (each ran again)
         self.rebuild_ms: list[float] = []
 
+    @property
+    def worker_id(self) -> str:
+        return self.jobs.worker_id
+
+    @worker_id.setter
+    def worker_id(self, worker_id: str) -> None:
+        self.jobs.worker_id = worker_id
+
     # ------------------------------------------------------------------ publishing
 
-    async def report(self, job: Job, result: StepResult, *, fallback: bool,
-                     dead_letter: dict[str, object] | None = None) -> None:
+    async def publish(self, job: Job, result: StepResult, *, fallback: bool,
+                      dead_letter: dict[str, object] | None = None) -> None:
         """Publish a result that commits nothing; ``fallback`` lets the trainer retry the step."""
         payload = encode(result.to_wire())
-        reply = await until_redis_answers(lambda: self.scripts.report(
-            session_id=job.session_id, worker_id=self.worker_id, epoch=job.epoch, entry_id=job.entry_id,
-            job_id=job.job_id, result=payload, fallback_gen=job.gen if fallback else None,
-            reply_to=job.reply_to, reply_ttl_ms=self.settings.reply_ttl_ms, dead_letter=dead_letter,
-        ), f"report {job.session_id}/{job.step_id}")
-        if isinstance(reply, StaleOwner):
-            raise Fenced(job.session_id)
+        await settled(lambda: self.jobs.report(job, payload, fallback=fallback, dead_letter=dead_letter),
+                      f"report {job.session_id}/{job.step_id}")
 
-    async def fail(self, job: Job, code: ErrorCode, message: str, state: SessionState | None, *,
-                   fallback: bool, attempt: int = 0, dead_letter: bool = False) -> None:
+    async def publish_failure(self, job: Job | BadJob, failure: StepFailed, state: SessionState | None) -> None:
+        """Answer a failed job: its error result, the fallback and the dead letter it asks for."""
+        if isinstance(job, BadJob):  # one attempt, as its pipeline is not safe to repeat
+            await finish_before_cancel(self.jobs.reject_malformed(job, failure))
+            return
         self.failed_steps += 1
         result = StepResult.failure(
-            job.session_id, job.step_id, code, message,
-            committed_step_id=state.committed if state else -1, worker_id=self.worker_id, attempt=attempt,
-            policy_version=self.engine.policy_version,
+            job.session_id, job.step_id, failure.code, failure.message,
+            committed_step_id=state.committed if state else -1, worker_id=self.worker_id,
+            attempt=failure.attempt, policy_version=self.engine.policy_version,
         )
-        fields = (job.dead_letter_fields(f"{code.value}: {message}", attempt, self.worker_id,
-                                         int(time.time() * 1000)) if dead_letter else None)
-        await self.report(job, result, fallback=fallback, dead_letter=fields)
+        fields = (job.dead_letter_fields(f"{failure.code.value}: {failure.message}", failure.attempt,
+                                         self.worker_id, int(time.time() * 1000))
+                  if failure.dead_letter else None)
+        await self.publish(job, result, fallback=failure.fallback, dead_letter=fields)
 
     # ------------------------------------------------------------------ steps
 
     async def run_step(self, job: Job, state: SessionState | None) -> None:
         """A contextual step (``state`` given) or a stateless one (``state`` None)."""
         picked_ms = time.time() * 1000.0
-        if state is not None and not await self._in_order(job, state):
-            return
-        try:
-            step = parse_step_input(job.mode, decode(job.payload, self.settings.limits), self.settings.limits)
-        except FleetError as exc:
-            await self.fail(job, exc.code, exc.message, state, fallback=True)
+        if state is not None and not await self._is_next(job, state):
             return
         request = EngineRequest(
             session_key=job.session_id if state is not None else f"{job.session_id}:stateless",
-            model=job.model, step=step, reset=state is not None and state.committed == -1,
+            model=job.model, step=self._parse(job), reset=state is not None and state.committed == -1,
             stateless=state is None,
         )
-        # The gate keeps weight updates out while this step (and its rebuild) uses the engine. An
-        # update that aborts in-flight steps sends this one back to the gate: it runs again, whole,
-        # on the new weights (the engine left the session's context as it was).
-        while True:
-            async with self.gate.step(job.min_version) as version:
-                try:
-                    if state is not None and state.committed >= 0 and not state.engine_ready \
-                            and not await self._rebuild(job, state):
-                        return
-                    outcome = await self._run_engine(job, request, state)
-                except StepAborted:
-                    if not self.gate.aborting:  # the engine stopped it on its own (only rebuilds get here)
-                        await self.fail(job, ErrorCode.INFERENCE_ERROR, "the engine aborted the step "
-                                        "without a weight update", state, fallback=True, dead_letter=True)
-                        return
-                    self.aborted_steps += 1
-                    log.info("step %s/%d aborted for a weight update; it runs again after it",
-                             job.session_id, job.step_id)
-                    continue
-            break
-        if outcome is None:
-            return
-        out, attempt, engine_ms = outcome
+        out, attempt, engine_ms, version = await self._run_gated(job, request, state)
         result = StepResult(
             session_id=job.session_id, step_id=job.step_id, ok=True,
             committed_step_id=job.step_id if state is not None else (-1),
@@ -148,66 +115,96 @@ class StepExecutor:
             worker_id=self.worker_id, attempt=attempt, policy_version=version,
         )
         if state is None:
-            await self.report(job, result, fallback=False)
+            await self.publish(job, result, fallback=False)
             return
         await self._commit(job, result, state)
 
-    async def _in_order(self, job: Job, state: SessionState) -> bool:
-        """Answer a duplicate or an out-of-order job at once; True when the job is next."""
+    def _parse(self, job: Job) -> StepInput:
+        try:
+            return parse_step_input(job.mode, decode(job.payload, self.settings.limits), self.settings.limits)
+        except FleetError as exc:
+            raise StepFailed.of(exc) from exc
+
+    async def _is_next(self, job: Job, state: SessionState) -> bool:
+        """Answer a duplicate at once (False); raise for a job out of order; True when it is next."""
         if job.step_id <= state.committed:
-            await self._answer_duplicate(job, state)
+            await self._answer_duplicate(job)
             return False
         if job.step_id != state.committed + 1:
-            await self.fail(job, ErrorCode.STEP_OUT_OF_ORDER,
-                            f"expected step_id {state.committed + 1}, got {job.step_id} "
-                            "(an earlier step of this session failed; resubmit from there)",
-                            state, fallback=False)
-            return False
+            raise StepFailed(ErrorCode.STEP_OUT_OF_ORDER,
+                             f"expected step_id {state.committed + 1}, got {job.step_id} "
+                             "(an earlier step of this session failed; resubmit from there)", fallback=False)
         return True
 
+    async def _run_gated(self, job: Job, request: EngineRequest, state: SessionState | None) -> EngineRun:
+        """The gate keeps weight updates out while this step (and its rebuild) uses the engine. An
+        update that aborts in-flight steps sends this one back to the gate: it runs again, whole,
+        on the new weights (the engine left the session's context as it was)."""
+        while True:
+            async with self.gate.step(job.min_version) as version:
+                try:
+                    if state is not None and state.committed >= 0 and not state.engine_ready:
+                        await self._rebuild(job, state)
+                    out, attempt, engine_ms = await self._run_engine(job, request, state)
+                    return out, attempt, engine_ms, version
+                except StepAborted as exc:
+                    if not self.gate.aborting:  # the engine stopped it on its own (only rebuilds get here)
+                        raise StepFailed(ErrorCode.INFERENCE_ERROR, "the engine aborted the step without a "
+                                         "weight update", fallback=True, dead_letter=True) from exc
+                    self.aborted_steps += 1
+                    log.info("step %s/%d aborted for a weight update; it runs again after it",
+                             job.session_id, job.step_id)
+
     async def _run_engine(self, job: Job, request: EngineRequest,
-                          state: SessionState | None) -> tuple[EngineOutput, int, float] | None:
+                          state: SessionState | None) -> tuple[EngineOutput, int, float]:
         batcher = self.batchers.get(job.model)
         if batcher is None:
-            await self.fail(job, ErrorCode.INVALID_REQUEST, f"this worker does not serve model {job.model!r}",
-                            state, fallback=True)
-            return None
-        attempts = self.settings.max_attempts
-        for attempt in range(1, attempts + 1):
+            raise StepFailed(ErrorCode.INVALID_REQUEST, f"this worker does not serve model {job.model!r}",
+                             fallback=True)
+        attempt = 1
+        while True:
             started = time.perf_counter()
             try:
                 out = await batcher.run(request)
                 return out, attempt, (time.perf_counter() - started) * 1000.0
-            except InvalidRequestError as exc:  # never retried
-                await self.fail(job, exc.code, exc.message, state, fallback=True, attempt=attempt)
-                return None
-            except FleetError as exc:
-                # The engine lost the session's context (e.g. a remote server restarted): rebuild it
-                # from the committed step records and try again, instead of failing the session.
-                if exc.code is not ErrorCode.CONTEXT_LOST or state is None or attempt == attempts:
-                    await self.fail(job, exc.code, exc.message, state, fallback=True, attempt=attempt,
-                                    dead_letter=exc.code is ErrorCode.INFERENCE_ERROR)
-                    return None
-                log.warning("engine lost the context of %s (%s); rebuilding", job.session_id, exc.message)
-                self.engine.drop_session(job.session_id)
-                state.engine_ready = False
-                if state.committed >= 0 and not await self._rebuild(job, state):
-                    return None
             except Exception as exc:
-                if isinstance(exc, StepAborted) and self.gate.aborting:
-                    raise  # a weight update stopped it: run_step runs it again after the update
-                if attempt == attempts:
-                    await self.fail(job, ErrorCode.INFERENCE_ERROR, f"{type(exc).__name__}: {exc}", state,
-                                    fallback=True, attempt=attempt, dead_letter=True)
-                    return None
-                delay = self.settings.retry_backoff_ms / 1000.0 * (2 ** (attempt - 1))
-                log.warning("step %s/%d attempt %d failed (%s); retrying in %.3fs",
-                            job.session_id, job.step_id, attempt, exc, delay)
-                await asyncio.sleep(delay * (0.5 + random.random()))
-        return None  # pragma: no cover - the loop always returns
+                await self._after_engine_failure(job, state, exc, attempt)
+            attempt += 1
 
-    async def _rebuild(self, job: Job, state: SessionState) -> bool:
-        """Rebuild the engine context of a session this worker took over; False if it failed."""
+    async def _after_engine_failure(self, job: Job, state: SessionState | None, exc: Exception,
+                                    attempt: int) -> None:
+        """Raise what ends the step, or return (after a rebuild or a wait) to run it again."""
+        last = attempt >= self.settings.max_attempts
+        if isinstance(exc, InvalidRequestError):  # never retried
+            raise StepFailed.of(exc, attempt=attempt) from exc
+        if isinstance(exc, StepAborted) and self.gate.aborting:
+            raise exc  # a weight update stopped it: _run_gated runs it again after the update
+        if isinstance(exc, FleetError) and not isinstance(exc, TransientEngineError | StepAborted):
+            if exc.code is not ErrorCode.CONTEXT_LOST or state is None or last:
+                raise StepFailed.of(exc, attempt=attempt,
+                                    dead_letter=exc.code is ErrorCode.INFERENCE_ERROR) from exc
+            await self._recover_context(job, state, exc)
+            return
+        text = exc.message if isinstance(exc, FleetError) else str(exc)
+        if last:
+            raise StepFailed(ErrorCode.INFERENCE_ERROR, f"{type(exc).__name__}: {text}", fallback=True,
+                             attempt=attempt, dead_letter=True) from exc
+        delay = self.settings.retry_backoff_ms / 1000.0 * (2 ** (attempt - 1))
+        log.warning("step %s/%d attempt %d failed (%s); retrying in %.3fs",
+                    job.session_id, job.step_id, attempt, text, delay)
+        await asyncio.sleep(delay * (0.5 + random.random()))
+
+    async def _recover_context(self, job: Job, state: SessionState, exc: FleetError) -> None:
+        """The engine lost the session's context (e.g. a remote server restarted): rebuild it from the
+        committed step records so the step can run again, instead of failing the session."""
+        log.warning("engine lost the context of %s (%s); rebuilding", job.session_id, exc.message)
+        self.engine.drop_session(job.session_id)
+        state.engine_ready = False
+        if state.committed >= 0:
+            await self._rebuild(job, state)
+
+    async def _rebuild(self, job: Job, state: SessionState) -> None:
+        """Rebuild the engine context of a session this worker took over."""
         batcher = self.batchers.get(job.model)
         try:
             if batcher is None:
@@ -218,49 +215,46 @@ class StepExecutor:
             self.rebuilt_steps += state.committed + 1
         except ContextLost as exc:
             self.engine.drop_session(job.session_id)
-            await self.fail(job, ErrorCode.CONTEXT_LOST, exc.message, state, fallback=True)
-            return False
+            raise StepFailed.of(exc) from exc
         state.engine_ready = True
-        return True
+
+    # ------------------------------------------------------------------ commits
 
     async def _commit(self, job: Job, result: StepResult, state: SessionState) -> None:
         assert result.output is not None
         payload = encode(result.to_wire())
         record = step_record(job.payload, result.output, version=result.policy_version,
                              context_length=result.context_length, mode=job.mode)
-        reply: CommitReply = await until_redis_answers(lambda: self.scripts.commit(
-            session_id=job.session_id, worker_id=self.worker_id, epoch=job.epoch, step_id=job.step_id,
-            entry_id=job.entry_id, result=payload, context_length=result.context_length,
-            job_id=job.job_id, reply_to=job.reply_to, reply_ttl_ms=self.settings.reply_ttl_ms,
-            record=record, keep_records=records_kept(job.mode, job.retention),
-        ), f"commit {job.session_id}/{job.step_id}")
-        if isinstance(reply, Committed):
+
+        async def commit_once() -> None:
+            answer = await self.jobs.commit(job, payload, context_length=result.context_length, record=record,
+                                            keep_records=records_kept(job.mode, job.retention))
+            self._apply_commit(job, state, answer)
+
+        await settled(commit_once, f"commit {job.session_id}/{job.step_id}")
+
+    def _apply_commit(self, job: Job, state: SessionState,
+                      answer: Committed | Duplicate | DuplicateUnstored | OutOfOrder) -> None:
+        if isinstance(answer, Committed):
             state.committed = job.step_id
             state.engine_ready = True
             self.committed_steps += 1
             return
-        if isinstance(reply, StaleOwner):
-            raise Fenced(job.session_id)
         # The engine ran a step that did not commit: its context is no longer the committed one.
         state.engine_ready = False
         self.engine.drop_session(job.session_id)
-        if isinstance(reply, Duplicate):  # committed earlier; the stored result went out again
+        if isinstance(answer, Duplicate):  # committed earlier; the stored result went out again
             state.committed = max(state.committed, job.step_id)
             return
-        state.committed = reply.committed_step_id
-        await self.fail(job, ErrorCode.STEP_OUT_OF_ORDER, f"step {job.step_id} could not commit "
-                        f"(committed step is {state.committed})", state, fallback=False)
+        state.committed = answer.committed_step_id
+        raise StepFailed(ErrorCode.STEP_OUT_OF_ORDER, f"step {job.step_id} could not commit "
+                         f"(committed step is {state.committed})", fallback=False)
 
-    async def _answer_duplicate(self, job: Job, state: SessionState) -> None:
+    async def _answer_duplicate(self, job: Job) -> None:
         """A job for a step that is already committed: re-publish the stored result, never re-run."""
-        reply = await until_redis_answers(lambda: self.scripts.commit(
-            session_id=job.session_id, worker_id=self.worker_id, epoch=job.epoch, step_id=job.step_id,
-            entry_id=job.entry_id, result=b"", context_length=0, job_id=job.job_id, reply_to=job.reply_to,
-            reply_ttl_ms=self.settings.reply_ttl_ms,
-        ), f"duplicate {job.session_id}/{job.step_id}")
-        if isinstance(reply, StaleOwner):
-            raise Fenced(job.session_id)
-        if not isinstance(reply, Duplicate):
-            await self.fail(job, ErrorCode.STEP_ALREADY_COMMITTED,
-                            f"step {job.step_id} is already committed and its result is no longer stored",
-                            state, fallback=False)
+        answer = await settled(lambda: self.jobs.commit(job, b"", context_length=0),
+                               f"duplicate {job.session_id}/{job.step_id}")
+        if not isinstance(answer, Duplicate):
+            raise StepFailed(ErrorCode.STEP_ALREADY_COMMITTED,
+                             f"step {job.step_id} is already committed and its result is no longer stored",
+                             fallback=False)

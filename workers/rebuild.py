@@ -29,16 +29,12 @@ from broker.redis.aio import resolve
 from broker.redis.keys import CellKeys
 from broker.redis.layouts import log_input_field
 from schemas.codec import decode, encode
-from schemas.errors import ErrorCode, FleetError
+from schemas.errors import ContextLost, StepAborted
 from schemas.messages import Mode, StepInput, TokenStep, parse_step_input
 from workers.batcher import Batcher
-from workers.engines.base import EngineRequest, StepAborted
+from workers.engines.base import EngineRequest
 
 log = logging.getLogger(__name__)
-
-
-class ContextLost(FleetError):
-    code = ErrorCode.CONTEXT_LOST
 
 
 def output_digest(output: Mapping[str, Any]) -> bytes:

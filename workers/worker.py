@@ -20,16 +20,15 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from broker.ops.failover import fail_over
 from broker.redis.aio import resolve
+from broker.redis.backoff import REDIS_ERRORS, Backoff, until_redis_answers
 from broker.redis.keys import INBOX_GROUP, CellKeys
-from broker.redis.layouts import ReplyEntry, SessionHash
-from broker.redis.script_replies import StaleOwner
+from broker.redis.layouts import SessionHash
 from broker.redis.scripts import Scripts
-from schemas.codec import encode
-from schemas.errors import ErrorCode
-from schemas.messages import StepResult
+from schemas.errors import ErrorCode, Fenced
 from workers.batcher import Batcher
 from workers.engines.base import Engine
-from workers.executor import Fenced, SessionState, StepExecutor, until_redis_answers
+from workers.executor import SessionState, StepExecutor
+from workers.failure import StepFailed, settled
 from workers.jobs import BadJob, Job, parse_job
 from workers.settings import WorkerSettings, new_worker_id
 from workers.weight_control import WeightControl
@@ -219,19 +218,18 @@ class Worker:
         here are skipped."""
         redis = self._redis_or_fail()
         cursor = "0"
-        backoff = 0.05
+        backoff = Backoff()
         while not self._stop.is_set():
             inbox = self.keys.inbox(self.id)  # changes when the worker re-registers as a new incarnation
             try:
                 resp: Any = await redis.xreadgroup(INBOX_GROUP, self.id, {inbox: cursor},
                                                    count=self.settings.read_count, block=self.settings.block_ms)
-                backoff = 0.05
+                backoff.reset()
             except (RedisConnectionError, RedisTimeoutError, OSError, ResponseError) as exc:
                 # ResponseError: our inbox was deleted under a blocked read (we were retired as dead);
                 # the heartbeat re-registers us as a new incarnation with a new inbox.
-                log.warning("inbox read failed (%s); retrying in %.2fs", exc, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(2 * backoff, 2.0)
+                log.warning("inbox read failed (%s); retrying in %.2fs", exc, backoff.delay)
+                await backoff.wait()
                 cursor = "0"
                 continue
             entries = resp[0][1] if resp else []
@@ -249,7 +247,7 @@ class Worker:
         self._idle.clear()
         self._running.add(job.entry_id)
         if isinstance(job, BadJob):
-            self._spawn(self._finish(self._dead_letter(job), job.entry_id), "bad-job")
+            self._spawn(self._finish(self._guard(job, _reject(job)), job.entry_id), "bad-job")
         elif job.kind == "step" and not job.contextual:
             self._spawn(self._finish(self._guard(job, self.executor.run_step(job, None)), job.entry_id), "stateless")
         else:
@@ -281,39 +279,48 @@ class Worker:
 
     # ------------------------------------------------------------------ processing
 
-    async def _guard(self, job: Job, coro: Any) -> None:
+    async def _guard(self, job: Job | BadJob, coro: Any) -> None:
         try:
-            await coro
+            await self._answer_failure(job, coro)
         except Fenced:
             log.warning("session %s is no longer ours; dropping it", job.session_id)
-            self._forget(job.session_id)
-        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            self._forget(job.session_id or "")
+        except REDIS_ERRORS as exc:
             # The job stays pending in our inbox group; it is not lost.
-            log.error("redis unavailable while running %s/%d: %s", job.session_id, job.step_id, exc)
+            log.error("redis unavailable while running job %s of session %s: %s", job.job_id, job.session_id, exc)
         except Exception:
-            log.exception("job %s of session %s failed unexpectedly", job.job_id, job.session_id)
-            with contextlib.suppress(Exception):
-                await self.executor.fail(job, ErrorCode.INFERENCE_ERROR, "internal worker error",
-                                         self._sessions.get(job.session_id), fallback=True)
+            log.exception("job %s of session %s could not be answered", job.job_id, job.session_id)
+
+    async def _answer_failure(self, job: Job | BadJob, coro: Any) -> None:
+        """The one place a failed job is answered: steps, control jobs and malformed entries all
+        end here as a ``StepFailed``, answered by ``publish_failure``."""
+        try:
+            await _as_step_failure(job, coro)
+        except StepFailed as failure:
+            await self.executor.publish_failure(job, failure, self._state_of(job))
+
+    def _state_of(self, job: Job | BadJob) -> SessionState | None:
+        """The session state a failure reports its committed step from (none for a stateless step)."""
+        if isinstance(job, BadJob) or (job.kind == "step" and not job.contextual):
+            return None
+        return self._sessions.get(job.session_id)
 
     async def _process(self, job: Job) -> None:
         state = await self._session_state(job)
         if job.kind == "step":
             await self.executor.run_step(job, state)
             return
+
+        async def apply_once() -> None:
+            await self.executor.jobs.apply_control(job)
+            if job.kind == "close":
+                self._forget(job.session_id)
+            else:
+                state.committed = -1
+                state.engine_ready = True  # an empty context: the next step starts fresh (reset=True)
+
         self.engine.drop_session(job.session_id)
-        reply = await until_redis_answers(lambda: self._scripts_or_fail().apply_control(
-            session_id=job.session_id, worker_id=self.id, epoch=job.epoch, entry_id=job.entry_id,
-            job_id=job.job_id, kind=job.kind, mode=job.mode.value, model=job.model, reply_to=job.reply_to,
-            grace_ms=self.settings.close_grace_ms, reply_ttl_ms=self.settings.reply_ttl_ms,
-        ), f"{job.kind} {job.session_id}")
-        if isinstance(reply, StaleOwner):
-            raise Fenced(job.session_id)
-        if job.kind == "close":
-            self._forget(job.session_id)
-        else:
-            state.committed = -1
-            state.engine_ready = True  # an empty context: the next step starts fresh (reset=True)
+        await settled(apply_once, f"{job.kind} {job.session_id}")
 
     async def _session_state(self, job: Job) -> SessionState:
         """This worker's view of the job's session at the job's epoch; read from Redis when the
@@ -338,19 +345,20 @@ class Worker:
         self.engine.drop_session(session_id)
         self.engine.drop_session(f"{session_id}:stateless")
 
-    async def _dead_letter(self, job: BadJob) -> None:
-        """A malformed entry: dead-letter it with the reason and answer whoever it names."""
-        log.warning("malformed job %s: %s", job.entry_id, job.reason)
-        redis = self._redis_or_fail()
-        inbox = self.keys.inbox(self.id)
-        async with redis.pipeline(transaction=True) as pipe:
-            pipe.xadd(self.keys.dead, job.dead_letter(self.id).to_fields())
-            pipe.xack(inbox, INBOX_GROUP, job.entry_id)
-            pipe.xdel(inbox, job.entry_id)
-            if job.reply_to and job.job_id:
-                result = StepResult.failure(job.session_id or "", -1, ErrorCode.INVALID_REQUEST,
-                                            f"malformed job: {job.reason}", worker_id=self.id)
-                reply = self.keys.reply(job.reply_to)
-                pipe.xadd(reply, ReplyEntry("step", job.job_id, -1, encode(result.to_wire())).to_fields())
-                pipe.pexpire(reply, self.settings.reply_ttl_ms)
-            await pipe.execute()
+
+async def _reject(job: BadJob) -> None:
+    """A malformed entry fails like any job: dead-lettered, and answered if it names where to."""
+    log.warning("malformed job %s: %s", job.entry_id, job.reason)
+    raise StepFailed(ErrorCode.INVALID_REQUEST, f"malformed job: {job.reason}", fallback=False, dead_letter=True)
+
+
+async def _as_step_failure(job: Job | BadJob, coro: Any) -> None:
+    """Run a job; a bug becomes an ``internal worker error`` failure like any other."""
+    try:
+        await coro
+    except (StepFailed, Fenced, *REDIS_ERRORS):
+        raise
+    except Exception as exc:
+        log.exception("job %s of session %s failed unexpectedly", job.job_id, job.session_id)
+        raise StepFailed(ErrorCode.INFERENCE_ERROR, "internal worker error",
+                         fallback=True) from exc

@@ -16,11 +16,10 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from redis.asyncio import Redis
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from broker.client.replies import ReplyReader
 from broker.redis.aio import resolve
+from broker.redis.backoff import REDIS_ERRORS, Backoff
 from broker.redis.keys import CellKeys, check_stream_name
 from broker.redis.layouts import ReplyEntry, SessionHash
 from broker.redis.script_replies import (
@@ -35,14 +34,20 @@ from broker.redis.script_replies import (
 )
 from broker.redis.scripts import Scripts
 from schemas.codec import decode, encode
-from schemas.errors import ErrorCode, FleetError, InvalidRequestError, PayloadTooLargeError, error_for
+from schemas.errors import (
+    ErrorCode,
+    FleetError,
+    FleetTimeoutError,
+    InvalidRequestError,
+    PayloadTooLargeError,
+    error_for,
+)
 from schemas.limits import DEFAULT_LIMITS, Limits
 from schemas.messages import ErrorInfo, Mode, SessionStatus, StepResult, parse_mode, parse_step_input
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 RETENTIONS = ("full", "none")
 _MAX_MOVES = 8  # owner changes followed in one call before giving up
-REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
 _Reply = TypeVar("_Reply")
 
 
@@ -324,25 +329,23 @@ class Session:
         return reply
 
     def _kept_moving(self) -> FleetError:
-        return FleetError(f"session {self.session_id} kept moving between workers", code=ErrorCode.TIMEOUT)
+        return FleetTimeoutError(f"session {self.session_id} kept moving between workers")
 
     async def _send(self, call: Callable[[str], Awaitable[_Reply]]) -> tuple[_Reply, bool]:
         """Run a script against the believed owner's inbox, following up to ``_MAX_MOVES``
         ownership moves and riding out a Redis outage (reconnect with backoff, up to
         ``FleetClient.reconnect_s``). Returns the reply (Moved once the session kept moving) and
         whether an earlier attempt's reply was lost in the outage."""
-        moves, lost, delay = 0, False, 0.05
+        moves, lost, backoff = 0, False, Backoff()
         deadline = time.monotonic() + self.fleet.reconnect_s
         while True:
             try:
                 reply = await call(self.owner)
             except REDIS_ERRORS as exc:
                 if time.monotonic() > deadline:
-                    raise FleetError(f"redis unreachable for {self.fleet.reconnect_s}s: {exc}",
-                                     code=ErrorCode.TIMEOUT) from exc
+                    raise FleetTimeoutError(f"redis unreachable for {self.fleet.reconnect_s}s: {exc}") from exc
                 lost = True
-                await asyncio.sleep(delay)
-                delay = min(2 * delay, 2.0)
+                await backoff.wait()
                 continue
             if isinstance(reply, Moved) and moves < _MAX_MOVES:
                 moves += 1

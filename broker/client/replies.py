@@ -8,9 +8,8 @@ import logging
 from typing import Any
 
 from redis.asyncio import Redis
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from broker.redis.backoff import REDIS_ERRORS, Backoff
 from broker.redis.layouts import ReplyEntry
 
 log = logging.getLogger(__name__)
@@ -59,18 +58,17 @@ class ReplyReader:
         self._waiters.clear()
 
     async def _run(self) -> None:
-        backoff = 0.05
+        backoff = Backoff()
         while not self._stopping:
             try:
                 entries: Any = await self.redis.xread({self.stream: self._last_id}, count=self.batch,
                                                  block=self.block_ms)
-                backoff = 0.05
-            except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+                backoff.reset()
+            except REDIS_ERRORS as exc:
                 if self._stopping:  # redis-py may turn our own cancellation into a connection error
                     return
-                log.warning("reply stream %s unreachable (%s); retrying in %.2fs", self.stream, exc, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
+                log.warning("reply stream %s unreachable (%s); retrying in %.2fs", self.stream, exc, backoff.delay)
+                await backoff.wait()
                 continue
             if entries:
                 self._dispatch(entries[0][1])

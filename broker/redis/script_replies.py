@@ -3,7 +3,7 @@
 Each script answers a list whose first element names its shape (the ``Returns`` line of its
 header); its ``decode_<script>`` function turns that list into one of the dataclasses below, checking the arity and
 the types, so no caller reads a reply by position or compares a status string (callers match on
-the type instead). A reply that fits no shape raises :class:`MalformedScriptReply`: a script and
+the type instead). A reply that fits no shape raises :class:`ScriptError`: a script and
 its wrapper disagree, a bug.
 """
 
@@ -13,13 +13,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from schemas.errors import ErrorCode
+from schemas.errors import ErrorCode, ScriptError
 
 T = TypeVar("T")
-
-
-class MalformedScriptReply(RuntimeError):
-    """A script answered something its wrapper does not know: the Lua and Python sides disagree."""
 
 
 # ---------------------------------------------------------------------- shapes shared by scripts
@@ -172,8 +168,8 @@ class _Values:
         self.script = script
         self.raw = raw
 
-    def fail(self, why: str) -> MalformedScriptReply:
-        return MalformedScriptReply(f"{self.script}.lua: {why} in reply {list(self.raw)!r}")
+    def fail(self, why: str) -> ScriptError:
+        return ScriptError(f"{self.script}.lua: {why} in reply {list(self.raw)!r}")
 
     def item(self, index: int) -> Any:
         if index + 1 >= len(self.raw):
@@ -273,7 +269,7 @@ _RETIRE: Mapping[str, _Shape[RetireReply]] = {
 
 def _decode(script: str, raw: Any, shapes: Mapping[str, _Shape[T]]) -> T:
     if not isinstance(raw, list) or not raw:
-        raise MalformedScriptReply(f"{script}.lua: expected a non-empty list, got {raw!r}")
+        raise ScriptError(f"{script}.lua: expected a non-empty list, got {raw!r}")
     values = _Values(script, raw)
     status = raw[0].decode("utf-8", "replace") if isinstance(raw[0], bytes) else str(raw[0])
     shape = shapes.get(status)
@@ -319,18 +315,18 @@ def decode_retire(raw: Any) -> RetireReply:
 def decode_heartbeat(raw: Any) -> Heartbeat:
     """heartbeat.lua answers ``{now, still_registered}`` with no status word."""
     if not isinstance(raw, list) or len(raw) != 2:
-        raise MalformedScriptReply(f"heartbeat.lua: expected {{now, registered}}, got {raw!r}")
+        raise ScriptError(f"heartbeat.lua: expected {{now, registered}}, got {raw!r}")
     try:
         return Heartbeat(int(raw[0]), bool(int(raw[1])))
     except (TypeError, ValueError) as exc:
-        raise MalformedScriptReply(f"heartbeat.lua: not two integers: {raw!r}") from exc
+        raise ScriptError(f"heartbeat.lua: not two integers: {raw!r}") from exc
 
 
 def decode_integer(script: str, raw: Any) -> int:
     """register.lua (now) and ack_result.lua (first time 1 / duplicate 0) answer one integer."""
     if isinstance(raw, bool) or not isinstance(raw, int | bytes):
-        raise MalformedScriptReply(f"{script}.lua: expected an integer, got {raw!r}")
+        raise ScriptError(f"{script}.lua: expected an integer, got {raw!r}")
     try:
         return int(raw)
     except ValueError as exc:
-        raise MalformedScriptReply(f"{script}.lua: expected an integer, got {raw!r}") from exc
+        raise ScriptError(f"{script}.lua: expected an integer, got {raw!r}") from exc

@@ -25,9 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-
-class RenderError(ValueError):
-    """The server could not render the prompt (bad messages, unknown model, server error)."""
+from schemas.errors import RenderError
 
 
 @dataclass(frozen=True)

@@ -13,13 +13,13 @@ import httpx
 import numpy as np
 import pytest
 
-from schemas.errors import InvalidRequestError
+from schemas.errors import InvalidRequestError, TransientEngineError
 from schemas.messages import TokenStep, WorldStep
 from workers.engines.base import EngineRequest
 from workers.engines.http_common import check_rpc_results
 from workers.engines.mm_features import merge_features, shift_features
 from workers.engines.registry_real import REAL_ENGINES, build_real_engine
-from workers.engines.vllm_engine import TransientEngineError, VLLMEngine
+from workers.engines.vllm_engine import VLLMEngine
 from workers.engines.vllm_http import VLLMHTTPConfig, VLLMHTTPEngine
 from workers.engines.vllm_omni_engine import VLLMOmniEngine, robot_obs
 from workers.engines.vllm_omni_http import VLLMOmniHTTPConfig, VLLMOmniHTTPEngine, decode_latent, step_body

@@ -18,7 +18,7 @@ import pytest
 
 from broker import FleetClient
 from broker.redis.embedded import RedisServer
-from schemas.errors import InvalidRequestError
+from schemas.errors import ContextLost, InvalidRequestError
 from schemas.messages import WorldStep
 from tests.engines.conftest import OMNI_MODEL, OMNI_SHAPE, Service, requires_vllm_omni
 from tests.support import image, worker_pool
@@ -26,7 +26,7 @@ from workers.engines._world_standin import ReferenceWorldClient, build_serving
 from workers.engines.base import Engine, EngineRequest
 from workers.engines.reference import ReferenceEngine, ReferenceEngineConfig
 from workers.engines.vllm_omni_engine import VLLMOmniEngine, VLLMOmniEngineConfig
-from workers.engines.vllm_omni_http import SessionContextLost, VLLMOmniHTTPConfig, VLLMOmniHTTPEngine
+from workers.engines.vllm_omni_http import VLLMOmniHTTPConfig, VLLMOmniHTTPEngine
 
 pytestmark = [pytest.mark.engines, requires_vllm_omni]
 
@@ -211,13 +211,13 @@ async def test_http_lost_answers_use_status(omni_server: Service) -> None:
     assert out.output["video_latent"].tobytes() == (await direct.step(sid, 0, obs_step(0))).tobytes()
     flaky.drop_before = 1  # never reached the server: /status says so, the retry runs it
     lost = await run(1)
-    assert isinstance(lost, Exception) and not isinstance(lost, SessionContextLost), lost
+    assert isinstance(lost, Exception) and not isinstance(lost, ContextLost), lost
     retry = await run(1)
     assert retry.output["video_latent"].tobytes() == (await direct.step(sid, 1, obs_step(1))).tobytes()
     server_sid = engine.server_session("s")
     flaky.drop_after = 1  # the server committed step 2 but its latent is gone: the context is lost
-    assert isinstance(await run(2), SessionContextLost)
-    assert isinstance(await run(2), SessionContextLost)  # until a rebuild starts from a reset step
+    assert isinstance(await run(2), ContextLost)
+    assert isinstance(await run(2), ContextLost)  # until a rebuild starts from a reset step
     async with httpx.AsyncClient(base_url=omni_server.url) as http:
         await asyncio.sleep(0.2)
         status = (await http.get(f"/v1/realtime/sessions/{server_sid}/status")).json()

@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from schemas.errors import StepAborted
 from schemas.messages import Mode, StepInput
 
 
@@ -36,12 +37,6 @@ class EngineOutput:
 
     output: Mapping[str, Any]
     context_length: int
-
-
-class StepAborted(Exception):
-    """The engine stopped a step part way because the worker asked it to (``abort_running``, for a
-    weight update that aborts in-flight steps). Like any failed request it leaves the session's
-    context unchanged; the worker runs the step again once the update is done."""
 
 
 T = TypeVar("T")

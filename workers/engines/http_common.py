@@ -10,10 +10,9 @@ from typing import Any, Protocol
 
 import httpx
 
-from schemas.errors import InvalidRequestError
+from schemas.errors import InvalidRequestError, TransientEngineError
 from schemas.messages import Mode
 from workers.engines.base import Engine
-from workers.engines.vllm_engine import TransientEngineError
 
 _TRANSIENT_STATUS = {408, 425, 429}
 DEV_MODE_HINT = "start the server with VLLM_SERVER_DEV_MODE=1 (weight reloads use its development routes)"

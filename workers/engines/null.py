@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from schemas.errors import InvalidRequestError
+from schemas.errors import InvalidRequestError, StepAborted
 from schemas.messages import Mode, TokenStep, WorldStep
-from workers.engines.base import Engine, EngineOutput, EngineRequest, StepAborted
+from workers.engines.base import Engine, EngineOutput, EngineRequest
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,9 @@ from typing import Any, TypeVar
 
 import torch
 
-from schemas.errors import InvalidRequestError
+from schemas.errors import InvalidRequestError, StepAborted
 from schemas.messages import Mode
-from workers.engines.base import Engine, EngineOutput, EngineRequest, StepAborted, session_waves
+from workers.engines.base import Engine, EngineOutput, EngineRequest, session_waves
 from workers.engines.reference_lm import LMJob, LMSessionState, ReferenceLanguageModel, ReferenceLMConfig
 from workers.engines.reference_world import (
     ReferenceWorldConfig,

@@ -21,11 +21,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from schemas.errors import InvalidRequestError
+from schemas.errors import InvalidRequestError, StepAborted
 from schemas.messages import StepInput, TokenStep
 from schemas.reference_tokenizer import EOS_ID, VOCAB_SIZE
 from workers.engines import torch_ops
-from workers.engines.base import StepAborted
 
 _ATTENTION_CHUNK_ELEMENTS = 1 << 22
 KVCache = tuple[tuple[torch.Tensor, torch.Tensor], ...]  # per layer (K, V): (tokens, heads, head_dim)

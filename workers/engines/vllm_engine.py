@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from schemas.errors import InvalidRequestError
+from schemas.errors import InvalidRequestError, TransientEngineError
 from schemas.messages import Mode, SamplingParams, TokenStep
 from workers.engines.base import AbortableCalls, Engine, EngineOutput, EngineRequest, run_in_waves
 from workers.engines.mm_features import SessionFeatures, merge_features
@@ -39,10 +39,6 @@ log = logging.getLogger(__name__)
 Result = EngineOutput | BaseException
 
 DEFAULT_SEED = 0
-
-
-class TransientEngineError(RuntimeError):
-    """The engine could not run the step now (overload, lost connection, server error): retry."""
 
 
 # --------------------------------------------------------------------------- shared with vllm_http

@@ -39,7 +39,7 @@ import httpx
 import numpy as np
 
 from broker.rollouts.render import messages_for_render
-from schemas.errors import InvalidRequestError
+from schemas.errors import InvalidRequestError, TransientEngineError
 from schemas.messages import Mode, TokenStep
 from workers.engines.base import EngineRequest
 from workers.engines.http_common import ServerEngine, post_json
@@ -49,12 +49,11 @@ from workers.engines.vllm_engine import (
     Generation,
     Result,
     TokenSessionEngine,
-    TransientEngineError,
     run_token_batch,
     sampling_fields,
 )
 
-__all__ = ["TransientEngineError", "VLLMHTTPConfig", "VLLMHTTPEngine"]
+__all__ = ["VLLMHTTPConfig", "VLLMHTTPEngine"]
 
 
 @dataclass(frozen=True)

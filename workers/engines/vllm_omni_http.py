@@ -17,7 +17,7 @@ ndarray. HTTP 200 with ``error`` (``inference_error``) -> ``TransientEngineError
 400 ``invalid_request`` -> ``InvalidRequestError``. A lost answer (timeout, connection error, 5xx)
 is followed by ``/status``: if the server did not commit the step, the retry resends it; if it did,
 the latent is gone and the server's context is ahead of the fleet's, so the engine closes that
-server session and raises ``SessionContextLost`` (code ``context_lost``) until the session is rebuilt
+server session and raises ``ContextLost`` (code ``context_lost``) until the session is rebuilt
 from a reset step. 404/410 for a session this worker holds also mean its context is gone.
 
 Weights: ``load_weights`` runs the server engine's own reload through its development routes
@@ -39,23 +39,16 @@ from typing import Any
 import httpx
 import numpy as np
 
-from schemas.errors import ErrorCode, FleetError, InvalidRequestError
+from schemas.errors import ContextLost, InvalidRequestError, TransientEngineError
 from schemas.messages import Mode, WorldStep
 from workers.engines.base import EngineOutput, EngineRequest, run_in_waves
 from workers.engines.http_common import ServerEngine, check_response
-from workers.engines.vllm_engine import TransientEngineError
 from workers.engines.vllm_omni_engine import world_step
 
 log = logging.getLogger(__name__)
 Result = EngineOutput | BaseException
 PREFIX = "/v1/realtime/sessions"
 _LOST_ANSWER = (httpx.TimeoutException, httpx.TransportError)
-
-
-class SessionContextLost(FleetError):
-    """The server's context of a session no longer matches the fleet's committed steps."""
-
-    code = ErrorCode.CONTEXT_LOST
 
 
 @dataclass(frozen=True)
@@ -191,7 +184,7 @@ class VLLMOmniHTTPEngine(ServerEngine):
         key = request.session_key
         fresh = request.reset or request.stateless
         if key in self._lost and not fresh:
-            raise SessionContextLost(f"the server's context of {key} was lost; the session must be rebuilt")
+            raise ContextLost(f"the server's context of {key} was lost; the session must be rebuilt")
         remote = self._remotes.get(key)
         if remote is None:
             remote = await self._create()
@@ -214,7 +207,7 @@ class VLLMOmniHTTPEngine(ServerEngine):
         committed = int(status.get("committed_step_id", -1))
         if status.get("closed") or committed >= step_id:
             self._forget(key, remote)
-            raise SessionContextLost(f"server session {remote.server_id} committed step {committed} whose answer "
+            raise ContextLost(f"server session {remote.server_id} committed step {committed} whose answer "
                                      "was lost; its context is ahead of the fleet's")
         remote.committed = committed
         remote.uncertain = False
@@ -279,7 +272,7 @@ class VLLMOmniHTTPEngine(ServerEngine):
             raise InvalidRequestError(message)
         if code in ("session_not_found", "session_closed"):
             self._forget(key, remote)
-            raise SessionContextLost(message)
+            raise ContextLost(message)
         if code in ("step_already_committed", "step_out_of_order"):
             remote.uncertain = True
             await self._reconcile(key, remote, step_id)  # raises if the server is ahead

@@ -1,0 +1,57 @@
+"""Waiting out a Redis outage: one exponential backoff for every loop that retries Redis.
+
+Every retry loop of the fleet starts at 50 ms and doubles up to 2 s: short enough that a Redis
+restart (AOF reload, failover) costs a trainer well under a second of extra wait, long enough that
+a fleet of workers does not hammer a Redis that is coming back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
+START_S = 0.05
+CAP_S = 2.0
+
+
+class Backoff:
+    """Delays that double after every wait, up to ``cap``; ``reset`` after a success.
+
+    ``jitter`` spreads each wait over ``delay * (1 ± jitter/2)`` so that many waiters do not come
+    back in the same instant; 0 waits exactly ``delay``."""
+
+    def __init__(self, start: float = START_S, cap: float = CAP_S, jitter: float = 0.0) -> None:
+        self.start = start
+        self.cap = cap
+        self.jitter = jitter
+        self.delay = start
+
+    def reset(self) -> None:
+        self.delay = self.start
+
+    async def wait(self) -> None:
+        """Sleep the current delay, then double it (up to the cap)."""
+        spread = 1.0 + self.jitter * (random.random() - 0.5)
+        await asyncio.sleep(self.delay * spread)
+        self.delay = min(2 * self.delay, self.cap)
+
+
+async def until_redis_answers(call: Callable[[], Awaitable[T]], what: str) -> T:
+    """Retry a Redis call with backoff until Redis answers. Only for calls that are safe to repeat:
+    the commit, report and control scripts are (a repeated commit is answered as a duplicate)."""
+    backoff = Backoff()
+    while True:
+        try:
+            return await call()
+        except REDIS_ERRORS as exc:
+            log.warning("%s: redis unavailable (%s); retrying in %.2fs", what, exc, backoff.delay)
+            await backoff.wait()

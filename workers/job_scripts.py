@@ -1,0 +1,77 @@
+"""The worker's Lua calls that end a job (commit, report, control, malformed entry), one attempt
+each, and the only place that reads their replies: each call turns its reply into a small answer
+or raises ``Fenced``. Callers retry and shield them through ``workers.failure.settled``."""
+
+from __future__ import annotations
+
+from broker.redis.keys import INBOX_GROUP
+from broker.redis.layouts import DEAD_LETTER_MAXLEN, ReplyEntry
+from broker.redis.script_replies import Committed, Duplicate, DuplicateUnstored, OutOfOrder, StaleOwner
+from broker.redis.scripts import Scripts
+from schemas.codec import encode
+from schemas.errors import Fenced
+from schemas.messages import StepResult
+from workers.failure import StepFailed
+from workers.jobs import BadJob, Job
+from workers.settings import WorkerSettings
+
+
+class JobScripts:
+    """One worker's calls of the job-ending scripts; ``worker_id`` follows re-registrations."""
+
+    def __init__(self, scripts: Scripts, settings: WorkerSettings) -> None:
+        self.scripts = scripts
+        self.settings = settings
+        self.worker_id = settings.worker_id
+
+    async def commit(self, job: Job, result: bytes, *, context_length: int, record: bytes = b"",
+                     keep_records: int = -1) -> Committed | Duplicate | DuplicateUnstored | OutOfOrder:
+        """Commit ``result`` as the job's step (``result`` empty: only re-publish a stored one)."""
+        reply = await self.scripts.commit(
+            session_id=job.session_id, worker_id=self.worker_id, epoch=job.epoch, step_id=job.step_id,
+            entry_id=job.entry_id, result=result, context_length=context_length, job_id=job.job_id,
+            reply_to=job.reply_to, reply_ttl_ms=self.settings.reply_ttl_ms, record=record,
+            keep_records=keep_records,
+        )
+        if isinstance(reply, StaleOwner):
+            raise Fenced(job.session_id)
+        return reply
+
+    async def report(self, job: Job, result: bytes, *, fallback: bool,
+                     dead_letter: dict[str, object] | None) -> None:
+        """Publish a result that commits nothing; ``fallback`` lets the trainer retry the step."""
+        reply = await self.scripts.report(
+            session_id=job.session_id, worker_id=self.worker_id, epoch=job.epoch, entry_id=job.entry_id,
+            job_id=job.job_id, result=result, fallback_gen=job.gen if fallback else None,
+            reply_to=job.reply_to, reply_ttl_ms=self.settings.reply_ttl_ms, dead_letter=dead_letter,
+        )
+        if isinstance(reply, StaleOwner):
+            raise Fenced(job.session_id)
+
+    async def apply_control(self, job: Job) -> None:
+        """Apply a reset or close job and answer it."""
+        reply = await self.scripts.apply_control(
+            session_id=job.session_id, worker_id=self.worker_id, epoch=job.epoch, entry_id=job.entry_id,
+            job_id=job.job_id, kind=job.kind, mode=job.mode.value, model=job.model, reply_to=job.reply_to,
+            grace_ms=self.settings.close_grace_ms, reply_ttl_ms=self.settings.reply_ttl_ms,
+        )
+        if isinstance(reply, StaleOwner):
+            raise Fenced(job.session_id)
+
+    async def reject_malformed(self, job: BadJob, failure: StepFailed) -> None:
+        """Dead-letter an entry that does not parse and answer whoever it names. Not the report
+        script: a malformed entry has no epoch to fence on, and maybe nobody to answer."""
+        redis, keys = self.scripts.redis, self.scripts.keys
+        inbox = keys.inbox(self.worker_id)
+        async with redis.pipeline(transaction=True) as pipe:
+            pipe.xadd(keys.dead, job.dead_letter(self.worker_id).to_fields(),
+                      maxlen=DEAD_LETTER_MAXLEN, approximate=True)
+            pipe.xack(inbox, INBOX_GROUP, job.entry_id)
+            pipe.xdel(inbox, job.entry_id)
+            if job.reply_to and job.job_id:
+                result = StepResult.failure(job.session_id or "", -1, failure.code, failure.message,
+                                            worker_id=self.worker_id)
+                reply = keys.reply(job.reply_to)
+                pipe.xadd(reply, ReplyEntry("step", job.job_id, -1, encode(result.to_wire())).to_fields())
+                pipe.pexpire(reply, self.settings.reply_ttl_ms)
+            await pipe.execute()
