@@ -38,7 +38,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from broker.rollouts.render import messages_for_render
+from schemas.chat import messages_for_render
 from schemas.errors import InvalidRequestError
 from schemas.messages import Mode, TokenStep
 from workers.engines.base import EngineRequest
@@ -124,7 +124,7 @@ class VLLMHTTPEngine(TokenSessionEngine, ServerEngine):
     async def render_chat(self, messages: Sequence[Mapping[str, Any]], **options: Any,
                           ) -> tuple[list[int], dict[str, Any] | None]:
         """Chat messages -> (token ids, multimodal ``features`` or None) by the server's chat template
-        (image parts as in ``broker.rollouts.render``).
+        (image parts as in ``schemas.chat``).
 
         ``options`` go into the render request (e.g. ``add_generation_prompt``, ``chat_template_kwargs``).
         """
