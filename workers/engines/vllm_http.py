@@ -44,15 +44,15 @@ from schemas.messages import Mode, TokenStep
 from workers.engines.base import EngineRequest
 from workers.engines.http_common import ServerEngine, post_json
 from workers.engines.mm_features import merge_features
-from workers.engines.vllm_engine import (
+from workers.engines.token_sessions import (
     DEFAULT_SEED,
     Generation,
     Result,
     TokenSessionEngine,
-    TransientEngineError,
     run_token_batch,
     sampling_fields,
 )
+from workers.engines.vllm_engine import TransientEngineError
 
 __all__ = ["TransientEngineError", "VLLMHTTPConfig", "VLLMHTTPEngine"]
 
