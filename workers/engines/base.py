@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from schemas.errors import InvalidRequestError
 from schemas.messages import Mode, StepInput
 
 
@@ -88,10 +89,22 @@ class Engine(abc.ABC):
     """
 
     kind: str = "abstract"
+    # The weight version that produces results now: 0 until ``load_weights`` records a new one.
+    _version: int = 0
 
     @abc.abstractmethod
     def models(self) -> Mapping[str, Mode]:
         """The models this engine serves and the mode of each."""
+
+    def refuse_unknown_model(self, model: str,
+                             requests: Sequence[EngineRequest]) -> list[EngineOutput | BaseException] | None:
+        """``run_batch``'s answer for a model this engine does not serve (an ``InvalidRequestError``
+        per request: the worker never retries those); None when it serves ``model``."""
+        served = self.models()
+        if model in served:
+            return None
+        names = ", ".join(repr(name) for name in served)
+        return [InvalidRequestError(f"unknown model {model!r}; this engine serves {names}") for _ in requests]
 
     async def start(self) -> None:
         """Load weights, warm up. Called once before the first batch."""
@@ -120,7 +133,7 @@ class Engine(abc.ABC):
     @property
     def policy_version(self) -> int:
         """The weight version that produces results now."""
-        return 0
+        return self._version
 
     async def load_weights(self, path: str, version: int) -> None:
         """Load weight ``version`` from ``path`` through the engine's own mechanism. The worker calls

@@ -79,7 +79,6 @@ class VLLMEngine(TokenSessionEngine):
         self._llm: Any = None
         super().__init__()
         self._ids = itertools.count()
-        self._version = 0
 
     def models(self) -> Mapping[str, Mode]:
         return {self.config.name: Mode.TOKENS}
@@ -110,10 +109,6 @@ class VLLMEngine(TokenSessionEngine):
         if llm is not None:
             llm.shutdown()
 
-    @property
-    def policy_version(self) -> int:
-        return self._version
-
     async def load_weights(self, path: str, version: int) -> None:
         """vLLM's own reload: each engine worker reloads the checkpoint at ``path`` in place, then the
         prefix cache is reset so no KV computed with the old weights is reused. Session contexts are
@@ -125,9 +120,8 @@ class VLLMEngine(TokenSessionEngine):
         self._version = version
 
     async def run_batch(self, model: str, requests: Sequence[EngineRequest]) -> list[Result]:
-        if model != self.config.name:
-            return [InvalidRequestError(f"unknown model {model!r}; this engine serves {self.config.name!r}")
-                    for _ in requests]
+        if (refused := self.refuse_unknown_model(model, requests)) is not None:
+            return refused
         if self._llm is None:
             await self.start()
         return await run_token_batch(requests, self._contexts, self._generate)

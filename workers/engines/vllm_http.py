@@ -39,7 +39,6 @@ import httpx
 import numpy as np
 
 from schemas.chat import messages_for_render
-from schemas.errors import InvalidRequestError
 from schemas.messages import Mode, TokenStep
 from workers.engines.base import EngineRequest
 from workers.engines.http_common import ServerEngine, post_json
@@ -135,9 +134,8 @@ class VLLMHTTPEngine(TokenSessionEngine, ServerEngine):
         return ids, None if features is None else dict(features)
 
     async def run_batch(self, model: str, requests: Sequence[EngineRequest]) -> list[Result]:
-        if model != self.config.model:
-            return [InvalidRequestError(f"unknown model {model!r}; this engine serves {self.config.model!r}")
-                    for _ in requests]
+        if (refused := self.refuse_unknown_model(model, requests)) is not None:
+            return refused
         return await run_token_batch(requests, self._contexts, self._generate)
 
     async def _generate(self, prompt: list[int], step: TokenStep, request: EngineRequest) -> Generation:

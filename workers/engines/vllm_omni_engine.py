@@ -112,7 +112,6 @@ class VLLMOmniEngine(Engine):
         self._client = engine_client
         self._openpi: Any = None
         self._steps: dict[str, int] = {}  # session key -> steps in its engine context
-        self._version = 0
 
     def models(self) -> Mapping[str, Mode]:
         return {self.config.model: Mode.WORLD_MODEL_ENV}
@@ -149,10 +148,6 @@ class VLLMOmniEngine(Engine):
             if asyncio.iscoroutine(result):
                 await result
 
-    @property
-    def policy_version(self) -> int:
-        return self._version
-
     async def load_weights(self, path: str, version: int) -> None:
         """The engine client's own reload (see the module doc); only called between steps."""
         await self.start()
@@ -176,9 +171,8 @@ class VLLMOmniEngine(Engine):
         return sorted(self._steps)
 
     async def run_batch(self, model: str, requests: Sequence[EngineRequest]) -> list[Result]:
-        if model != self.config.model:
-            return [InvalidRequestError(f"unknown model {model!r}; this engine serves {self.config.model!r}")
-                    for _ in requests]
+        if (refused := self.refuse_unknown_model(model, requests)) is not None:
+            return refused
         await self.start()
         return await run_in_waves(requests, self._run_one)
 
