@@ -9,7 +9,7 @@ import abc
 import asyncio
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from schemas.errors import InvalidRequestError
 from schemas.messages import Mode, StepInput
@@ -89,8 +89,21 @@ class Engine(abc.ABC):
     """
 
     kind: str = "abstract"
+    # The config dataclass ``--engine-opt`` options fill (see ``from_options``); None: the options
+    # are the constructor's keyword arguments.
+    config_type: ClassVar[Callable[..., Any] | None] = None
     # The weight version that produces results now: 0 until ``load_weights`` records a new one.
     _version: int = 0
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any]) -> Engine:
+        """The engine built from ``--engine-opt KEY=VALUE`` options: ``cls(config_type(**options))``,
+        or ``cls(**options)`` for an engine without a config type. A missing or unknown option
+        raises ``TypeError``."""
+        build: Callable[..., Engine] = cls
+        if cls.config_type is None:
+            return build(**options)
+        return build(cls.config_type(**options))
 
     @abc.abstractmethod
     def models(self) -> Mapping[str, Mode]:

@@ -27,6 +27,7 @@ class NullEngineConfig:
 
 class NullEngine(Engine):
     kind = "null"
+    config_type = NullEngineConfig
 
     def __init__(self, config: NullEngineConfig | None = None) -> None:
         self.config = config or NullEngineConfig()

@@ -67,6 +67,7 @@ class ReferenceEngine(Engine):
     """Serves ``reference-world`` and ``reference-lm`` with per-session contexts."""
 
     kind = "reference"
+    config_type = ReferenceEngineConfig
 
     def __init__(self, config: ReferenceEngineConfig | None = None) -> None:
         self.config = config or ReferenceEngineConfig()

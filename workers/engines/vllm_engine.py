@@ -73,6 +73,7 @@ class VLLMEngine(TokenSessionEngine):
     """Serves one model in ``tokens`` mode on an in-process ``vllm.v1.engine.async_llm.AsyncLLM``."""
 
     kind = "vllm"
+    config_type = VLLMEngineConfig
 
     def __init__(self, config: VLLMEngineConfig) -> None:
         self.config = config

@@ -95,6 +95,7 @@ class VLLMHTTPEngine(TokenSessionEngine, ServerEngine):
     """Serves ``config.model`` (tokens) by calling one vLLM server."""
 
     kind = "vllm-http"
+    config_type = VLLMHTTPConfig
     mode = Mode.TOKENS
 
     def __init__(self, config: VLLMHTTPConfig, *, transport: httpx.AsyncBaseTransport | None = None) -> None:

@@ -28,7 +28,6 @@ on a GPU). vllm_omni is imported when the engine starts.
 from __future__ import annotations
 
 import asyncio
-import importlib
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -40,6 +39,7 @@ from schemas.errors import InvalidRequestError
 from schemas.messages import Mode, WorldStep
 from workers.engines.base import Engine, EngineOutput, EngineRequest, run_in_waves
 from workers.engines.http_common import check_rpc_results
+from workers.engines.registry import load_object
 
 log = logging.getLogger(__name__)
 Result = EngineOutput | BaseException
@@ -79,14 +79,6 @@ def latent_array(video: Any) -> np.ndarray:
     return np.ascontiguousarray(array)
 
 
-def load_object(path: str) -> Any:
-    """``module:attribute`` -> the attribute."""
-    module, _, name = path.partition(":")
-    if not module or not name:
-        raise ValueError(f"expected 'module:attribute', got {path!r}")
-    return getattr(importlib.import_module(module), name)
-
-
 @dataclass(frozen=True)
 class VLLMOmniEngineConfig:
     """``model``: the name sessions ask for. ``weights``: what AsyncOmni loads (default: ``model``).
@@ -106,6 +98,7 @@ class VLLMOmniEngine(Engine):
     """Serves one world model (``world_model_env``) through vLLM-Omni's engine client."""
 
     kind = "vllm-omni"
+    config_type = VLLMOmniEngineConfig
 
     def __init__(self, config: VLLMOmniEngineConfig | None = None, *, engine_client: Any = None) -> None:
         self.config = config or VLLMOmniEngineConfig()

@@ -117,6 +117,7 @@ class VLLMOmniHTTPEngine(ServerEngine):
     """Serves ``config.model`` (world_model_env) by calling one vLLM-Omni server."""
 
     kind = "vllm-omni-http"
+    config_type = VLLMOmniHTTPConfig
     mode = Mode.WORLD_MODEL_ENV
     server_keeps_version = False
 
