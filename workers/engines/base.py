@@ -100,7 +100,7 @@ class Engine(abc.ABC):
         """The engine built from ``--engine-opt KEY=VALUE`` options: ``cls(config_type(**options))``,
         or ``cls(**options)`` for an engine without a config type. A missing or unknown option
         raises ``TypeError``."""
-        build: Callable[..., Engine] = cls
+        build: Callable[..., Engine] = cls  # the subclass's constructor: its signature is its own
         if cls.config_type is None:
             return build(**options)
         return build(cls.config_type(**options))
