@@ -21,6 +21,7 @@ from typing import Any
 from bench.common import (
     Children,
     Row,
+    fleet_worker_args,
     module_main,
     new_prefix,
     private_redis,
@@ -29,13 +30,13 @@ from bench.common import (
     wait_for,
 )
 from bench.http_anchor import HttpRollout
-from bench.sim_engine import SIM_MODEL, SimGpuConfig
+from bench.sim_engine import SIM_MODEL, SimEngineConfig
 from broker import FleetClient
 from broker.redis.embedded import free_port
 
 NAME = "batch_fill"
 SESSIONS = 64
-CONFIG = SimGpuConfig(a_ms=20.0, b_ms=0.5, max_batch=32)
+CONFIG = SimEngineConfig(a_ms=20.0, b_ms=0.5, max_batch=32)
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,12 @@ def _engine_args() -> list[str]:
     return ["--a-ms", str(CONFIG.a_ms), "--b-ms", str(CONFIG.b_ms), "--max-batch", str(CONFIG.max_batch)]
 
 
+def _fleet_engine_opts(stats_path: str) -> list[str]:
+    """The same engine for a fleet worker (``--engine bench.sim_engine:SimEngine``)."""
+    opts = {"a_ms": CONFIG.a_ms, "b_ms": CONFIG.b_ms, "max_batch": CONFIG.max_batch, "stats_path": stats_path}
+    return [arg for key, value in opts.items() for arg in ("--engine-opt", f"{key}={json.dumps(value)}")]
+
+
 def _world(k: int) -> dict[str, Any]:
     return {"observation": {"prompt": "sim", "state": [0.0] * 8}}
 
@@ -63,8 +70,8 @@ async def fleet_row(size: Size, variant: str) -> Row:
     with tempfile.TemporaryDirectory() as tmp, private_redis() as server:
         stats_path = os.path.join(tmp, "stats.json")
         with Children() as children:
-            children.spawn([sys.executable, "-m", "bench.sim_engine", "--redis-url", server.url, "--prefix", prefix,
-                            "--stats", stats_path, *_engine_args(), *VARIANTS[variant]])
+            children.spawn([*fleet_worker_args(server.url, prefix, engine="bench.sim_engine:SimEngine"),
+                            *_fleet_engine_opts(stats_path), *VARIANTS[variant]])
             await wait_fleet_workers(server.url, prefix, 1, children)
             async with FleetClient(server.url, prefix=prefix) as fleet:
                 sessions = await asyncio.gather(*(fleet.create_session(SIM_MODEL, "world_model_env")

@@ -180,9 +180,9 @@ class HttpRollout:
 
 def _build_engine(args: argparse.Namespace) -> Engine:
     if args.engine == "sim":
-        from bench.sim_engine import SimGpuConfig, SimGpuEngine
+        from bench.sim_engine import SimEngine, SimEngineConfig
 
-        return SimGpuEngine(SimGpuConfig(args.a_ms, args.b_ms, args.max_batch))
+        return SimEngine(SimEngineConfig(args.a_ms, args.b_ms, args.max_batch))
     from workers.engines.null import NullEngine, NullEngineConfig
 
     shape = tuple(int(x) for x in args.latent_shape.split(",")) if args.latent_shape else (1, 4)

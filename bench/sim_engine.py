@@ -1,16 +1,19 @@
 """A simulated GPU engine: one forward of a batch of n takes ``a + b*n`` ms, one forward at a time.
 
-``python -m bench.sim_engine --redis-url URL --prefix P`` runs a fleet worker with it (the fleet
-CLI only knows the registered engines). The forward is an ``asyncio.sleep`` behind a lock: like a
-GPU, the device is busy for the whole forward, and the host's event loop stays free meanwhile.
+A fleet worker runs it like any engine:
+
+    rollout-fleet worker --engine bench.sim_engine:SimEngine --engine-opt a_ms=20 --engine-opt b_ms=0.5 \
+        --engine-opt max_batch=32 --engine-opt stats_path=/tmp/stats.json
+
+The forward is an ``asyncio.sleep`` behind a lock: like a GPU, the device is busy for the whole
+forward, and the host's event loop stays free meanwhile. ``stats_path``: where ``close`` writes the
+engine's counters (JSON), so the benchmark can read them after the worker drained.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
-import signal
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -22,10 +25,11 @@ SIM_MODEL = "sim-world"
 
 
 @dataclass(frozen=True)
-class SimGpuConfig:
+class SimEngineConfig:
     a_ms: float = 20.0  # fixed cost of a forward (kernel launches, weights streamed once)
     b_ms: float = 0.5  # per-request cost inside the batch
     max_batch: int = 32
+    stats_path: str | None = None  # close() writes the engine counters (JSON) here
 
     def forward_ms(self, n: int) -> float:
         return self.a_ms + self.b_ms * n
@@ -35,12 +39,12 @@ class SimGpuConfig:
         return self.max_batch / self.forward_ms(self.max_batch) * 1000.0
 
 
-class SimGpuEngine(Engine):
+class SimEngine(Engine):
     kind = "sim-gpu"
+    config_type = SimEngineConfig
 
-    def __init__(self, config: SimGpuConfig | None = None, stats_path: str | None = None) -> None:
-        self.config = config or SimGpuConfig()
-        self.stats_path = stats_path
+    def __init__(self, config: SimEngineConfig | None = None) -> None:
+        self.config = config or SimEngineConfig()
         self._device: asyncio.Lock | None = None
         self._contexts: dict[str, int] = {}
         self.forwards = 0
@@ -79,36 +83,6 @@ class SimGpuEngine(Engine):
                 "mean_forward_ms": 1000.0 * self.busy_s / self.forwards if self.forwards else 0.0}
 
     async def close(self) -> None:
-        if self.stats_path:
-            with open(self.stats_path, "w", encoding="utf-8") as fh:
+        if self.config.stats_path:
+            with open(self.config.stats_path, "w", encoding="utf-8") as fh:
                 json.dump(self.stats(), fh)
-
-
-async def _serve(url: str, prefix: str, config: SimGpuConfig, stats_path: str | None) -> None:
-    from workers.settings import WorkerSettings
-    from workers.worker import Worker
-
-    engine = SimGpuEngine(config, stats_path)
-    async with Worker(engine, WorkerSettings(redis_url=url, prefix=prefix)) as worker:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, worker.request_stop)
-        await worker.serve()
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.sim_engine", description=__doc__)
-    parser.add_argument("--redis-url", required=True)
-    parser.add_argument("--prefix", required=True)
-    parser.add_argument("--a-ms", type=float, default=20.0)
-    parser.add_argument("--b-ms", type=float, default=0.5)
-    parser.add_argument("--max-batch", type=int, default=32)
-    parser.add_argument("--stats", default=None, help="write engine counters (JSON) here on exit")
-    args = parser.parse_args(argv)
-    config = SimGpuConfig(args.a_ms, args.b_ms, args.max_batch)
-    asyncio.run(_serve(args.redis_url, args.prefix, config, args.stats))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from broker.client import DEFAULT_URL
-from workers.engines.registry import ENGINES
+from workers.engines.registry import ENGINE_HELP, engine_name
 
 
 def _add_redis(p: argparse.ArgumentParser, default: str | None = DEFAULT_URL) -> None:
@@ -28,7 +28,7 @@ def _parser() -> argparse.ArgumentParser:
 
     w = sub.add_parser("worker", help="run a worker process")
     _add_redis(w)
-    w.add_argument("--engine", choices=ENGINES, default="reference")
+    w.add_argument("--engine", type=engine_name, default="reference", help=ENGINE_HELP)
     w.add_argument("--device", default=None, help="reference engines: cpu (default) or cuda")
     w.add_argument("--latent-shape", default=None, help="reference world latent shape, e.g. 1,16,2,44,80")
     w.add_argument("--engine-opt", action="append", default=[], metavar="KEY=VALUE",
@@ -46,7 +46,7 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--sessions", type=int, default=16)
     d.add_argument("--steps", type=int, default=40)
     d.add_argument("--mode", choices=("world_model_env", "tokens", "both"), default="both")
-    d.add_argument("--engine", choices=ENGINES, default="reference")
+    d.add_argument("--engine", type=engine_name, default="reference", help=ENGINE_HELP)
     d.add_argument("--latent-shape", default=None, help="world latent shape (default 1,16,2,44,80)")
     d.add_argument("--no-progress", action="store_true")
 

@@ -17,15 +17,17 @@ Needs ``httpx`` (and Pillow for arrays and PIL images): ``pip install rollout-fl
 
 from __future__ import annotations
 
-import base64
-import io
-import mimetypes
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
+from schemas.chat import has_images, image_url, messages_for_render
 from schemas.errors import RenderError
+
+# The message helpers live in schemas.chat (the vLLM HTTP engine uses them too); they stay
+# importable from here, where trainers found them first.
+__all__ = ["ChatRenderer", "RenderError", "RenderedPrompt", "ServerRenderer", "has_images", "image_url",
+           "messages_for_render"]
 
 
 @dataclass(frozen=True)
@@ -37,53 +39,6 @@ class RenderedPrompt:
 class ChatRenderer(Protocol):
     async def render(self, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Any] | None = None,
                      chat_template_kwargs: Mapping[str, Any] | None = None) -> RenderedPrompt: ...
-
-
-def image_url(image: Any) -> str:
-    """An image as a URL the server can read: URLs pass through, files and pixels become data URLs."""
-    if isinstance(image, str) and image.startswith(("data:", "http://", "https://")):
-        return image
-    if isinstance(image, (str, Path)):
-        path = Path(image).expanduser()
-        if not path.is_file():
-            raise RenderError(f"image {str(image)!r} is neither a URL nor a file")
-        mime = mimetypes.guess_type(path.name)[0] or "image/png"
-        return f"data:{mime};base64,{base64.b64encode(path.read_bytes()).decode()}"
-    from PIL import Image
-
-    if not isinstance(image, Image.Image):
-        image = Image.fromarray(_pixels(image))
-    buf = io.BytesIO()
-    image.save(buf, format="PNG")  # lossless: the server sees exactly these pixels
-    return f"data:image/png;base64,{base64.b64encode(buf.getvalue()).decode()}"
-
-
-def _pixels(value: Any) -> Any:
-    import numpy as np
-
-    array = np.asarray(value)
-    if array.dtype != np.uint8 or array.ndim != 3 or array.shape[2] != 3:
-        raise RenderError(f"an image array must be HxWx3 uint8, got {array.dtype} {list(array.shape)}")
-    return array
-
-
-def messages_for_render(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Messages with every ``{"type": "image", "image": X}`` part as an ``image_url`` part."""
-    out: list[dict[str, Any]] = []
-    for message in messages:
-        content = message.get("content")
-        if not isinstance(content, list):
-            out.append(dict(message))
-            continue
-        parts = [{"type": "image_url", "image_url": {"url": image_url(part.get("image"))}}
-                 if part.get("type") == "image" else dict(part) for part in content]
-        out.append({**message, "content": parts})
-    return out
-
-
-def has_images(messages: Sequence[Mapping[str, Any]]) -> bool:
-    return any(isinstance(m.get("content"), list) and any(
-        isinstance(p, Mapping) and p.get("type") in ("image", "image_url") for p in m["content"]) for m in messages)
 
 
 class ServerRenderer:

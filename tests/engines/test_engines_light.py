@@ -18,7 +18,8 @@ from schemas.messages import TokenStep, WorldStep
 from workers.engines.base import EngineRequest
 from workers.engines.http_common import check_rpc_results
 from workers.engines.mm_features import merge_features, shift_features
-from workers.engines.registry_real import REAL_ENGINES, build_real_engine
+from workers.engines.null import NullEngine
+from workers.engines.registry import ENGINES, REAL_ENGINES, build_engine
 from workers.engines.vllm_engine import VLLMEngine
 from workers.engines.vllm_http import VLLMHTTPConfig, VLLMHTTPEngine
 from workers.engines.vllm_omni_engine import VLLMOmniEngine, robot_obs
@@ -28,22 +29,36 @@ TURN = {"token_ids": [1, 5, 205], "sampling": {"max_tokens": 4, "seed": 7}}
 
 
 def test_registry_builds_each_engine_without_importing_vllm() -> None:
-    assert isinstance(build_real_engine("vllm", {"model": "/models/tiny"}), VLLMEngine)
-    assert isinstance(build_real_engine("vllm-http", {"base_url": "http://x", "model": "m"}), VLLMHTTPEngine)
-    assert isinstance(build_real_engine("vllm-omni", {"model": "dreamzero"}), VLLMOmniEngine)
-    assert isinstance(build_real_engine("vllm-omni-http", {"base_url": "http://x"}), VLLMOmniHTTPEngine)
-    assert build_real_engine("vllm", {"model": "/models/tiny/"}).models() == {"tiny": "tokens"}
+    assert isinstance(build_engine("vllm", {"model": "/models/tiny"}), VLLMEngine)
+    assert isinstance(build_engine("vllm-http", {"base_url": "http://x", "model": "m"}), VLLMHTTPEngine)
+    assert isinstance(build_engine("vllm-omni", {"model": "dreamzero"}), VLLMOmniEngine)
+    assert isinstance(build_engine("vllm-omni-http", {"base_url": "http://x"}), VLLMOmniHTTPEngine)
+    assert build_engine("vllm", {"model": "/models/tiny/"}).models() == {"tiny": "tokens"}
     with pytest.raises(ValueError, match="unknown engine"):
-        build_real_engine("nope")
+        build_engine("nope")
     with pytest.raises(ValueError, match="vllm-http"):
-        build_real_engine("vllm-http", {"model": "m"})  # base_url missing
+        build_engine("vllm-http", {"model": "m"})  # base_url missing
     assert len(REAL_ENGINES) == 4
+    assert set(REAL_ENGINES) < set(ENGINES)
+
+
+def test_registry_builds_an_engine_named_by_module_and_class() -> None:
+    engine = build_engine("workers.engines.null:NullEngine", {"delay_ms": 5})
+    assert isinstance(engine, NullEngine) and engine.config.delay_ms == 5
+    with pytest.raises(ValueError, match="NullEngineConfig"):
+        build_engine("workers.engines.null:NullEngine", {"bogus": 1})
+    with pytest.raises(ValueError, match="not an Engine subclass"):
+        build_engine("workers.engines.null:NullEngineConfig")
+    with pytest.raises(ValueError, match="no_such_module"):
+        build_engine("no_such_module:Engine")
+    with pytest.raises(ValueError, match="unknown engine"):
+        build_engine("workers.engines.null:")
 
 
 def test_engine_modules_import_no_heavy_library() -> None:
-    code = ("import sys, workers.engines.registry_real, workers.engines.vllm_engine, workers.engines.vllm_http, "
-            "workers.engines.vllm_omni_engine, workers.engines.vllm_omni_http, workers.engines._world_standin, "
-            "workers.engines.http_common\n"
+    code = ("import sys, workers.engines.registry, workers.engines.vllm_engine, workers.engines.vllm_http, "
+            "workers.engines.vllm_omni_engine, workers.engines.vllm_omni_http, tests.engines.world_standin, "
+            "workers.engines.http_common, workers.engines.token_sessions\n"
             "heavy = [m for m in ('torch', 'vllm', 'vllm_omni') if m in sys.modules]\n"
             "assert not heavy, heavy")
     subprocess.run([sys.executable, "-c", code], check=True)

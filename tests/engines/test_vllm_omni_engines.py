@@ -21,8 +21,8 @@ from broker.redis.embedded import RedisServer
 from schemas.errors import ContextLost, InvalidRequestError
 from schemas.messages import WorldStep
 from tests.engines.conftest import OMNI_MODEL, OMNI_SHAPE, Service, requires_vllm_omni
+from tests.engines.world_standin import ReferenceWorldClient, build_serving
 from tests.support import image, worker_pool
-from workers.engines._world_standin import ReferenceWorldClient, build_serving
 from workers.engines.base import Engine, EngineRequest
 from workers.engines.reference import ReferenceEngine, ReferenceEngineConfig
 from workers.engines.vllm_omni_engine import VLLMOmniEngine, VLLMOmniEngineConfig

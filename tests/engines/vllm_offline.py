@@ -28,7 +28,7 @@ def run(spec: dict[str, Any]) -> list[list[dict[str, Any]]]:
     from vllm.sampling_params import SamplingParams
 
     from schemas.messages import SamplingParams as OurSampling
-    from workers.engines.vllm_engine import DEFAULT_SEED, sampling_fields
+    from workers.engines.token_sessions import DEFAULT_SEED, sampling_fields
 
     llm = LLM(model=spec["model"], **spec.get("engine", {}))
     conversations: list[list[dict[str, Any]]] = spec["conversations"]

@@ -9,9 +9,9 @@ import abc
 import asyncio
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
-from schemas.errors import StepAborted
+from schemas.errors import InvalidRequestError, StepAborted
 from schemas.messages import Mode, StepInput
 
 
@@ -83,10 +83,35 @@ class Engine(abc.ABC):
     """
 
     kind: str = "abstract"
+    # The config dataclass ``--engine-opt`` options fill (see ``from_options``); None: the options
+    # are the constructor's keyword arguments.
+    config_type: ClassVar[Callable[..., Any] | None] = None
+    # The weight version that produces results now: 0 until ``load_weights`` records a new one.
+    _version: int = 0
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any]) -> Engine:
+        """The engine built from ``--engine-opt KEY=VALUE`` options: ``cls(config_type(**options))``,
+        or ``cls(**options)`` for an engine without a config type. A missing or unknown option
+        raises ``TypeError``."""
+        build: Callable[..., Engine] = cls  # the subclass's constructor: its signature is its own
+        if cls.config_type is None:
+            return build(**options)
+        return build(cls.config_type(**options))
 
     @abc.abstractmethod
     def models(self) -> Mapping[str, Mode]:
         """The models this engine serves and the mode of each."""
+
+    def refuse_unknown_model(self, model: str,
+                             requests: Sequence[EngineRequest]) -> list[EngineOutput | BaseException] | None:
+        """``run_batch``'s answer for a model this engine does not serve (an ``InvalidRequestError``
+        per request: the worker never retries those); None when it serves ``model``."""
+        served = self.models()
+        if model in served:
+            return None
+        names = ", ".join(repr(name) for name in served)
+        return [InvalidRequestError(f"unknown model {model!r}; this engine serves {names}") for _ in requests]
 
     async def start(self) -> None:
         """Load weights, warm up. Called once before the first batch."""
@@ -115,7 +140,7 @@ class Engine(abc.ABC):
     @property
     def policy_version(self) -> int:
         """The weight version that produces results now."""
-        return 0
+        return self._version
 
     async def load_weights(self, path: str, version: int) -> None:
         """Load weight ``version`` from ``path`` through the engine's own mechanism. The worker calls

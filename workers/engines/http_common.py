@@ -126,7 +126,6 @@ class ServerEngine(Engine):
         self.server_config = config
         self._transport = transport
         self._client: httpx.AsyncClient | None = None
-        self._version = 0
 
     def models(self) -> Mapping[str, Mode]:
         return {self.server_config.model: self.mode}
@@ -149,10 +148,6 @@ class ServerEngine(Engine):
         client, self._client = self._client, None
         if client is not None:
             await client.aclose()
-
-    @property
-    def policy_version(self) -> int:
-        return self._version
 
     async def load_weights(self, path: str, version: int) -> None:
         """The server engine's own in-place reload (``reload_over_http``); the worker calls it only

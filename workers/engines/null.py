@@ -27,12 +27,12 @@ class NullEngineConfig:
 
 class NullEngine(Engine):
     kind = "null"
+    config_type = NullEngineConfig
 
     def __init__(self, config: NullEngineConfig | None = None) -> None:
         self.config = config or NullEngineConfig()
         self._contexts: dict[str, int] = {}
         self.batch_sizes: list[int] = []
-        self._version = 0
         self._aborted = asyncio.Event()  # set (and replaced) by abort_running
 
     def models(self) -> Mapping[str, Mode]:
@@ -72,10 +72,6 @@ class NullEngine(Engine):
         if not req.stateless:
             self._contexts[req.session_key] = seen + 1
         return EngineOutput(output=output, context_length=seen + 1)
-
-    @property
-    def policy_version(self) -> int:
-        return self._version
 
     async def load_weights(self, path: str, version: int) -> None:
         """The null engine has no weights; an update only changes the reported version."""

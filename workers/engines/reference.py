@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from schemas.errors import InvalidRequestError, StepAborted
+from schemas.errors import StepAborted
 from schemas.messages import Mode
 from workers.engines.base import Engine, EngineOutput, EngineRequest, session_waves
 from workers.engines.reference_lm import LMJob, LMSessionState, ReferenceLanguageModel, ReferenceLMConfig
@@ -68,6 +68,7 @@ class ReferenceEngine(Engine):
     """Serves ``reference-world`` and ``reference-lm`` with per-session contexts."""
 
     kind = "reference"
+    config_type = ReferenceEngineConfig
 
     def __init__(self, config: ReferenceEngineConfig | None = None) -> None:
         self.config = config or ReferenceEngineConfig()
@@ -79,7 +80,6 @@ class ReferenceEngine(Engine):
         self._lock = threading.Lock()  # sessions and torch work: one batch at a time
         self._drops_lock = threading.Lock()
         self._drops: set[str] = set()  # sessions to forget before the next batch (see drop_session)
-        self._version = 0
         self._aborts = 0  # bumped by abort_running; batches submitted before a bump stop
 
     def models(self) -> Mapping[str, Mode]:
@@ -109,10 +109,6 @@ class ReferenceEngine(Engine):
             self._world = ReferenceWorldModel(ReferenceWorldConfig(latent_shape=cfg.latent_shape),
                                               seed=cfg.seed, device=cfg.device)
             self._lm = ReferenceLanguageModel(cfg.lm, seed=cfg.seed, device=cfg.device)
-
-    @property
-    def policy_version(self) -> int:
-        return self._version
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         self._build()
@@ -192,9 +188,8 @@ class ReferenceEngine(Engine):
                    should_stop: Callable[[], bool] | None = None) -> list[Result]:
         """The synchronous core of ``run_batch``: also the direct call the fidelity tests use."""
         self._build()
-        if model not in self.models():
-            error = InvalidRequestError(f"unknown model {model!r}; expected one of: {', '.join(self.models())}")
-            return [error for _ in requests]
+        if (refused := self.refuse_unknown_model(model, requests)) is not None:
+            return refused
         with self._lock:
             self._apply_drops()
             results: list[Result | None] = [None] * len(requests)

@@ -38,13 +38,13 @@ from typing import Any
 import httpx
 import numpy as np
 
-from broker.rollouts.render import messages_for_render
-from schemas.errors import InvalidRequestError, TransientEngineError
+from schemas.chat import messages_for_render
+from schemas.errors import TransientEngineError
 from schemas.messages import Mode, TokenStep
 from workers.engines.base import EngineRequest
 from workers.engines.http_common import ServerEngine, post_json
 from workers.engines.mm_features import merge_features
-from workers.engines.vllm_engine import (
+from workers.engines.token_sessions import (
     DEFAULT_SEED,
     Generation,
     Result,
@@ -95,6 +95,7 @@ class VLLMHTTPEngine(TokenSessionEngine, ServerEngine):
     """Serves ``config.model`` (tokens) by calling one vLLM server."""
 
     kind = "vllm-http"
+    config_type = VLLMHTTPConfig
     mode = Mode.TOKENS
 
     def __init__(self, config: VLLMHTTPConfig, *, transport: httpx.AsyncBaseTransport | None = None) -> None:
@@ -123,7 +124,7 @@ class VLLMHTTPEngine(TokenSessionEngine, ServerEngine):
     async def render_chat(self, messages: Sequence[Mapping[str, Any]], **options: Any,
                           ) -> tuple[list[int], dict[str, Any] | None]:
         """Chat messages -> (token ids, multimodal ``features`` or None) by the server's chat template
-        (image parts as in ``broker.rollouts.render``).
+        (image parts as in ``schemas.chat``).
 
         ``options`` go into the render request (e.g. ``add_generation_prompt``, ``chat_template_kwargs``).
         """
@@ -134,9 +135,8 @@ class VLLMHTTPEngine(TokenSessionEngine, ServerEngine):
         return ids, None if features is None else dict(features)
 
     async def run_batch(self, model: str, requests: Sequence[EngineRequest]) -> list[Result]:
-        if model != self.config.model:
-            return [InvalidRequestError(f"unknown model {model!r}; this engine serves {self.config.model!r}")
-                    for _ in requests]
+        if (refused := self.refuse_unknown_model(model, requests)) is not None:
+            return refused
         return await run_token_batch(requests, self._contexts, self._generate)
 
     async def _generate(self, prompt: list[int], step: TokenStep, request: EngineRequest) -> Generation:

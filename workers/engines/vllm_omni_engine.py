@@ -20,7 +20,7 @@ not implement it answers ``{"todo": ...}`` and the update fails with that reason
 keep serving). Session contexts are kept across a reload, as the in-process vLLM engine keeps them.
 
 The engine client is injectable: ``engine_client=`` (an object), or ``client_factory="module:callable"``
-with ``client_options`` (e.g. the CPU stand-in ``workers.engines._world_standin:ReferenceWorldClient``);
+with ``client_options`` (e.g. the CPU stand-in of the tests, ``tests.engines.world_standin:ReferenceWorldClient``);
 by default ``vllm_omni.entrypoints.async_omni.AsyncOmni(model=weights, **client_options)`` (DreamZero
 on a GPU). vllm_omni is imported when the engine starts.
 """
@@ -28,7 +28,6 @@ on a GPU). vllm_omni is imported when the engine starts.
 from __future__ import annotations
 
 import asyncio
-import importlib
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -40,6 +39,7 @@ from schemas.errors import InvalidRequestError
 from schemas.messages import Mode, WorldStep
 from workers.engines.base import Engine, EngineOutput, EngineRequest, run_in_waves
 from workers.engines.http_common import check_rpc_results
+from workers.engines.registry import load_object
 
 log = logging.getLogger(__name__)
 Result = EngineOutput | BaseException
@@ -79,14 +79,6 @@ def latent_array(video: Any) -> np.ndarray:
     return np.ascontiguousarray(array)
 
 
-def load_object(path: str) -> Any:
-    """``module:attribute`` -> the attribute."""
-    module, _, name = path.partition(":")
-    if not module or not name:
-        raise ValueError(f"expected 'module:attribute', got {path!r}")
-    return getattr(importlib.import_module(module), name)
-
-
 @dataclass(frozen=True)
 class VLLMOmniEngineConfig:
     """``model``: the name sessions ask for. ``weights``: what AsyncOmni loads (default: ``model``).
@@ -106,13 +98,13 @@ class VLLMOmniEngine(Engine):
     """Serves one world model (``world_model_env``) through vLLM-Omni's engine client."""
 
     kind = "vllm-omni"
+    config_type = VLLMOmniEngineConfig
 
     def __init__(self, config: VLLMOmniEngineConfig | None = None, *, engine_client: Any = None) -> None:
         self.config = config or VLLMOmniEngineConfig()
         self._client = engine_client
         self._openpi: Any = None
         self._steps: dict[str, int] = {}  # session key -> steps in its engine context
-        self._version = 0
 
     def models(self) -> Mapping[str, Mode]:
         return {self.config.model: Mode.WORLD_MODEL_ENV}
@@ -149,10 +141,6 @@ class VLLMOmniEngine(Engine):
             if asyncio.iscoroutine(result):
                 await result
 
-    @property
-    def policy_version(self) -> int:
-        return self._version
-
     async def load_weights(self, path: str, version: int) -> None:
         """The engine client's own reload (see the module doc); only called between steps."""
         await self.start()
@@ -176,9 +164,8 @@ class VLLMOmniEngine(Engine):
         return sorted(self._steps)
 
     async def run_batch(self, model: str, requests: Sequence[EngineRequest]) -> list[Result]:
-        if model != self.config.model:
-            return [InvalidRequestError(f"unknown model {model!r}; this engine serves {self.config.model!r}")
-                    for _ in requests]
+        if (refused := self.refuse_unknown_model(model, requests)) is not None:
+            return refused
         await self.start()
         return await run_in_waves(requests, self._run_one)
 

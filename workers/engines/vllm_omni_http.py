@@ -110,6 +110,7 @@ class VLLMOmniHTTPEngine(ServerEngine):
     """Serves ``config.model`` (world_model_env) by calling one vLLM-Omni server."""
 
     kind = "vllm-omni-http"
+    config_type = VLLMOmniHTTPConfig
     mode = Mode.WORLD_MODEL_ENV
     server_keeps_version = False
 
@@ -220,9 +221,8 @@ class VLLMOmniHTTPEngine(ServerEngine):
     # ------------------------------------------------------------------ steps
 
     async def run_batch(self, model: str, requests: Sequence[EngineRequest]) -> list[Result]:
-        if model != self.config.model:
-            return [InvalidRequestError(f"unknown model {model!r}; this engine serves {self.config.model!r}")
-                    for _ in requests]
+        if (refused := self.refuse_unknown_model(model, requests)) is not None:
+            return refused
         await self._flush_closes()
         return await run_in_waves(requests, self._run_one)
 
