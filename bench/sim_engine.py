@@ -89,7 +89,7 @@ async def _serve(url: str, prefix: str, config: SimGpuConfig, stats_path: str | 
     from workers.worker import Worker
 
     engine = SimGpuEngine(config, stats_path)
-    async with Worker(engine, WorkerSettings(redis_url=url, prefix=prefix)) as worker:
+    async with Worker(engine, WorkerSettings.from_mapping({"redis_url": url, "prefix": prefix})) as worker:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, worker.request_stop)
