@@ -48,7 +48,7 @@ class WorkerPool:
     running: list[RunningWorker] = field(default_factory=list)
 
     async def add(self, engine: Engine, **overrides: Any) -> RunningWorker:
-        settings = WorkerSettings(**{"redis_url": self.url, "prefix": self.prefix, **overrides})
+        settings = WorkerSettings.from_mapping({"redis_url": self.url, "prefix": self.prefix, **overrides})
         worker = Worker(engine, settings)
         await worker.start()
         task = asyncio.create_task(worker.serve())

@@ -50,8 +50,8 @@ async def start_worker(redis_server: RedisServer, prefix: str) -> AsyncIterator[
     started: list[Worker] = []
 
     async def start(engine: NullEngine) -> Worker:
-        worker = Worker(engine, WorkerSettings(redis_url=redis_server.url, prefix=prefix, max_attempts=2,
-                                               retry_backoff_ms=1))
+        worker = Worker(engine, WorkerSettings.from_mapping(
+            {"redis_url": redis_server.url, "prefix": prefix, "max_attempts": 2, "retry_backoff_ms": 1}))
         await worker.start()
         started.append(worker)
         return worker

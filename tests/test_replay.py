@@ -13,6 +13,7 @@ import pytest
 from broker import FleetClient
 from broker.ops.replay import list_dead, replay, replay_ids
 from broker.ops.supervisor import SupervisorSettings, build_worker, request_replay
+from broker.redis.config import CellConfig
 from broker.redis.embedded import RedisServer
 from broker.redis.scripts import Scripts
 from schemas.errors import ErrorCode
@@ -134,7 +135,7 @@ async def test_replay_cli_lists_and_runs(redis_server: RedisServer, prefix: str,
 async def test_supervisor_reaps_dead_workers_and_runs_replay_jobs(
     redis_server: RedisServer, prefix: str, fleet: FleetClient, workers: WorkerPool, scripts: Scripts
 ) -> None:
-    settings = SupervisorSettings(redis_url=redis_server.url, prefix=prefix, lease_ms=500)
+    settings = SupervisorSettings(CellConfig(redis_url=redis_server.url, prefix=prefix, lease_ms=500))
     supervisors = [build_worker(settings, handle_signals=False) for _ in range(2)]  # two may run at once
     tasks = [asyncio.create_task(sv.async_run()) for sv in supervisors]
     try:
@@ -158,7 +159,7 @@ async def test_replay_requested_as_an_arq_job(
     redis_server: RedisServer, prefix: str, fleet: FleetClient, workers: WorkerPool, scripts: Scripts
 ) -> None:
     _, s = await _dead_step(fleet, workers)
-    settings = SupervisorSettings(redis_url=redis_server.url, prefix=prefix)
+    settings = SupervisorSettings(CellConfig(redis_url=redis_server.url, prefix=prefix))
     supervisor = build_worker(settings, handle_signals=False)
     task = asyncio.create_task(supervisor.async_run())
     try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import subprocess
@@ -20,6 +21,7 @@ import numpy as np
 from tqdm import tqdm
 
 from broker import FleetClient, Session
+from broker.redis.config import CellConfig
 from broker.redis.embedded import RedisServer
 from schemas.messages import StepResult
 
@@ -28,8 +30,8 @@ MODELS = {"reference": ("reference-world", "reference-lm"), "null": ("null-world
 
 @dataclass(frozen=True)
 class DemoConfig:
-    redis_url: str | None = None
-    prefix: str = "rf"
+    cell_config: CellConfig = field(default_factory=CellConfig)
+    embedded_redis: bool = True  # start a Redis for the run (then cell_config's URL is not used)
     workers: int = 2  # worker processes to start; 0 uses the workers already serving the cell
     sessions: int = 16
     steps: int = 40
@@ -101,9 +103,9 @@ def _modes(config: DemoConfig) -> list[tuple[str, str]]:
     return [(world, "world_model_env"), (lm, "tokens")]
 
 
-async def _trainer(config: DemoConfig, url: str, prefix: str) -> tuple[Tally, int, float]:
+async def _trainer(config: DemoConfig, cell: CellConfig) -> tuple[Tally, int, float]:
     tally = Tally()
-    async with FleetClient(url, prefix=prefix) as fleet:
+    async with FleetClient(config=cell) as fleet:
         kinds = _modes(config)
         sessions = [await fleet.create_session(model=kinds[i % len(kinds)][0], mode=kinds[i % len(kinds)][1])
                     for i in range(config.sessions)]
@@ -120,7 +122,7 @@ async def _trainer(config: DemoConfig, url: str, prefix: str) -> tuple[Tally, in
     return tally, in_redis, elapsed
 
 
-async def _wait_for_workers(url: str, prefix: str, count: int, procs: list[subprocess.Popen[bytes]],
+async def _wait_for_workers(cell: CellConfig, count: int, procs: list[subprocess.Popen[bytes]],
                             timeout: float = 180.0) -> None:
     from broker.ops.status import cell_status
 
@@ -128,16 +130,16 @@ async def _wait_for_workers(url: str, prefix: str, count: int, procs: list[subpr
     while time.monotonic() < deadline:
         if any(p.poll() is not None for p in procs):
             raise RuntimeError("a worker process exited during start-up (see its log above)")
-        report = await cell_status(url, prefix=prefix)
+        report = await cell_status(config=cell)
         if sum(1 for w in report.workers if w.fields.get("state") == "active") >= count:
             return
         await asyncio.sleep(0.2)
     raise TimeoutError(f"{count} workers did not register within {timeout}s")
 
 
-def _spawn_workers(config: DemoConfig, url: str, prefix: str) -> list[subprocess.Popen[bytes]]:
-    cmd = [sys.executable, "-m", "workers.cli", "--log-level", "WARNING", "worker", "--redis-url", url,
-           "--prefix", prefix, "--engine", config.engine]
+def _spawn_workers(config: DemoConfig, cell: CellConfig) -> list[subprocess.Popen[bytes]]:
+    cmd = [sys.executable, "-m", "workers.cli", "--log-level", "WARNING", "worker", "--redis-url", cell.redis_url,
+           "--prefix", cell.prefix, "--cell", cell.cell, "--lease-ms", str(cell.lease_ms), "--engine", config.engine]
     shape = config.engine_options.get("latent_shape")
     if shape:
         cmd += ["--latent-shape", ",".join(str(x) for x in shape)]
@@ -167,16 +169,15 @@ def summarize(tally: Tally, expected: int, in_redis: int, elapsed: float) -> tup
 
 
 def run_demo(config: DemoConfig) -> int:
-    server = None if config.redis_url else RedisServer().start()
-    url = config.redis_url or (server.url if server else "")
-    prefix = config.prefix
+    server = RedisServer().start() if config.embedded_redis else None
+    cell = dataclasses.replace(config.cell_config, redis_url=server.url) if server else config.cell_config
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        print(f"rollout-fleet demo: redis {url}, {config.workers} workers ({config.engine}), "
+        print(f"rollout-fleet demo: redis {cell.redis_url}, {config.workers} workers ({config.engine}), "
               f"{config.sessions} sessions x {config.steps} steps, mode {config.mode}", flush=True)
-        procs = _spawn_workers(config, url, prefix)
-        asyncio.run(_wait_for_workers(url, prefix, max(1, config.workers), procs))
-        tally, in_redis, elapsed = asyncio.run(_trainer(config, url, prefix))
+        procs = _spawn_workers(config, cell)
+        asyncio.run(_wait_for_workers(cell, max(1, config.workers), procs))
+        tally, in_redis, elapsed = asyncio.run(_trainer(config, cell))
         line, ok = summarize(tally, config.sessions * config.steps, in_redis, elapsed)
         if tally.errors:
             print("errors: " + json.dumps(tally.errors), flush=True)

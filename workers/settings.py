@@ -6,9 +6,11 @@ import dataclasses
 import os
 import socket
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from broker.redis.config import CellConfig
 from schemas.limits import DEFAULT_LIMITS, Limits
 
 
@@ -19,13 +21,10 @@ def new_worker_id() -> str:
 
 @dataclass(frozen=True)
 class WorkerSettings:
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    prefix: str = "rf"
-    cell: str = "0"
+    cell_config: CellConfig = field(default_factory=CellConfig)  # Redis URL, prefix, cell, lease
     worker_id: str = field(default_factory=new_worker_id)
     capacity: int = 256  # sessions this worker may own
     heartbeat_ms: int = 1000
-    lease_ms: int = 5000
     read_count: int = 256  # entries per XREADGROUP
     block_ms: int = 1000
     max_inflight: int = 4096  # jobs read but not finished (backpressure on the reader)
@@ -39,17 +38,22 @@ class WorkerSettings:
     limits: Limits = DEFAULT_LIMITS
 
     def __post_init__(self) -> None:
-        for name in ("capacity", "heartbeat_ms", "lease_ms", "read_count", "max_inflight", "max_attempts"):
+        for name in ("capacity", "heartbeat_ms", "read_count", "max_inflight", "max_attempts"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
-        if self.heartbeat_ms >= self.lease_ms:
+        if self.heartbeat_ms >= self.cell_config.lease_ms:
             raise ValueError("heartbeat_ms must be shorter than lease_ms")
 
     @classmethod
-    def from_mapping(cls, values: dict[str, Any]) -> WorkerSettings:
-        """Build from a flat mapping; unknown keys are an error, not silently ignored."""
-        known = {f.name for f in dataclasses.fields(cls)}
+    def from_mapping(cls, values: Mapping[str, Any]) -> WorkerSettings:
+        """Build from a flat mapping: the cell's settings (``redis_url``, ``prefix``, ``cell``,
+        ``lease_ms``) beside the worker's own. Unknown keys are an error, not silently ignored;
+        a value of None means the default."""
+        cell_names = {f.name for f in dataclasses.fields(CellConfig)}
+        known = cell_names | {f.name for f in dataclasses.fields(cls)} - {"cell_config"}
         unknown = set(values) - known
         if unknown:
             raise ValueError(f"unknown worker settings: {', '.join(sorted(unknown))}")
-        return cls(**{k: v for k, v in values.items() if v is not None})
+        given = {k: v for k, v in values.items() if v is not None}
+        cell = CellConfig(**{k: v for k, v in given.items() if k in cell_names})
+        return cls(cell_config=cell, **{k: v for k, v in given.items() if k not in cell_names})

@@ -21,7 +21,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from broker.ops.failover import fail_over
 from broker.redis.aio import resolve
 from broker.redis.backoff import REDIS_ERRORS, Backoff, until_redis_answers
-from broker.redis.keys import INBOX_GROUP, CellKeys
+from broker.redis.keys import INBOX_GROUP
 from broker.redis.layouts import SessionHash
 from broker.redis.scripts import Scripts
 from schemas.errors import ErrorCode, Fenced
@@ -43,7 +43,7 @@ class Worker:
         self.engine = engine
         self.settings = settings
         self.id = settings.worker_id
-        self.keys = CellKeys(settings.prefix, settings.cell)
+        self.keys = settings.cell_config.keys
         self.state = "starting"
         self._redis: Redis | None = None
         self._scripts: Scripts | None = None
@@ -75,7 +75,7 @@ class Worker:
         return self._executor
 
     async def start(self) -> None:
-        self._redis = Redis.from_url(self.settings.redis_url, decode_responses=False)
+        self._redis = Redis.from_url(self.settings.cell_config.redis_url, decode_responses=False)
         self._scripts = Scripts(self._redis, self.keys)
         await self.engine.start()
         self._batchers = {
@@ -88,7 +88,7 @@ class Worker:
                                       self.weights.gate)
         await self.weights.apply_latest()
         await self._scripts.register(
-            self.id, capacity=self.settings.capacity, pools=self._pools, ttl_ms=3 * self.settings.lease_ms,
+            self.id, capacity=self.settings.capacity, pools=self._pools, ttl_ms=3 * self.settings.cell_config.lease_ms,
             fields=self._describe("active"),
         )
         self.state = "active"
@@ -176,7 +176,7 @@ class Worker:
         while True:
             try:
                 beat = await self._scripts_or_fail().heartbeat(
-                    self.id, ttl_ms=3 * self.settings.lease_ms, fields=self._describe(self.state))
+                    self.id, ttl_ms=3 * self.settings.cell_config.lease_ms, fields=self._describe(self.state))
                 if not beat.registered and not self._stop.is_set():
                     await self._reincarnate()
             except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
@@ -194,13 +194,13 @@ class Worker:
         self.settings = dataclasses.replace(self.settings, worker_id=self.id)
         self.executor.worker_id = self.id
         await self._scripts_or_fail().register(
-            self.id, capacity=self.settings.capacity, pools=self._pools, ttl_ms=3 * self.settings.lease_ms,
+            self.id, capacity=self.settings.capacity, pools=self._pools, ttl_ms=3 * self.settings.cell_config.lease_ms,
             fields=self._describe(self.state))
         log.warning("worker %s was declared dead; re-registered as %s", old, self.id)
 
     async def _hand_over(self) -> None:
         """Drain: move every session (and its unread jobs) to live workers now, without a lease wait."""
-        report = await fail_over(self._scripts_or_fail(), self.id, lease_ms=self.settings.lease_ms,
+        report = await fail_over(self._scripts_or_fail(), self.id, lease_ms=self.settings.cell_config.lease_ms,
                                  reason="handover")
         for session_id in report.moved:
             self._forget(session_id)

@@ -1,6 +1,7 @@
 """Trainer side: the async and sync fleet clients, reply streams and consumer groups."""
 
-from broker.client.fleet import DEFAULT_URL, FleetClient, Session
+from broker.client.fleet import FleetClient, Session
 from broker.client.sync import SyncFleetClient, SyncSession
+from broker.redis.config import DEFAULT_URL, CellConfig
 
-__all__ = ["DEFAULT_URL", "FleetClient", "Session", "SyncFleetClient", "SyncSession"]
+__all__ = ["DEFAULT_URL", "CellConfig", "FleetClient", "Session", "SyncFleetClient", "SyncSession"]

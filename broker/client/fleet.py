@@ -20,7 +20,8 @@ from redis.asyncio import Redis
 from broker.client.replies import ReplyReader
 from broker.redis.aio import resolve
 from broker.redis.backoff import REDIS_ERRORS, Backoff
-from broker.redis.keys import CellKeys, check_stream_name
+from broker.redis.config import CellConfig
+from broker.redis.keys import check_stream_name
 from broker.redis.layouts import ReplyEntry, SessionHash
 from broker.redis.script_replies import (
     AlreadyClosed,
@@ -45,7 +46,6 @@ from schemas.errors import (
 from schemas.limits import DEFAULT_LIMITS, Limits
 from schemas.messages import ErrorInfo, Mode, SessionStatus, StepResult, parse_mode, parse_step_input
 
-DEFAULT_URL = "redis://127.0.0.1:6379/0"
 RETENTIONS = ("full", "none")
 _MAX_MOVES = 8  # owner changes followed in one call before giving up
 _Reply = TypeVar("_Reply")
@@ -56,25 +56,31 @@ def _new_id() -> str:
 
 
 class FleetClient:
-    """Async client of one cell. Use as ``async with FleetClient(url) as fleet``."""
+    """Async client of one cell. Use as ``async with FleetClient(url) as fleet``.
+
+    ``url``, ``prefix``, ``cell`` and ``lease_ms`` override the matching values of ``config``
+    (default: ``CellConfig()``); None keeps the config's value."""
 
     def __init__(
         self,
-        url: str = DEFAULT_URL,
+        url: str | None = None,
         *,
-        prefix: str = "rf",
-        cell: str = "0",
+        prefix: str | None = None,
+        cell: str | None = None,
         limits: Limits = DEFAULT_LIMITS,
         client_id: str | None = None,
-        lease_ms: int = 5000,
+        lease_ms: int | None = None,
         reply_ttl_ms: int = 3_600_000,
         reconnect_s: float = 60.0,
+        config: CellConfig | None = None,
     ) -> None:
-        self.url = url
-        self.keys = CellKeys(prefix, cell)
+        self.config = (config or CellConfig()).with_overrides(redis_url=url, prefix=prefix, cell=cell,
+                                                              lease_ms=lease_ms)
+        self.url = self.config.redis_url
+        self.keys = self.config.keys
         self.limits = limits
         self.client_id = client_id or f"client-{_new_id()[:12]}"
-        self.lease_ms = lease_ms
+        self.lease_ms = self.config.lease_ms
         self.reply_ttl_ms = reply_ttl_ms
         self.reconnect_s = reconnect_s
         self._redis: Redis | None = None

@@ -16,7 +16,7 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from broker.client.fleet import DEFAULT_URL, FleetClient, Session
+from broker.client.fleet import FleetClient, Session
 from schemas.messages import SessionStatus, StepResult
 
 T = TypeVar("T")
@@ -58,7 +58,8 @@ async def _await(task: asyncio.Task[StepResult]) -> StepResult:
 
 
 class SyncFleetClient:
-    def __init__(self, url: str = DEFAULT_URL, **kwargs: Any) -> None:
+    def __init__(self, url: str | None = None, **kwargs: Any) -> None:
+        """The same arguments as :class:`FleetClient` (``config=CellConfig(...)`` included)."""
         self._client = FleetClient(url, **kwargs)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="fleet-client-loop", daemon=True)

@@ -42,6 +42,7 @@ from broker.gateway.models import (
     RolloutStepResponse,
     SessionStatusResponse,
 )
+from broker.redis.config import CellConfig
 from schemas.codec import encode
 from schemas.errors import (
     CapacityExhaustedError,
@@ -217,13 +218,15 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
     return JSONResponse(body.model_dump(), status_code=500)
 
 
-def create_app(redis_url: str, prefix: str = "rf", cell: str = "0", model_default: str = DEFAULT_MODEL, *,
+def create_app(redis_url: str | None = None, prefix: str | None = None, cell: str | None = None,
+               model_default: str = DEFAULT_MODEL, *, config: CellConfig | None = None,
                step_timeout: float | None = None, limits: Limits = DEFAULT_LIMITS) -> FastAPI:
-    """The gateway app; one FleetClient lives for the app's lifespan."""
+    """The gateway app; one FleetClient lives for the app's lifespan. ``redis_url``, ``prefix``
+    and ``cell`` override ``config``'s, as for :class:`FleetClient`."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async with FleetClient(redis_url, prefix=prefix, cell=cell, limits=limits) as fleet:
+        async with FleetClient(redis_url, prefix=prefix, cell=cell, config=config, limits=limits) as fleet:
             app.state.gateway = Gateway(fleet, model_default=model_default, step_timeout=step_timeout, limits=limits)
             yield
 
@@ -236,8 +239,8 @@ def create_app(redis_url: str, prefix: str = "rf", cell: str = "0", model_defaul
     return app
 
 
-def serve(redis_url: str, host: str = "127.0.0.1", port: int = 8000, prefix: str = "rf", cell: str = "0", *,
+def serve(config: CellConfig, host: str = "127.0.0.1", port: int = 8000, *,
           model_default: str = DEFAULT_MODEL, step_timeout: float | None = None) -> None:
     """Run the gateway in the foreground (uvicorn) until interrupted."""
-    app = create_app(redis_url, prefix, cell, model_default, step_timeout=step_timeout)
+    app = create_app(model_default=model_default, config=config, step_timeout=step_timeout)
     uvicorn.run(app, host=host, port=port, log_level="info")

@@ -9,7 +9,7 @@ from typing import Any
 from redis.asyncio import Redis
 
 from broker.ops.replay import DeadJob, ReplayOutcome, list_dead, replay, replay_ids, show
-from broker.redis.keys import CellKeys
+from broker.redis.config import CellConfig
 from broker.redis.scripts import Scripts
 
 
@@ -34,9 +34,9 @@ def _print_outcomes(outcomes: list[ReplayOutcome], as_json: bool) -> None:
         print("nothing to replay")
 
 
-async def run_replay_command(args: argparse.Namespace) -> int:
-    redis = Redis.from_url(args.redis_url)
-    scripts = Scripts(redis, CellKeys(args.prefix, args.cell))
+async def run_replay_command(config: CellConfig, args: argparse.Namespace) -> int:
+    redis = Redis.from_url(config.redis_url)
+    scripts = Scripts(redis, config.keys)
     filters: dict[str, Any] = {"session": args.session, "code": args.code, "older_than_s": args.older_than,
                                "newer_than_s": args.newer_than, "limit": args.limit}
     try:

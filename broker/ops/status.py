@@ -8,7 +8,8 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from broker.redis.keys import INBOX_GROUP, CellKeys
+from broker.redis.config import CellConfig
+from broker.redis.keys import INBOX_GROUP
 
 
 @dataclass(frozen=True)
@@ -27,9 +28,12 @@ class CellReport:
     dead_letters: int = 0
 
 
-async def cell_status(url: str, *, prefix: str = "rf", cell: str = "0") -> CellReport:
-    keys = CellKeys(prefix, cell)
-    redis = Redis.from_url(url, decode_responses=True)
+async def cell_status(url: str | None = None, *, prefix: str | None = None, cell: str | None = None,
+                      config: CellConfig | None = None) -> CellReport:
+    """``url``, ``prefix`` and ``cell`` override ``config``'s (default: ``CellConfig()``)."""
+    config = (config or CellConfig()).with_overrides(redis_url=url, prefix=prefix, cell=cell)
+    keys = config.keys
+    redis = Redis.from_url(config.redis_url, decode_responses=True)
     try:
         now_s, now_us = await redis.time()
         now_ms = int(now_s) * 1000 + int(now_us) // 1000
@@ -50,7 +54,10 @@ async def cell_status(url: str, *, prefix: str = "rf", cell: str = "0") -> CellR
         await redis.aclose()
 
 
-def format_status(report: CellReport, lease_ms: int = 5000) -> str:
+def format_status(report: CellReport, lease_ms: int | None = None) -> str:
+    """A table of the report; a worker is alive while its heartbeat is younger than ``lease_ms``
+    (default: the cell's default lease)."""
+    lease_ms = CellConfig().lease_ms if lease_ms is None else lease_ms
     lines = [f"{'worker':<40} {'state':<9} {'alive':<6} {'beat_ms':>8} {'load':>5} {'inbox':>6} {'pending':>7}"]
     for w in report.workers:
         alive = "yes" if w.heartbeat_age_ms <= lease_ms else "NO"

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from arq import cron
@@ -25,7 +25,7 @@ from redis.asyncio import Redis
 from broker.ops.failover import reap
 from broker.ops.replay import list_dead, replay
 from broker.redis.aio import resolve
-from broker.redis.keys import CellKeys
+from broker.redis.config import CellConfig
 from broker.redis.layouts import DEAD_LETTER_MAXLEN
 from broker.redis.scripts import Scripts
 
@@ -34,17 +34,14 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class SupervisorSettings:
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    prefix: str = "rf"
-    cell: str = "0"
-    lease_ms: int = 5000
+    cell_config: CellConfig = field(default_factory=CellConfig)  # lease_ms must match the workers'
     interval_s: int = 1
 
 
 async def _startup(ctx: dict[str, Any]) -> None:
     settings: SupervisorSettings = ctx["settings"]
-    ctx["fleet_redis"] = Redis.from_url(settings.redis_url)
-    ctx["scripts"] = Scripts(ctx["fleet_redis"], CellKeys(settings.prefix, settings.cell))
+    ctx["fleet_redis"] = Redis.from_url(settings.cell_config.redis_url)
+    ctx["scripts"] = Scripts(ctx["fleet_redis"], settings.cell_config.keys)
 
 
 async def _shutdown(ctx: dict[str, Any]) -> None:
@@ -56,10 +53,10 @@ async def reap_job(ctx: dict[str, Any]) -> dict[str, Any]:
     scripts: Scripts = ctx["scripts"]
     token = uuid.uuid4().hex
     # One reaping pass at a time across supervisors; the lock outlives a stuck pass by little.
-    if not await scripts.redis.set(scripts.keys.supervisor_lock, token, nx=True, px=settings.lease_ms):
+    if not await scripts.redis.set(scripts.keys.supervisor_lock, token, nx=True, px=settings.cell_config.lease_ms):
         return {"skipped": "another supervisor is reaping"}
     try:
-        reports = await reap(scripts, lease_ms=settings.lease_ms)
+        reports = await reap(scripts, lease_ms=settings.cell_config.lease_ms)
     finally:
         if await scripts.redis.get(scripts.keys.supervisor_lock) == token.encode():
             await scripts.redis.delete(scripts.keys.supervisor_lock)
@@ -87,7 +84,7 @@ async def replay_dead(ctx: dict[str, Any], filters: dict[str, Any], dry_run: boo
 
 
 def build_worker(settings: SupervisorSettings, *, handle_signals: bool = True) -> ArqWorker:
-    keys = CellKeys(settings.prefix, settings.cell)
+    keys = settings.cell_config.keys
     every = set(range(0, 60, max(1, settings.interval_s)))
     return ArqWorker(
         functions=[replay_dead],
@@ -96,7 +93,7 @@ def build_worker(settings: SupervisorSettings, *, handle_signals: bool = True) -
             cron(trim_job, name="trim", second={0, 30}, unique=True, timeout=60),
         ],
         queue_name=keys.arq_queue,
-        redis_settings=RedisSettings.from_dsn(settings.redis_url),
+        redis_settings=RedisSettings.from_dsn(settings.cell_config.redis_url),
         on_startup=_startup,
         on_shutdown=_shutdown,
         ctx={"settings": settings},
@@ -112,10 +109,10 @@ def run_supervisor(settings: SupervisorSettings) -> None:
 
 async def request_replay(settings: SupervisorSettings, filters: dict[str, Any], *, dry_run: bool = False) -> str:
     """Ask the supervisors to replay dead letters matching ``filters`` (an arq job); returns its id."""
-    pool = await create_pool(RedisSettings.from_dsn(settings.redis_url))
+    pool = await create_pool(RedisSettings.from_dsn(settings.cell_config.redis_url))
     try:
         job = await pool.enqueue_job("replay_dead", filters, dry_run,
-                                     _queue_name=CellKeys(settings.prefix, settings.cell).arq_queue)
+                                     _queue_name=settings.cell_config.keys.arq_queue)
         if job is None:
             raise RuntimeError("replay job was not enqueued")
         return job.job_id

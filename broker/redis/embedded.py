@@ -7,7 +7,6 @@ free ports). Only commands that Redis 6.2 and 7 both have are used by the projec
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
 import socket
 import subprocess
@@ -108,7 +107,3 @@ def running_redis(**kwargs: object) -> Iterator[RedisServer]:
         yield server
     finally:
         server.cleanup()
-
-
-def env_redis_url() -> str | None:
-    return os.environ.get("ROLLOUT_FLEET_REDIS_URL")

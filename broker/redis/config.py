@@ -1,0 +1,85 @@
+"""The one owner of a cell's configuration: which Redis, which key prefix, which cell, which lease.
+
+Workers, the supervisor, the trainer clients, status, the gateway and the demo all take a
+:class:`CellConfig`; its defaults are written here and nowhere else. Nothing reads the environment
+on import: :meth:`CellConfig.from_env` reads it when called (the CLI does, once, at the edge).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from broker.redis.keys import CellKeys
+
+DEFAULT_URL = "redis://127.0.0.1:6379/0"
+URL_SCHEMES = ("redis://", "rediss://", "unix://")
+
+# Setting -> the environment variable that may set it.
+ENV_VARS: Mapping[str, str] = {
+    "redis_url": "ROLLOUT_FLEET_REDIS_URL",
+    "prefix": "ROLLOUT_FLEET_PREFIX",
+    "cell": "ROLLOUT_FLEET_CELL",
+    "lease_ms": "ROLLOUT_FLEET_LEASE_MS",
+}
+
+
+class ConfigError(ValueError):
+    """A configuration value was refused; the message names the setting and the value."""
+
+    def __init__(self, setting: str, message: str) -> None:
+        super().__init__(f"{setting}: {message}")
+        self.setting = setting
+
+
+@dataclass(frozen=True)
+class CellConfig:
+    redis_url: str = DEFAULT_URL
+    prefix: str = "rf"
+    cell: str = "0"  # the hash tag every key of the cell shares
+    # A worker whose heartbeat is older than this is failed over; the workers, the supervisor and
+    # the clients of one cell must agree on it.
+    lease_ms: int = 5000
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.redis_url, str) or not self.redis_url.startswith(URL_SCHEMES):
+            raise ConfigError("redis_url", f"expected a {', '.join(URL_SCHEMES)} URL, got {self.redis_url!r}")
+        for setting in ("prefix", "cell"):
+            try:
+                CellKeys(**{setting: getattr(self, setting)})  # keys.py owns what a key part may hold
+            except (ValueError, TypeError) as exc:
+                raise ConfigError(setting, str(exc)) from None
+        if isinstance(self.lease_ms, bool) or not isinstance(self.lease_ms, int) or self.lease_ms <= 0:
+            raise ConfigError("lease_ms", f"expected a positive number of milliseconds, got {self.lease_ms!r}")
+
+    @property
+    def keys(self) -> CellKeys:
+        return CellKeys(self.prefix, self.cell)
+
+    def with_overrides(self, *, redis_url: str | None = None, prefix: str | None = None, cell: str | None = None,
+                       lease_ms: int | None = None) -> CellConfig:
+        """This configuration with every value that is not None replaced (None: keep this one's)."""
+        return CellConfig(redis_url=self.redis_url if redis_url is None else redis_url,
+                          prefix=self.prefix if prefix is None else prefix,
+                          cell=self.cell if cell is None else cell,
+                          lease_ms=self.lease_ms if lease_ms is None else lease_ms)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> CellConfig:
+        """Defaults overridden by the ``ROLLOUT_FLEET_*`` variables that are set (``os.environ``
+        unless ``environ`` is given). A bad value raises ConfigError naming the variable."""
+        env = os.environ if environ is None else environ
+        raw = {setting: env.get(var) for setting, var in ENV_VARS.items()}
+        lease = raw["lease_ms"]
+        try:
+            return cls().with_overrides(redis_url=raw["redis_url"], prefix=raw["prefix"], cell=raw["cell"],
+                                        lease_ms=None if lease is None else _lease_ms(lease))
+        except ConfigError as exc:
+            raise ConfigError(ENV_VARS[exc.setting], f"{raw[exc.setting]!r} refused ({exc})") from None
+
+def _lease_ms(raw: str) -> int:
+    try:
+        return int(raw.strip())
+    except ValueError:
+        raise ConfigError("lease_ms", "expected a whole number of milliseconds") from None

@@ -1,0 +1,192 @@
+"""The arguments of ``rollout-fleet``: one small builder per verb, and the cell configuration the
+flags resolve to.
+
+No default is written here twice: the cell flags (``--redis-url``, ``--prefix``, ``--cell``,
+``--lease-ms``) default to the ``ROLLOUT_FLEET_*`` environment variables, else to
+:class:`CellConfig`'s defaults; every other setting's default is read from its dataclass
+(:class:`WorkerSettings`, :class:`SupervisorSettings`, :class:`DemoConfig`). A flag given on the
+command line wins over the environment, and ``--help`` says where each default comes from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from broker.ops.supervisor import SupervisorSettings
+from broker.redis.config import ENV_VARS, CellConfig, ConfigError
+from workers.demo import DemoConfig
+from workers.engines.registry import ENGINE_HELP, engine_name
+from workers.settings import WorkerSettings
+
+DESCRIPTION = "rollout-fleet: worker, demo, redis (embedded, foreground) and status commands."
+# The worker's own settings the CLI sets (flag dests are these field names).
+WORKER_SETTINGS = ("worker_id", "capacity", "heartbeat_ms", "max_attempts", "drain_timeout_s")
+_CELL_HELP = {"redis_url": "Redis URL", "prefix": "key prefix", "cell": "cell hash tag",
+              "lease_ms": "lease in ms: a worker silent this long is failed over (one value per cell)"}
+
+
+@dataclass(frozen=True)
+class Invocation:
+    """What a verb runs with: its parsed flags and the cell configuration they resolve to."""
+
+    args: argparse.Namespace
+    cell: CellConfig
+    redis_url_given: bool  # by flag or environment; the demo starts its own Redis otherwise
+
+
+def setting_default(cls: type[Any], name: str) -> Any:
+    """The default of one field of a settings dataclass."""
+    for f in dataclasses.fields(cls):
+        if f.name == name:
+            if f.default_factory is not dataclasses.MISSING:
+                return f.default_factory()
+            return f.default
+    raise KeyError(f"{cls.__name__} has no setting {name!r}")
+
+
+def _cell_default_text(name: str, environ: Mapping[str, str], fallback: str | None) -> str:
+    var = ENV_VARS[name]
+    if var in environ:
+        return f"default: {environ[var]}, from ${var}"
+    value = fallback if fallback is not None else setting_default(CellConfig, name)
+    return f"default: {value}; ${var} sets it"
+
+
+def add_cell_flags(p: argparse.ArgumentParser, environ: Mapping[str, str], *, lease: bool,
+                   url_fallback: str | None = None) -> None:
+    """--redis-url, --prefix, --cell (and --lease-ms): None on the command line means the
+    environment's value, else CellConfig's (resolved by :func:`resolve`)."""
+    names = ["redis_url", "prefix", "cell", *(["lease_ms"] if lease else [])]
+    for name in names:
+        fallback = url_fallback if name == "redis_url" else None
+        p.add_argument("--" + name.replace("_", "-"), dest=name, type=int if name == "lease_ms" else str,
+                       default=None, help=f"{_CELL_HELP[name]} ({_cell_default_text(name, environ, fallback)})")
+
+
+def _setting(p: argparse.ArgumentParser, flag: str, cls: type[Any], name: str, text: str, **kw: Any) -> None:
+    """A flag whose default is the settings dataclass's own."""
+    kw.setdefault("type", type(setting_default(cls, name)))
+    kw.setdefault("metavar", flag.lstrip("-").replace("-", "_").upper())
+    p.add_argument(flag, dest=name, default=setting_default(cls, name), help=f"{text} (default: %(default)s)", **kw)
+
+
+def _engine_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--latent-shape", default=None, help="reference world latent shape, e.g. 1,16,2,44,80")
+    p.add_argument("--engine-opt", action="append", default=[], metavar="KEY=VALUE",
+                   help="engine option (value parsed as JSON when it can be), repeatable")
+
+
+def _worker(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
+    add_cell_flags(p, environ, lease=True)
+    p.add_argument("--engine", type=engine_name, default="reference", help=ENGINE_HELP)
+    p.add_argument("--device", default=None, help="reference engines: cpu (default) or cuda")
+    _engine_flags(p)
+    p.add_argument("--worker-id", dest="worker_id", default=None, help="(default: a fresh id per start)")
+    _setting(p, "--capacity", WorkerSettings, "capacity", "sessions this worker may own")
+    _setting(p, "--heartbeat-ms", WorkerSettings, "heartbeat_ms", "heartbeat interval")
+    _setting(p, "--max-attempts", WorkerSettings, "max_attempts", "engine attempts per step (transient errors)")
+    _setting(p, "--drain-timeout", WorkerSettings, "drain_timeout_s", "seconds to finish in-flight jobs")
+
+
+def _demo(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
+    add_cell_flags(p, environ, lease=True, url_fallback="an embedded Redis for the run")
+    _setting(p, "--workers", DemoConfig, "workers", "worker processes to start")
+    _setting(p, "--sessions", DemoConfig, "sessions", "sessions to create")
+    _setting(p, "--steps", DemoConfig, "steps", "steps per session")
+    _setting(p, "--mode", DemoConfig, "mode", "session modes", choices=("world_model_env", "tokens", "both"))
+    _setting(p, "--engine", DemoConfig, "engine", f"engine of the workers: {ENGINE_HELP}", type=engine_name)
+    p.add_argument("--latent-shape", default=None, help="world latent shape (default 1,16,2,44,80)")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def _redis(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
+    p.add_argument("--port", type=int, default=6379)
+    p.add_argument("--dir", default=None, help="data directory (default: a temporary one)")
+    p.add_argument("--appendonly", action="store_true", help="AOF with appendfsync always")
+
+
+def _status(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
+    add_cell_flags(p, environ, lease=True)
+
+
+def _supervisor(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
+    add_cell_flags(p, environ, lease=True)
+    _setting(p, "--interval", SupervisorSettings, "interval_s", "seconds between reaping passes")
+
+
+def _gateway(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
+    add_cell_flags(p, environ, lease=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+
+
+def _update_weights(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
+    add_cell_flags(p, environ, lease=False)
+    p.add_argument("--model", required=True)
+    p.add_argument("--version", type=int, required=True, help="policy version (>= 1, increasing)")
+    p.add_argument("--path", required=True, help="weights path as the workers see it")
+    p.add_argument("--wait", type=float, default=0.0, help="seconds to wait until every worker reports it")
+    p.add_argument("--abort-in-flight", action="store_true",
+                   help="abort running steps (they run again on the new weights) instead of letting them finish")
+
+
+def _replay(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
+    add_cell_flags(p, environ, lease=False)
+    p.add_argument("action", choices=("list", "show", "run"))
+    p.add_argument("ids", nargs="*", help="dead-letter entry ids (show/run)")
+    p.add_argument("--session", default=None)
+    p.add_argument("--code", default=None, help="error code, e.g. inference_error")
+    p.add_argument("--older-than", type=float, default=None, help="seconds")
+    p.add_argument("--newer-than", type=float, default=None, help="seconds")
+    p.add_argument("--limit", type=int, default=1000)
+    p.add_argument("--dry-run", action="store_true")
+    p.add_argument("--json", action="store_true", help="print JSON lines")
+
+
+_Builder = Callable[[argparse.ArgumentParser, Mapping[str, str]], None]
+# verb -> (help, builder of its arguments)
+VERBS: dict[str, tuple[str, _Builder]] = {
+    "worker": ("run a worker process", _worker),
+    "demo": ("a local fleet: embedded Redis, worker processes and a trainer loop", _demo),
+    "redis": ("run the embedded Redis server in the foreground", _redis),
+    "status": ("workers and sessions of a cell, from Redis alone", _status),
+    "supervisor": ("arq supervisor: lease reaper/failover, trimming, replay jobs", _supervisor),
+    "gateway": ("vLLM-Omni-compatible HTTP rollout API in front of the fleet", _gateway),
+    "update-weights": ("tell the workers of a model to load new weights", _update_weights),
+    "replay": ("list, show and re-enqueue dead-lettered jobs", _replay),
+}
+
+
+def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
+    """The parser; ``environ`` supplies the cell flags' defaults (and their help)."""
+    parser = argparse.ArgumentParser(prog="rollout-fleet", description=DESCRIPTION)
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for verb, (text, build) in VERBS.items():
+        build(sub.add_parser(verb, help=text), environ)
+    # Its options are bench.run_all's own (--size, --only, --plot, ...): passed through untouched.
+    sub.add_parser("bench", help="benchmarks beside their anchors (arq, streaq, HTTP); prints a table",
+                   add_help=False)
+    return parser
+
+
+def resolve(args: argparse.Namespace, environ: Mapping[str, str]) -> Invocation:
+    """The cell configuration of this invocation: defaults, then the environment, then the flags
+    given. A variable the command line overrides is not read (a bad one there cannot stop a run
+    that does not use it). Raises ConfigError naming the bad flag or variable."""
+    given = {name: getattr(args, name) for name in ENV_VARS if getattr(args, name, None) is not None}
+    if not any(hasattr(args, name) for name in ENV_VARS):  # a verb without cell flags (redis, bench)
+        return Invocation(args, CellConfig(), redis_url_given=False)
+    unread = {ENV_VARS[name] for name in given}
+    env = {var: value for var, value in environ.items() if var in ENV_VARS.values() and var not in unread}
+    base = CellConfig.from_env(env)
+    try:
+        cell = base.with_overrides(**given)
+    except ConfigError as exc:
+        flag = "--" + exc.setting.replace("_", "-")
+        raise ConfigError(flag, f"{given[exc.setting]!r} refused ({exc})") from None
+    return Invocation(args, cell, redis_url_given="redis_url" in given or ENV_VARS["redis_url"] in env)
