@@ -9,8 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -22,6 +20,7 @@ from tqdm import tqdm
 from broker import FleetClient, Session
 from broker.redis.embedded import RedisServer
 from schemas.messages import StepResult
+from workers.processes import Process, spawn_worker, stop
 
 MODELS = {"reference": ("reference-world", "reference-lm"), "null": ("null-world", "null-lm")}
 
@@ -120,7 +119,7 @@ async def _trainer(config: DemoConfig, url: str, prefix: str) -> tuple[Tally, in
     return tally, in_redis, elapsed
 
 
-async def _wait_for_workers(url: str, prefix: str, count: int, procs: list[subprocess.Popen[bytes]],
+async def _wait_for_workers(url: str, prefix: str, count: int, procs: list[Process],
                             timeout: float = 180.0) -> None:
     from broker.ops.status import cell_status
 
@@ -135,27 +134,11 @@ async def _wait_for_workers(url: str, prefix: str, count: int, procs: list[subpr
     raise TimeoutError(f"{count} workers did not register within {timeout}s")
 
 
-def _spawn_workers(config: DemoConfig, url: str, prefix: str) -> list[subprocess.Popen[bytes]]:
-    cmd = [sys.executable, "-m", "workers.cli", "--log-level", "WARNING", "worker", "--redis-url", url,
-           "--prefix", prefix, "--engine", config.engine]
-    shape = config.engine_options.get("latent_shape")
-    if shape:
-        cmd += ["--latent-shape", ",".join(str(x) for x in shape)]
-    if config.engine_options.get("device"):
-        cmd += ["--device", str(config.engine_options["device"])]
-    env = dict(os.environ)
-    return [subprocess.Popen(cmd, env=env) for _ in range(config.workers)]
-
-
-def _stop_workers(procs: list[subprocess.Popen[bytes]]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()  # SIGTERM: the worker drains and exits
-    for p in procs:
-        try:
-            p.wait(60)
-        except subprocess.TimeoutExpired:
-            p.kill()
+def _spawn_workers(config: DemoConfig, url: str, prefix: str) -> list[Process]:
+    options = config.engine_options
+    device = options.get("device")
+    return [spawn_worker(url, prefix, engine=config.engine, latent_shape=options.get("latent_shape") or None,
+                         device=str(device) if device else None) for _ in range(config.workers)]
 
 
 def summarize(tally: Tally, expected: int, in_redis: int, elapsed: float) -> tuple[str, bool]:
@@ -170,7 +153,7 @@ def run_demo(config: DemoConfig) -> int:
     server = None if config.redis_url else RedisServer().start()
     url = config.redis_url or (server.url if server else "")
     prefix = config.prefix
-    procs: list[subprocess.Popen[bytes]] = []
+    procs: list[Process] = []
     try:
         print(f"rollout-fleet demo: redis {url}, {config.workers} workers ({config.engine}), "
               f"{config.sessions} sessions x {config.steps} steps, mode {config.mode}", flush=True)
@@ -183,7 +166,7 @@ def run_demo(config: DemoConfig) -> int:
         print(line, flush=True)
         return 0 if ok else 1
     finally:
-        _stop_workers(procs)
+        stop(procs, grace_s=60)
         if server is not None:
             with contextlib.suppress(Exception):
                 server.cleanup()
