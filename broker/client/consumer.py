@@ -29,7 +29,6 @@ from redis.exceptions import ResponseError
 from broker.client.fleet import FleetClient, check_stream_name
 from broker.client.replies import parse_reply
 from broker.redis.aio import resolve
-from schemas.codec import decode
 from schemas.errors import InvalidRequestError
 from schemas.messages import StepResult
 
@@ -102,9 +101,8 @@ class ResultConsumer:
             eid = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
             if not fields:
                 continue
-            reply = parse_reply(fields)
             try:
-                result = StepResult.from_wire(decode(reply.result, self.fleet.limits))
+                result = parse_reply(fields).step_result(self.fleet.limits)
             except InvalidRequestError as exc:
                 log.error("dropping undecodable result %s: %s", eid, exc)
                 await self.fleet.redis.xack(self._key, self.group, eid)

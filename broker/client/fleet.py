@@ -23,7 +23,7 @@ from broker.client.replies import Reply, ReplyReader
 from broker.redis.aio import resolve
 from broker.redis.keys import CellKeys
 from broker.redis.scripts import ScriptReply, Scripts
-from schemas.codec import decode, encode
+from schemas.codec import encode
 from schemas.errors import ErrorCode, FleetError, InvalidRequestError, PayloadTooLargeError, error_for
 from schemas.limits import DEFAULT_LIMITS, Limits
 from schemas.messages import ErrorInfo, Mode, SessionStatus, StepResult, parse_mode, parse_step_input
@@ -162,7 +162,7 @@ class FleetClient:
 
     def decode_result(self, reply: Reply, started: float) -> StepResult:
         """A reply entry as a StepResult, with the current committed id and the client's timing."""
-        result = StepResult.from_wire(decode(reply.result, self.limits))
+        result = reply.step_result(self.limits)
         total = (time.perf_counter() - started) * 1000.0
         lat = result.latency
         latency = dataclasses.replace(

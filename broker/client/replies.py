@@ -12,6 +12,10 @@ from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from schemas.codec import decode
+from schemas.limits import Limits
+from schemas.messages import StepResult
+
 log = logging.getLogger(__name__)
 
 
@@ -23,6 +27,10 @@ class Reply:
     job_id: str
     committed: int
     result: bytes
+
+    def step_result(self, limits: Limits) -> StepResult:
+        """The msgpack ``StepResult`` the entry carries (InvalidRequestError if it is malformed)."""
+        return StepResult.from_wire(decode(self.result, limits))
 
 
 def parse_reply(fields: dict[bytes, bytes]) -> Reply:
