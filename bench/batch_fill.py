@@ -21,7 +21,6 @@ from typing import Any
 from bench.common import (
     Children,
     Row,
-    fleet_worker_args,
     module_main,
     new_prefix,
     private_redis,
@@ -33,6 +32,7 @@ from bench.http_anchor import HttpRollout
 from bench.sim_engine import SIM_MODEL, SimEngineConfig
 from broker import FleetClient
 from broker.redis.embedded import free_port
+from workers import processes
 
 NAME = "batch_fill"
 SESSIONS = 64
@@ -52,10 +52,9 @@ def _engine_args() -> list[str]:
     return ["--a-ms", str(CONFIG.a_ms), "--b-ms", str(CONFIG.b_ms), "--max-batch", str(CONFIG.max_batch)]
 
 
-def _fleet_engine_opts(stats_path: str) -> list[str]:
+def _fleet_engine_opts(stats_path: str) -> dict[str, Any]:
     """The same engine for a fleet worker (``--engine bench.sim_engine:SimEngine``)."""
-    opts = {"a_ms": CONFIG.a_ms, "b_ms": CONFIG.b_ms, "max_batch": CONFIG.max_batch, "stats_path": stats_path}
-    return [arg for key, value in opts.items() for arg in ("--engine-opt", f"{key}={json.dumps(value)}")]
+    return {"a_ms": CONFIG.a_ms, "b_ms": CONFIG.b_ms, "max_batch": CONFIG.max_batch, "stats_path": stats_path}
 
 
 def _world(k: int) -> dict[str, Any]:
@@ -70,8 +69,9 @@ async def fleet_row(size: Size, variant: str) -> Row:
     with tempfile.TemporaryDirectory() as tmp, private_redis() as server:
         stats_path = os.path.join(tmp, "stats.json")
         with Children() as children:
-            children.spawn([*fleet_worker_args(server.url, prefix, engine="bench.sim_engine:SimEngine"),
-                            *_fleet_engine_opts(stats_path), *VARIANTS[variant]])
+            children.spawn(processes.worker_command(server.url, prefix, engine="bench.sim_engine:SimEngine",
+                                                    engine_options=_fleet_engine_opts(stats_path),
+                                                    extra=VARIANTS[variant]))
             await wait_fleet_workers(server.url, prefix, 1, children)
             async with FleetClient(server.url, prefix=prefix) as fleet:
                 sessions = await asyncio.gather(*(fleet.create_session(SIM_MODEL, "world_model_env")

@@ -9,7 +9,6 @@ import ctypes
 import ctypes.util
 import os
 import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -22,6 +21,7 @@ from redis.asyncio import Redis
 
 from broker.redis.embedded import RedisServer
 from broker.redis.keys import CellKeys
+from workers import processes
 
 SIZES = ("smoke", "full")
 # glibc malloc: keep freed large blocks instead of returning them to the kernel (munmap / trim);
@@ -152,7 +152,7 @@ class Children:
     """Child processes that are always terminated (then killed) when the block ends, errors too."""
 
     def __init__(self) -> None:
-        self.procs: list[subprocess.Popen[bytes]] = []
+        self.procs: list[processes.Process] = []
         self._logs = contextlib.ExitStack()
         self._log_of: dict[int, IO[bytes]] = {}
 
@@ -162,11 +162,10 @@ class Children:
     def __exit__(self, *exc: object) -> None:
         self.stop_all()
 
-    def spawn(self, args: Sequence[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    def spawn(self, args: Sequence[str], env: dict[str, str] | None = None) -> processes.Process:
         # stderr goes to a temp file: a pipe nobody reads could fill up and stall the child.
         log = self._logs.enter_context(tempfile.TemporaryFile())  # noqa: SIM115 (closed in stop_all)
-        proc = subprocess.Popen(list(args), stdout=subprocess.DEVNULL, stderr=log,
-                                env={**os.environ, **(env or {})})
+        proc = processes.spawn(args, env=env, stdout=subprocess.DEVNULL, stderr=log)
         self._log_of[proc.pid] = log
         self.procs.append(proc)
         return proc
@@ -176,7 +175,7 @@ class Children:
             if proc.poll() is not None:
                 raise RuntimeError(f"{proc.args!r} exited {proc.returncode}: {self.tail(proc)}")
 
-    def tail(self, proc: subprocess.Popen[bytes], size: int = 2000) -> str:
+    def tail(self, proc: processes.Process, size: int = 2000) -> str:
         """The end of a child's stderr, for error messages."""
         log = self._log_of.get(proc.pid)
         if log is None:
@@ -185,15 +184,7 @@ class Children:
         return log.read()[-size:].decode("utf-8", "replace")
 
     def stop_all(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self.procs:
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        processes.stop(self.procs, grace_s=15)
         self.procs.clear()
         self._log_of.clear()
         self._logs.close()
@@ -207,15 +198,6 @@ def private_redis() -> Iterator[RedisServer]:
         yield server
     finally:
         server.cleanup()
-
-
-def fleet_worker_args(url: str, prefix: str, *, latent_shape: Sequence[int] | None = None,
-                      engine: str = "null") -> list[str]:
-    args = [sys.executable, "-m", "workers.cli", "--log-level", "WARNING", "worker", "--engine", engine,
-            "--redis-url", url, "--prefix", prefix]
-    if latent_shape is not None:
-        args += ["--engine-opt", f"latent_shape={list(latent_shape)}".replace(" ", "")]
-    return args
 
 
 async def wait_for(check: Callable[[], Awaitable[bool]], children: Children, what: str,
@@ -242,6 +224,15 @@ async def wait_fleet_workers(url: str, prefix: str, count: int, children: Childr
         await wait_for(ready, children, f"{count} fleet workers")
     finally:
         await redis.aclose()
+
+
+async def start_fleet_workers(children: Children, url: str, prefix: str, *, count: int = 1,
+                              env: dict[str, str] | None = None, **options: Any) -> list[processes.Process]:
+    """Start ``count`` fleet workers in an empty cell (``options``: ``worker_command``'s) and wait
+    until all of them have registered."""
+    procs = [children.spawn(processes.worker_command(url, prefix, **options), env=env) for _ in range(count)]
+    await wait_fleet_workers(url, prefix, count, children)
+    return procs
 
 
 def tune_malloc() -> bool:

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import re
-import sys
 import time
 from dataclasses import dataclass, field
 
 from bench.common import Children, Row, module_main, new_prefix, private_redis, wait_fleet_workers
 from broker import FleetClient, Session
 from schemas.reference_tokenizer import ReferenceTokenizer
+from workers.processes import Process, supervisor_command, worker_command
 
 HEARTBEAT_MS, LEASE_MS = 250, 2000
 _REBUILT = re.compile(r"rebuilt \S+ from (\d+) steps in ([\d.]+) ms")
@@ -55,18 +55,61 @@ def _rate(trace: Trace, t0: float, t1: float) -> float:
 
 
 def _worker(url: str, prefix: str, shape: str) -> list[str]:
-    return [sys.executable, "-m", "workers.cli", "--log-level", "INFO", "worker", "--engine", "reference",
-            "--redis-url", url, "--prefix", prefix, "--latent-shape", shape, "--heartbeat-ms", str(HEARTBEAT_MS),
-            "--lease-ms", str(LEASE_MS)]
+    # INFO: the heir's "rebuilt ... from N steps in T ms" lines are what the rebuild row parses.
+    return worker_command(url, prefix, engine="reference", log_level="INFO",
+                          latent_shape=[int(d) for d in shape.split(",")], heartbeat_ms=HEARTBEAT_MS,
+                          lease_ms=LEASE_MS)
+
+
+@dataclass(frozen=True)
+class Kill:
+    """When the victim died, when its lease ran out (on this machine's clock), and who it was."""
+
+    victim_id: str
+    at: float
+    lease_expiry: float
+
+
+async def _kill(fleet: FleetClient, victim: Process, victim_id: str) -> Kill:
+    secs, micros = await fleet.redis.time()
+    skew = time.time() - (int(secs) + int(micros) / 1e6)  # wall clock minus Redis clock
+    victim.kill()
+    at = time.time()
+    last_beat = await fleet.redis.zscore(fleet.keys.workers, victim_id)
+    return Kill(victim_id, at, (float(last_beat or 0) / 1000.0) + LEASE_MS / 1000.0 + skew)
+
+
+async def _all_moved(sessions: list[Session], trace: Trace, kill: Kill) -> float:
+    """Wait until every session has a result from another worker after the kill; the time then."""
+    while not all(any(w != kill.victim_id and t > kill.at for t, w in trace.results.get(s.session_id, []))
+                  for s in sessions):
+        await asyncio.sleep(0.02)
+    return time.time()
+
+
+async def _failover(fleet: FleetClient, sessions: list[Session], victim: Process, history: int,
+                    trace: Trace) -> tuple[Kill, float]:
+    """Warm every session up, drive them all, kill the owner of the first one mid-load."""
+    for s in sessions:
+        for i in range(history):
+            await s.step(i, **_inputs(s, i))
+    drivers = [asyncio.create_task(_drive(s, history, trace)) for s in sessions]
+    await asyncio.sleep(2.0)
+    kill = await _kill(fleet, victim, sessions[0].owner)
+    t_all = await _all_moved(sessions, trace, kill)
+    await asyncio.sleep(2.0)
+    trace.stop = True
+    await asyncio.gather(*drivers)
+    return kill, t_all
 
 
 async def run(size: str) -> list[Row]:
     sessions_n, history = (4, 5) if size == "smoke" else (16, 20)
     shape = "1,4,2,8,10" if size == "smoke" else "1,16,2,44,80"
     prefix = new_prefix("fo")
+    trace = Trace()
     with private_redis() as server, Children() as children:
-        children.spawn([sys.executable, "-m", "workers.cli", "supervisor", "--redis-url", server.url,
-                        "--prefix", prefix, "--lease-ms", str(LEASE_MS)])
+        children.spawn(supervisor_command(server.url, prefix, lease_ms=LEASE_MS, log_level=None))
         victim = children.spawn(_worker(server.url, prefix, shape))
         await wait_fleet_workers(server.url, prefix, 1, children)
         async with FleetClient(server.url, prefix=prefix) as fleet:
@@ -75,31 +118,18 @@ async def run(size: str) -> list[Row]:
                         for k in range(sessions_n)]
             heir = children.spawn(_worker(server.url, prefix, shape))
             await wait_fleet_workers(server.url, prefix, 2, children)
-            for s in sessions:
-                for i in range(history):
-                    await s.step(i, **_inputs(s, i))
-            trace = Trace()
-            drivers = [asyncio.create_task(_drive(s, history, trace)) for s in sessions]
-            await asyncio.sleep(2.0)
-            victim_id = sessions[0].owner
-            secs, micros = await fleet.redis.time()
-            skew = time.time() - (int(secs) + int(micros) / 1e6)  # wall clock minus Redis clock
-            victim.kill()
-            t_kill = time.time()
-            last_beat = await fleet.redis.zscore(fleet.keys.workers, victim_id)
-            expiry = (float(last_beat or 0) / 1000.0) + LEASE_MS / 1000.0 + skew
-            while not all(any(w != victim_id and t > t_kill for t, w in trace.results.get(s.session_id, []))
-                          for s in sessions):
-                await asyncio.sleep(0.02)
-            t_all = time.time()
-            await asyncio.sleep(2.0)
-            trace.stop = True
-            await asyncio.gather(*drivers)
-        firsts = [min(t for t, w in rows if w != victim_id and t > t_kill) for rows in trace.results.values()]
+            kill, t_all = await _failover(fleet, sessions, victim, history, trace)
         rebuilt = [(int(n), float(ms)) for n, ms in _REBUILT.findall(children.tail(heir, 1_000_000))]
+    return _rows(trace, kill, t_all, rebuilt, f"{sessions_n} sessions ({history}+ steps each), lease {LEASE_MS} ms",
+                 shape)
+
+
+def _rows(trace: Trace, kill: Kill, t_all: float, rebuilt: list[tuple[int, float]], case: str,
+          shape: str) -> list[Row]:
+    firsts = [min(t for t, w in rows if w != kill.victim_id and t > kill.at) for rows in trace.results.values()]
+    expiry, t_kill = kill.lease_expiry, kill.at
     steps = sum(n for n, _ in rebuilt)
     per_step = sum(ms for _, ms in rebuilt) / max(steps, 1)
-    case = f"{sessions_n} sessions ({history}+ steps each), lease {LEASE_MS} ms"
     return [
         Row("failover", case, "fleet", {"expiry_to_first_ms": (min(firsts) - expiry) * 1000,
                                         "expiry_to_all_ms": (t_all - expiry) * 1000,

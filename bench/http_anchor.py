@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
-import binascii
 import time
 import uuid
 from collections.abc import Sequence
@@ -25,6 +23,7 @@ from fastapi import FastAPI, HTTPException
 from pydantic import BaseModel
 
 from schemas.errors import FleetError
+from schemas.latent_json import decode_latent_json, encode_latent_json
 from schemas.messages import Mode, parse_step_input
 from workers.engines.base import Engine, EngineRequest
 
@@ -85,13 +84,11 @@ class _Session:
 
 def encode_video(latent: np.ndarray) -> dict[str, Any]:
     """The reference's ``_encode_video_output`` for an ndarray."""
-    return {"video_latent": binascii.b2a_base64(latent.tobytes(), newline=False).decode(),
-            "shape": list(latent.shape), "dtype": str(latent.dtype), "encoding": "base64_raw_tensor"}
+    return encode_latent_json(latent)
 
 
 def decode_video(obs: dict[str, Any]) -> np.ndarray:
-    raw = base64.b64decode(obs["video_latent"])
-    return np.frombuffer(raw, dtype=np.dtype(obs["dtype"])).reshape(obs["shape"])
+    return decode_latent_json(obs)
 
 
 def _error(req: StepIn, sess: _Session, code: str, message: str) -> StepOut:

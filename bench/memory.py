@@ -22,11 +22,10 @@ from bench.common import (
     LATENT_SHAPE,
     Children,
     Row,
-    fleet_worker_args,
     module_main,
     new_prefix,
     private_redis,
-    wait_fleet_workers,
+    start_fleet_workers,
     world_inputs,
 )
 from broker import FleetClient
@@ -104,8 +103,7 @@ async def run(size: str) -> list[Row]:
     for mode in MODES:  # a fresh server per mode: one mode's freed buffers must not blur the other
         prefix = new_prefix("mem")
         with private_redis() as server, Children() as children:
-            children.spawn(fleet_worker_args(server.url, prefix, latent_shape=LATENT_SHAPE))
-            await wait_fleet_workers(server.url, prefix, 1, children)
+            await start_fleet_workers(children, server.url, prefix, latent_shape=LATENT_SHAPE)
             async with FleetClient(server.url, prefix=prefix) as fleet:
                 rows.append(await measure_mode(server.url, fleet, mode, SIZE[size]))
     return rows

@@ -27,11 +27,10 @@ from bench.common import (
     Children,
     Latencies,
     Row,
-    fleet_worker_args,
     module_main,
     new_prefix,
     private_redis,
-    wait_fleet_workers,
+    start_fleet_workers,
     wait_for,
     world_inputs,
 )
@@ -126,8 +125,7 @@ async def fleet_rows(url: str, size: Size, *, shapes: dict[str, tuple[int, ...]]
     for shape_name, shape in shapes.items():
         prefix = new_prefix("rt")
         with Children() as children:
-            children.spawn(fleet_worker_args(url, prefix, latent_shape=shape), env=env)
-            await wait_fleet_workers(url, prefix, 1, children)
+            await start_fleet_workers(children, url, prefix, latent_shape=shape, env=env)
             async with FleetClient(url, prefix=prefix) as fleet:
                 for n in CONCURRENCY:
                     sessions = [await fleet.create_session("null-world", "world_model_env") for _ in range(n)]

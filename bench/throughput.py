@@ -22,12 +22,11 @@ from bench.common import (
     Children,
     CpuMeter,
     Row,
-    fleet_worker_args,
     module_main,
     new_prefix,
     private_redis,
+    start_fleet_workers,
     timed_window,
-    wait_fleet_workers,
     world_inputs,
 )
 from broker import FleetClient
@@ -55,9 +54,7 @@ def _meter(server: RedisServer, children: Children) -> CpuMeter:
 async def fleet_row(server: RedisServer, workers: int, size: Size) -> Row:
     prefix = new_prefix("tp")
     with Children() as children:
-        for _ in range(workers):
-            children.spawn(fleet_worker_args(server.url, prefix))
-        await wait_fleet_workers(server.url, prefix, workers, children)
+        await start_fleet_workers(children, server.url, prefix, count=workers)
         async with FleetClient(server.url, prefix=prefix) as fleet:
             sessions = await asyncio.gather(*(fleet.create_session("null-world", "world_model_env")
                                               for _ in range(SESSIONS)))

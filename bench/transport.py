@@ -10,8 +10,6 @@ is measured here as the evidence for a proposed change to ``schemas.codec``.
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import functools
 import json
 import math
@@ -29,6 +27,7 @@ from redis.asyncio import Redis
 
 from bench.common import Row, module_main, private_redis
 from schemas.codec import decode, encode
+from schemas.latent_json import decode_latent_json, encode_latent_json
 
 NAME = "transport"
 SHAPES = ((1, 16, 2, 44, 80), (1, 16, 8, 44, 80))
@@ -51,15 +50,11 @@ SIZE = {"smoke": Size(timing_s=0.01, repeat=3, redis_pairs=10),
 
 
 def b64_encode(latent: np.ndarray) -> bytes:
-    body = {"video_latent": binascii.b2a_base64(latent.tobytes(), newline=False).decode(),
-            "shape": list(latent.shape), "dtype": str(latent.dtype), "encoding": "base64_raw_tensor"}
-    return json.dumps(body).encode()
+    return json.dumps(encode_latent_json(latent)).encode()
 
 
 def b64_decode(data: bytes) -> np.ndarray:
-    body = json.loads(data)
-    raw = base64.b64decode(body["video_latent"])
-    return np.frombuffer(raw, dtype=np.dtype(body["dtype"])).reshape(body["shape"])
+    return decode_latent_json(json.loads(data))
 
 
 def oob_encode(obj: Any) -> bytes:

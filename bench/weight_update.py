@@ -11,17 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.common import Children, Row, module_main, new_prefix, private_redis, wait_fleet_workers
+from bench.common import Children, Row, module_main, new_prefix, private_redis, start_fleet_workers
 from broker import FleetClient, Session
 from broker.ops.weights import update_weights, workers_at_version
 
-SHAPE = "1,4,2,8,10"
+SHAPE = (1, 4, 2, 8, 10)
 LM_OPTS = json.dumps({"eos_token_id": -1})
 HEARTBEAT_MS = 100  # the registry shows a worker's version at its next heartbeat
 
@@ -37,8 +36,7 @@ class Trace:
 def save_weights(path: Path) -> None:
     from workers.engines.reference import ReferenceEngine, ReferenceEngineConfig
 
-    shape = tuple(int(d) for d in SHAPE.split(","))
-    ReferenceEngine(ReferenceEngineConfig(latent_shape=shape, seed=1)).save_weights(str(path))
+    ReferenceEngine(ReferenceEngineConfig(latent_shape=SHAPE, seed=1)).save_weights(str(path))
 
 
 async def _drive(session: Session, max_tokens: int, trace: Trace) -> None:
@@ -56,10 +54,8 @@ async def _drive(session: Session, max_tokens: int, trace: Trace) -> None:
 async def _one(url: str, children: Children, weights: Path, in_flight: str, sessions_n: int,
                max_tokens: int) -> dict[str, float]:
     prefix = new_prefix("wu")
-    children.spawn([sys.executable, "-m", "workers.cli", "worker", "--engine", "reference", "--redis-url", url,
-                    "--prefix", prefix, "--latent-shape", SHAPE, "--engine-opt", f"lm={LM_OPTS}",
-                    "--heartbeat-ms", str(HEARTBEAT_MS)])
-    await wait_fleet_workers(url, prefix, 1, children)
+    await start_fleet_workers(children, url, prefix, engine="reference", log_level=None, latent_shape=SHAPE,
+                              engine_options={"lm": LM_OPTS}, heartbeat_ms=HEARTBEAT_MS)
     async with FleetClient(url, prefix=prefix) as fleet:
         sessions = [await fleet.create_session(model="reference-lm", mode="tokens") for _ in range(sessions_n)]
         trace = Trace()

@@ -114,7 +114,7 @@ class _ArrayDecoder:
             shape = struct.unpack_from(f"<{ndim}Q", view, start)
         except (IndexError, struct.error, UnicodeDecodeError) as exc:
             raise InvalidRequestError("malformed ndarray header") from exc
-        self._check(tag, ndim, shape)
+        check_array_header(tag, ndim, shape, self.limits)
         dtype = np.dtype("<u2") if tag == "bfloat16" else np.dtype(tag).newbyteorder("<")
         offset = start + 8 * ndim
         count = int(np.prod(shape, dtype=np.int64)) if ndim else 1
@@ -125,19 +125,20 @@ class _ArrayDecoder:
         arr = np.frombuffer(data, dtype=dtype, count=count, offset=offset).reshape(shape)
         return BFloat16Array(arr) if tag == "bfloat16" else arr
 
-    def _check(self, tag: str, ndim: int, shape: tuple[int, ...]) -> None:
-        limits = self.limits
-        if tag not in limits.dtypes:
-            raise InvalidRequestError(f"dtype {tag!r} is not allowed on the wire")
-        if ndim > limits.max_array_ndim:
-            raise InvalidRequestError(f"ndarray has {ndim} dimensions; limit is {limits.max_array_ndim}")
-        elements = 1
-        for dim in shape:
-            elements *= dim
-        if elements > limits.max_array_elements:
-            raise PayloadTooLargeError(
-                f"ndarray has {elements} elements; limit is {limits.max_array_elements}"
-            )
+
+def check_array_header(tag: str, ndim: int, shape: tuple[int, ...], limits: Limits) -> None:
+    """An array's dtype and shape against the limits, before its bytes are touched."""
+    if tag not in limits.dtypes:
+        raise InvalidRequestError(f"dtype {tag!r} is not allowed on the wire")
+    if ndim > limits.max_array_ndim:
+        raise InvalidRequestError(f"ndarray has {ndim} dimensions; limit is {limits.max_array_ndim}")
+    elements = 1
+    for dim in shape:
+        elements *= dim
+    if elements > limits.max_array_elements:
+        raise PayloadTooLargeError(
+            f"ndarray has {elements} elements; limit is {limits.max_array_elements}"
+        )
 
 
 def decode(data: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS) -> Any:

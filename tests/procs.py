@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 
 from broker.ops.status import cell_status
-
-CLI = [sys.executable, "-m", "workers.cli", "--log-level", "WARNING"]
+from workers.processes import Process, spawn, spawn_worker, supervisor_command
 
 
 @dataclass
@@ -24,19 +21,16 @@ class Fleet:
     prefix: str
     heartbeat_ms: int = 200
     lease_ms: int = 1000
-    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    procs: list[Process] = field(default_factory=list)
 
-    def worker(self, *extra: str, engine: str = "null") -> subprocess.Popen[bytes]:
-        cmd = [*CLI, "worker", "--redis-url", self.url, "--prefix", self.prefix, "--engine", engine,
-               "--heartbeat-ms", str(self.heartbeat_ms), "--lease-ms", str(self.lease_ms), *extra]
-        proc = subprocess.Popen(cmd, env=dict(os.environ))
+    def worker(self, *extra: str, engine: str = "null") -> Process:
+        proc = spawn_worker(self.url, self.prefix, engine=engine, heartbeat_ms=self.heartbeat_ms,
+                            lease_ms=self.lease_ms, extra=extra)
         self.procs.append(proc)
         return proc
 
-    def supervisor(self) -> subprocess.Popen[bytes]:
-        cmd = [*CLI, "supervisor", "--redis-url", self.url, "--prefix", self.prefix,
-               "--lease-ms", str(self.lease_ms)]
-        proc = subprocess.Popen(cmd, env=dict(os.environ), stdout=subprocess.DEVNULL)
+    def supervisor(self) -> Process:
+        proc = spawn(supervisor_command(self.url, self.prefix, lease_ms=self.lease_ms), stdout=subprocess.DEVNULL)
         self.procs.append(proc)
         return proc
 
@@ -52,7 +46,7 @@ class Fleet:
             await asyncio.sleep(0.1)
         raise TimeoutError(f"{count} live workers did not show up")
 
-    def alive_workers(self) -> list[subprocess.Popen[bytes]]:
+    def alive_workers(self) -> list[Process]:
         return [p for p in self.procs if p.poll() is None and "worker" in p.args]  # type: ignore[operator]
 
     def close(self) -> None:

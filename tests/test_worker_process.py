@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -16,14 +13,9 @@ from broker.ops.status import cell_status
 from broker.redis.embedded import RedisServer
 from schemas.errors import InvalidRequestError
 from tests.support import world_step
+from workers.processes import spawn_worker, stop
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.slow]
-
-
-def spawn_worker(url: str, prefix: str, *extra: str) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "workers.cli", "--log-level", "WARNING", "worker", "--redis-url", url,
-           "--prefix", prefix, *extra]
-    return subprocess.Popen(cmd, env=dict(os.environ))
 
 
 async def wait_workers(url: str, prefix: str, count: int, timeout: float = 60.0) -> list[str]:
@@ -37,16 +29,8 @@ async def wait_workers(url: str, prefix: str, count: int, timeout: float = 60.0)
     raise TimeoutError("workers did not register")
 
 
-def stop(procs: list[subprocess.Popen[bytes]]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    for p in procs:
-        p.wait(30)
-
-
 async def test_two_worker_processes_serve_many_sessions_in_order(redis_server: RedisServer, prefix: str) -> None:
-    procs = [spawn_worker(redis_server.url, prefix, "--engine", "null") for _ in range(2)]
+    procs = [spawn_worker(redis_server.url, prefix, engine="null") for _ in range(2)]
     try:
         ids = await wait_workers(redis_server.url, prefix, 2)
         async with FleetClient(redis_server.url, prefix=prefix) as fleet:
@@ -59,12 +43,12 @@ async def test_two_worker_processes_serve_many_sessions_in_order(redis_server: R
                 assert {r.worker_id for r in results} == {s.owner}
                 assert (await s.status()).committed_step_id == 19
     finally:
-        stop(procs)
+        stop(procs, grace_s=30)
     assert [p.returncode for p in procs] == [0, 0]
 
 
 async def test_sigterm_finishes_in_flight_steps_then_exits(redis_server: RedisServer, prefix: str) -> None:
-    proc = spawn_worker(redis_server.url, prefix, "--engine", "null", "--engine-opt", "delay_ms=400")
+    proc = spawn_worker(redis_server.url, prefix, engine="null", engine_options={"delay_ms": 400})
     try:
         await wait_workers(redis_server.url, prefix, 1)
         async with FleetClient(redis_server.url, prefix=prefix) as fleet:
@@ -80,4 +64,4 @@ async def test_sigterm_finishes_in_flight_steps_then_exits(redis_server: RedisSe
             with pytest.raises(InvalidRequestError, match="no worker serves"):
                 await fleet.create_session(model="null-world", mode="world_model_env")
     finally:
-        stop([proc])
+        stop([proc], grace_s=30)

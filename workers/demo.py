@@ -10,8 +10,6 @@ import asyncio
 import contextlib
 import dataclasses
 import json
-import os
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -24,6 +22,7 @@ from broker import FleetClient, Session
 from broker.redis.config import CellConfig
 from broker.redis.embedded import RedisServer
 from schemas.messages import StepResult
+from workers.processes import Process, spawn_worker, stop
 
 MODELS = {"reference": ("reference-world", "reference-lm"), "null": ("null-world", "null-lm")}
 
@@ -122,7 +121,7 @@ async def _trainer(config: DemoConfig, cell: CellConfig) -> tuple[Tally, int, fl
     return tally, in_redis, elapsed
 
 
-async def _wait_for_workers(cell: CellConfig, count: int, procs: list[subprocess.Popen[bytes]],
+async def _wait_for_workers(cell: CellConfig, count: int, procs: list[Process],
                             timeout: float = 180.0) -> None:
     from broker.ops.status import cell_status
 
@@ -137,27 +136,12 @@ async def _wait_for_workers(cell: CellConfig, count: int, procs: list[subprocess
     raise TimeoutError(f"{count} workers did not register within {timeout}s")
 
 
-def _spawn_workers(config: DemoConfig, cell: CellConfig) -> list[subprocess.Popen[bytes]]:
-    cmd = [sys.executable, "-m", "workers.cli", "--log-level", "WARNING", "worker", "--redis-url", cell.redis_url,
-           "--prefix", cell.prefix, "--cell", cell.cell, "--lease-ms", str(cell.lease_ms), "--engine", config.engine]
-    shape = config.engine_options.get("latent_shape")
-    if shape:
-        cmd += ["--latent-shape", ",".join(str(x) for x in shape)]
-    if config.engine_options.get("device"):
-        cmd += ["--device", str(config.engine_options["device"])]
-    env = dict(os.environ)
-    return [subprocess.Popen(cmd, env=env) for _ in range(config.workers)]
-
-
-def _stop_workers(procs: list[subprocess.Popen[bytes]]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()  # SIGTERM: the worker drains and exits
-    for p in procs:
-        try:
-            p.wait(60)
-        except subprocess.TimeoutExpired:
-            p.kill()
+def _spawn_workers(config: DemoConfig, cell: CellConfig) -> list[Process]:
+    options = config.engine_options
+    device = options.get("device")
+    return [spawn_worker(cell.redis_url, cell.prefix, cell=cell.cell, lease_ms=cell.lease_ms, engine=config.engine,
+                         latent_shape=options.get("latent_shape") or None, device=str(device) if device else None)
+            for _ in range(config.workers)]
 
 
 def summarize(tally: Tally, expected: int, in_redis: int, elapsed: float) -> tuple[str, bool]:
@@ -171,7 +155,7 @@ def summarize(tally: Tally, expected: int, in_redis: int, elapsed: float) -> tup
 def run_demo(config: DemoConfig) -> int:
     server = RedisServer().start() if config.embedded_redis else None
     cell = dataclasses.replace(config.cell_config, redis_url=server.url) if server else config.cell_config
-    procs: list[subprocess.Popen[bytes]] = []
+    procs: list[Process] = []
     try:
         print(f"rollout-fleet demo: redis {cell.redis_url}, {config.workers} workers ({config.engine}), "
               f"{config.sessions} sessions x {config.steps} steps, mode {config.mode}", flush=True)
@@ -184,7 +168,7 @@ def run_demo(config: DemoConfig) -> int:
         print(line, flush=True)
         return 0 if ok else 1
     finally:
-        _stop_workers(procs)
+        stop(procs, grace_s=60)
         if server is not None:
             with contextlib.suppress(Exception):
                 server.cleanup()

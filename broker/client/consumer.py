@@ -29,8 +29,7 @@ from redis.exceptions import ResponseError
 from broker.client.fleet import FleetClient
 from broker.redis.aio import resolve
 from broker.redis.keys import check_stream_name
-from broker.redis.layouts import ReplyEntry, handled_field
-from schemas.codec import decode
+from broker.redis.layouts import LayoutError, ReplyEntry, handled_field
 from schemas.errors import InvalidRequestError
 from schemas.messages import StepResult
 
@@ -103,10 +102,9 @@ class ResultConsumer:
             eid = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
             if not fields:
                 continue
-            reply = ReplyEntry.from_fields(fields)
             try:
-                result = StepResult.from_wire(decode(reply.result, self.fleet.limits))
-            except InvalidRequestError as exc:
+                result = ReplyEntry.from_fields(fields).step_result(self.fleet.limits)
+            except (InvalidRequestError, LayoutError) as exc:
                 log.error("dropping undecodable result %s: %s", eid, exc)
                 await self.fleet.redis.xack(self._key, self.group, eid)
                 continue

@@ -34,7 +34,7 @@ from broker.redis.script_replies import (
     Stored,
 )
 from broker.redis.scripts import Scripts
-from schemas.codec import decode, encode
+from schemas.codec import encode
 from schemas.errors import (
     ErrorCode,
     FleetError,
@@ -173,7 +173,7 @@ class FleetClient:
 
     def decode_result(self, reply: ReplyEntry, started: float) -> StepResult:
         """A reply entry as a StepResult, with the current committed id and the client's timing."""
-        result = StepResult.from_wire(decode(reply.result, self.limits))
+        result = reply.step_result(self.limits)
         total = (time.perf_counter() - started) * 1000.0
         lat = result.latency
         latency = dataclasses.replace(

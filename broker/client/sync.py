@@ -87,6 +87,11 @@ class SyncFleetClient:
         self.loop.close()
         self._started = False
 
+    @property
+    def client(self) -> FleetClient:
+        """The async client behind this facade: it lives on ``loop``, so drive it through ``call``."""
+        return self._client
+
     def call(self, coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 

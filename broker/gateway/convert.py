@@ -19,10 +19,10 @@ import numpy as np
 from broker.gateway.models import Action, ErrorObject, Observation, RolloutStepResponse, SessionMetadata
 from schemas.codec import BFloat16Array
 from schemas.errors import ErrorCode, InvalidRequestError, PayloadTooLargeError
+from schemas.latent_json import encode_latent_json
 from schemas.limits import Limits
 from schemas.messages import StepResult
 
-ENCODING = "base64_raw_tensor"
 _NPY_MAGIC = b"\x93NUMPY"
 # Codes the reference answers with an HTTP error status; every other error is HTTP 200 + `error`.
 _HTTP_STATUS: dict[ErrorCode, int] = {
@@ -125,12 +125,7 @@ def fleet_action(action: Action) -> dict[str, Any]:
 def encode_latent(value: Any) -> dict[str, Any]:
     """The reference's encoding: float tensors as raw bytes (bfloat16 widened to float32, as the
     reference's ``.float()`` does)."""
-    array = value.to_float32() if isinstance(value, BFloat16Array) else np.asarray(value)
-    array = np.ascontiguousarray(array)
-    if array.dtype.byteorder == ">":
-        array = array.astype(array.dtype.newbyteorder("<"))
-    return {"video_latent": base64.b64encode(array.tobytes()).decode("ascii"), "shape": list(array.shape),
-            "dtype": str(array.dtype), "encoding": ENCODING}
+    return encode_latent_json(value.to_float32() if isinstance(value, BFloat16Array) else np.asarray(value))
 
 
 def step_response(result: StepResult) -> RolloutStepResponse:

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from broker.client import FleetClient, Session
-from broker.client.sync import SyncFleetClient, SyncSession
+from broker.client.sync import SyncFleetClient
 from schemas.errors import ErrorCode, FleetError
 from schemas.messages import GRIPPER_COUNT, JOINT_COUNT, StepResult
 
@@ -116,7 +116,7 @@ class _Slots:
     """env slot -> (session, next step id); builds the batch and takes in its results."""
 
     def __init__(self) -> None:
-        self.sessions: dict[int, Any] = {}
+        self.sessions: dict[int, Session] = {}
         self.step_ids: dict[int, int] = {}
 
     def plan(self, env_ids: Sequence[int], actions: Any, observations: Any) -> list[tuple[int, dict[str, Any]]]:
@@ -155,8 +155,7 @@ class FleetWorldModelBackend:
         self._slots = _Slots()
 
     def session_id(self, env_id: int) -> str:
-        session: Session = self._slots.sessions[int(env_id)]
-        return session.session_id
+        return self._slots.sessions[int(env_id)].session_id
 
     def step_id(self, env_id: int) -> int:
         """The step id the slot's next ``generate`` sends."""
@@ -193,39 +192,45 @@ class FleetWorldModelBackend:
 
 
 class SyncFleetWorldModelBackend:
-    """The same backend for RLinf's synchronous env workers, over a :class:`SyncFleetClient`."""
+    """The same backend for RLinf's synchronous env workers, over a :class:`SyncFleetClient`.
+
+    It drives a :class:`FleetWorldModelBackend` on the sync client's event loop, so both share
+    one implementation; each call blocks until the async one is done and raises what it raises.
+    """
 
     def __init__(self, fleet: SyncFleetClient, *, model: str = DEFAULT_MODEL, step_timeout: float | None = None,
                  result_window: int = 4) -> None:
-        self.fleet, self.model, self.step_timeout, self.result_window = fleet, model, step_timeout, result_window
-        self._slots = _Slots()
+        self.fleet = fleet
+        self.backend = FleetWorldModelBackend(fleet.client, model=model, step_timeout=step_timeout,
+                                              result_window=result_window)
+
+    @property
+    def model(self) -> str:
+        return self.backend.model
+
+    @property
+    def step_timeout(self) -> float | None:
+        return self.backend.step_timeout
+
+    @property
+    def result_window(self) -> int:
+        return self.backend.result_window
 
     def session_id(self, env_id: int) -> str:
-        session: SyncSession = self._slots.sessions[int(env_id)]
-        return session.session_id
+        return self.backend.session_id(env_id)
 
     def step_id(self, env_id: int) -> int:
-        return self._slots.step_ids[int(env_id)]
+        """The step id the slot's next ``generate`` sends."""
+        return self.backend.step_id(env_id)
 
     def open_session(self, env_ids: Sequence[int]) -> None:
-        self.close_session(env_ids)
-        for env_id in env_ids:
-            self._slots.sessions[int(env_id)] = self.fleet.create_session(self.model, MODE,
-                                                                          result_window=self.result_window)
-            self._slots.step_ids[int(env_id)] = 0
+        self.fleet.call(self.backend.open_session(env_ids))
 
     def generate(self, env_ids: Sequence[int], actions: Any, observations: Any) -> np.ndarray:
-        plan = self._slots.plan(env_ids, actions, observations)
-        futures = [self._slots.sessions[e].submit(self._slots.step_ids[e], timeout=self.step_timeout, **step)
-                   for e, step in plan]
-        return self._slots.take(env_ids, [future.result() for future in futures])
+        return self.fleet.call(self.backend.generate(env_ids, actions, observations))
 
     def close_session(self, env_ids: Sequence[int]) -> None:
-        for env_id in env_ids:
-            self._slots.step_ids.pop(int(env_id), None)
-            session = self._slots.sessions.pop(int(env_id), None)
-            if session is not None:
-                session.close()
+        self.fleet.call(self.backend.close_session(env_ids))
 
     def offload(self) -> None:
         """No-op: the weights live on the workers."""

@@ -13,7 +13,9 @@ from typing import Any
 
 from redis.typing import EncodableT, FieldT
 
-from schemas.messages import Mode, SessionStatus
+from schemas.codec import decode
+from schemas.limits import Limits
+from schemas.messages import Mode, SessionStatus, StepResult
 
 Fields = Mapping[bytes, bytes]  # as read
 Entry = dict[FieldT, EncodableT]  # as written (what redis-py takes)
@@ -127,6 +129,10 @@ class ReplyEntry:
 
     def to_fields(self) -> Entry:
         return {"kind": self.kind, "job_id": self.job_id, "committed": self.committed, "result": self.result}
+
+    def step_result(self, limits: Limits) -> StepResult:
+        """The ``StepResult`` the entry carries, decoded once (InvalidRequestError if malformed)."""
+        return StepResult.from_wire(decode(self.result, limits))
 
 
 # ---------------------------------------------------------------------- rf:{c}:dead STREAM

@@ -29,7 +29,6 @@ Weights: ``load_weights`` runs the server engine's own reload through its develo
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import logging
 from collections.abc import Mapping, Sequence
@@ -40,6 +39,7 @@ import httpx
 import numpy as np
 
 from schemas.errors import ContextLost, InvalidRequestError, TransientEngineError
+from schemas.latent_json import decode_latent_json
 from schemas.messages import Mode, WorldStep
 from workers.engines.base import EngineOutput, EngineRequest, run_in_waves
 from workers.engines.http_common import ServerEngine, check_response
@@ -98,12 +98,10 @@ def step_body(step: WorldStep, step_id: int, contextual: bool, default_seed: int
 
 def decode_latent(next_observation: Mapping[str, Any]) -> np.ndarray:
     """The ``next_observation`` of a step answer (``base64_raw_tensor``) as an ndarray."""
-    if next_observation.get("encoding") != "base64_raw_tensor":
-        raise TransientEngineError(f"unexpected latent encoding {next_observation.get('encoding')!r}")
-    raw = base64.b64decode(next_observation["video_latent"])
-    dtype = np.dtype(str(next_observation["dtype"]))
-    shape = tuple(int(d) for d in next_observation["shape"])
-    return np.frombuffer(raw, dtype=dtype).reshape(shape).copy()
+    try:
+        return decode_latent_json(next_observation).copy()  # writable: engines may update it in place
+    except InvalidRequestError as exc:  # the server's answer is bad, not the trainer's request
+        raise TransientEngineError(str(exc)) from exc
 
 
 class VLLMOmniHTTPEngine(ServerEngine):
