@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from broker import FleetClient
-from broker.client.fleet import Session
+from broker.client import Session
 from broker.redis.embedded import RedisServer
 from broker.redis.script_replies import CommitReply
 from schemas.errors import ContextLost, ErrorCode, InferenceError, TransientEngineError

@@ -1,6 +1,7 @@
 """Trainer side: the async and sync fleet clients, reply streams and consumer groups."""
 
-from broker.client.fleet import FleetClient, Session
+from broker.client.fleet import FleetClient
+from broker.client.session import Session
 from broker.client.sync import SyncFleetClient, SyncSession
 from broker.redis.config import DEFAULT_URL, CellConfig
 

@@ -7,52 +7,30 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import time
-import uuid
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from redis.asyncio import Redis
 
 from broker.client.replies import ReplyReader
+from broker.client.session import Session, new_id
 from broker.redis.aio import resolve
-from broker.redis.backoff import REDIS_ERRORS, Backoff
 from broker.redis.config import CellConfig
-from broker.redis.keys import check_stream_name
 from broker.redis.layouts import ReplyEntry, SessionHash
 from broker.redis.script_replies import (
-    AlreadyClosed,
-    ControlReply,
     Created,
-    EnqueueReply,
-    Moved,
-    Queued,
-    Refused,
-    Stored,
 )
 from broker.redis.scripts import Scripts
-from schemas.codec import encode
 from schemas.errors import (
     ErrorCode,
-    FleetError,
-    FleetTimeoutError,
     InvalidRequestError,
-    PayloadTooLargeError,
     error_for,
 )
 from schemas.limits import DEFAULT_LIMITS, Limits
-from schemas.messages import ErrorInfo, Mode, SessionStatus, StepResult, parse_mode, parse_step_input
+from schemas.messages import Mode, SessionStatus, StepResult, parse_mode
 
 RETENTIONS = ("full", "none")
-_MAX_MOVES = 8  # owner changes followed in one call before giving up
-_Reply = TypeVar("_Reply")
-
-
-def _new_id() -> str:
-    return uuid.uuid4().hex
 
 
 class FleetClient:
@@ -79,7 +57,7 @@ class FleetClient:
         self.url = self.config.redis_url
         self.keys = self.config.keys
         self.limits = limits
-        self.client_id = client_id or f"client-{_new_id()[:12]}"
+        self.client_id = client_id or f"client-{new_id()[:12]}"
         self.lease_ms = self.config.lease_ms
         self.reply_ttl_ms = reply_ttl_ms
         self.reconnect_s = reconnect_s
@@ -153,7 +131,7 @@ class FleetClient:
             raise InvalidRequestError(f"retention must be full, none or last:N, got {retention!r}")
         if result_window < 1:
             raise InvalidRequestError("result_window must be >= 1")
-        sid = session_id or _new_id()
+        sid = session_id or new_id()
         reply = await self.scripts.create(sid, mode.value, model, lease_ms=self.lease_ms,
                                           retention=retention, result_window=result_window)
         if not isinstance(reply, Created):
@@ -181,228 +159,3 @@ class FleetClient:
         )
         return dataclasses.replace(result, committed_step_id=max(reply.committed, result.committed_step_id)
                                    if result.ok else reply.committed, latency=latency)
-
-
-class Session:
-    """One session: steps are numbered by the trainer from 0; ``submit`` pipelines them."""
-
-    def __init__(self, fleet: FleetClient, session_id: str, *, model: str, mode: Mode, owner: str) -> None:
-        self.fleet = fleet
-        self.session_id = session_id
-        self.model = model
-        self.mode = mode
-        self.owner = owner
-        # Enqueues of one session leave in submit order (asyncio.Lock wakes waiters FIFO).
-        self._order = asyncio.Lock()
-
-    def __repr__(self) -> str:
-        return f"Session({self.session_id!r}, model={self.model!r}, mode={self.mode.value!r})"
-
-    # ------------------------------------------------------------------ steps
-
-    def submit(
-        self,
-        step_id: int,
-        *,
-        observation: Mapping[str, Any] | None = None,
-        action: Mapping[str, Any] | None = None,
-        token_ids: Sequence[int] | None = None,
-        sampling: Mapping[str, Any] | None = None,
-        return_routed_experts: bool = False,
-        multimodal: Mapping[str, Any] | None = None,
-        use_session_context: bool = True,
-        timeout: float | None = None,
-        min_policy_version: int = 0,
-    ) -> asyncio.Task[StepResult]:
-        """Enqueue a step and return at once; the task resolves to its StepResult.
-
-        Steps submitted one after another keep their order. Bad input resolves to an
-        ``invalid_request`` (or ``payload_too_large``) result and sends nothing.
-        """
-        try:
-            payload = self._payload(observation, action, token_ids, sampling, return_routed_experts,
-                                    multimodal)
-        except FleetError as exc:
-            failed = StepResult.failure(self.session_id, step_id, exc.code, exc.message)
-            return asyncio.ensure_future(_resolved(failed))
-        return asyncio.create_task(self._run_step(step_id, payload, use_session_context, timeout,
-                                                  min_policy_version))
-
-    async def enqueue(self, step_id: int, *, results_stream: str, **inputs: Any) -> Enqueued:
-        """Enqueue a step whose result goes to a shared results stream (read by a consumer group,
-        see :class:`broker.client.consumer.ResultConsumer`) instead of back to this client. Returns once the
-        step is queued, so a producer process can feed sessions while trainer processes consume.
-        Steps enqueued one after another keep their order."""
-        use_session_context = inputs.pop("use_session_context", True)
-        try:
-            check_stream_name(results_stream)
-            payload = self._payload(inputs.get("observation"), inputs.get("action"), inputs.get("token_ids"),
-                                    inputs.get("sampling"), inputs.get("return_routed_experts", False),
-                                    inputs.get("multimodal"))
-            async with self._order:
-                reply = await self._send_step(
-                    lambda owner: self.fleet.scripts.enqueue(
-                        self.session_id, owner, step_id=step_id, contextual=use_session_context,
-                        job_id=_new_id(), reply_to=results_stream, payload=payload,
-                    )
-                )
-        except FleetError as exc:
-            return Enqueued(step_id, "error", -1, ErrorInfo(exc.code, exc.message))
-        if isinstance(reply, Queued):
-            return Enqueued(step_id, "queued", reply.committed_step_id)
-        if isinstance(reply, Stored):
-            return Enqueued(step_id, "committed", reply.committed_step_id)
-        return Enqueued(step_id, "error", reply.committed_step_id, ErrorInfo(reply.code, reply.message))
-
-    async def step(self, step_id: int, **kwargs: Any) -> StepResult:
-        """Submit a step and wait for its result (see :meth:`submit` for the arguments)."""
-        return await self.submit(step_id, **kwargs)
-
-    def _payload(self, observation: Mapping[str, Any] | None, action: Mapping[str, Any] | None,
-                 token_ids: Sequence[int] | None, sampling: Mapping[str, Any] | None,
-                 routed: bool, multimodal: Mapping[str, Any] | None) -> bytes:
-        if self.mode is Mode.WORLD_MODEL_ENV:
-            if token_ids is not None or sampling is not None:
-                raise InvalidRequestError("a world_model_env step takes observation and action, not tokens")
-            data: dict[str, Any] = {"observation": observation, "action": action}
-        else:
-            if observation is not None or action is not None:
-                raise InvalidRequestError("a tokens step takes token_ids and sampling, not observations")
-            data = {"token_ids": token_ids, "sampling": sampling or {}, "return_routed_experts": routed,
-                    "multimodal": multimodal or {}}
-        limits = self.fleet.limits
-        step = parse_step_input(self.mode, data, limits)
-        payload = encode(step.to_wire())
-        if len(payload) > limits.max_payload_bytes:
-            raise PayloadTooLargeError(f"payload is {len(payload)} bytes; limit is {limits.max_payload_bytes}")
-        return payload
-
-    async def _run_step(self, step_id: int, payload: bytes, contextual: bool,
-                        timeout: float | None, min_version: int = 0) -> StepResult:
-        if isinstance(step_id, bool) or not isinstance(step_id, int) or step_id < 0:
-            return StepResult.failure(self.session_id, -1, ErrorCode.INVALID_REQUEST,
-                                      f"step_id must be a non-negative integer, got {step_id!r}")
-        started = time.perf_counter()
-        job_id = _new_id()
-        replies = self.fleet.replies
-        waiter = replies.expect(job_id)
-        try:
-            async with self._order:
-                reply = await self._send_step(
-                    lambda owner: self.fleet.scripts.enqueue(
-                        self.session_id, owner, step_id=step_id, contextual=contextual, job_id=job_id,
-                        reply_to=self.fleet.client_id, payload=payload, min_version=min_version,
-                    )
-                )
-        except FleetError as exc:
-            replies.forget(job_id)
-            return StepResult.failure(self.session_id, step_id, exc.code, exc.message)
-        if isinstance(reply, Stored):
-            replies.forget(job_id)
-            result = self.fleet.decode_result(ReplyEntry("step", job_id, reply.committed_step_id, reply.result),
-                                             started)
-            return dataclasses.replace(result, duplicate=True)
-        if isinstance(reply, Refused):
-            replies.forget(job_id)
-            return StepResult.failure(self.session_id, step_id, reply.code, reply.message,
-                                      committed_step_id=reply.committed_step_id,
-                                      context_length=reply.context_length)
-        try:
-            answer = await asyncio.wait_for(waiter, timeout)
-        except TimeoutError:
-            replies.forget(job_id)
-            return StepResult.failure(
-                self.session_id, step_id, ErrorCode.TIMEOUT,
-                f"no result within {timeout}s; the step is still queued and may commit later "
-                "(re-send the same step_id to get its stored result)",
-                committed_step_id=reply.committed_step_id)
-        return self.fleet.decode_result(answer, started)
-
-    async def _send_step(self, call: Callable[[str], Awaitable[EnqueueReply]]) -> Queued | Stored | Refused:
-        """:meth:`_send` for an enqueue. If a reply was lost in an outage and the retry finds our step
-        in flight, the first attempt landed (its result is on its way to us): report it as queued."""
-        reply, lost = await self._send(call)
-        if isinstance(reply, Moved):
-            raise self._kept_moving()
-        if lost and isinstance(reply, Refused) and reply.in_flight:
-            return Queued("", reply.committed_step_id)
-        return reply
-
-    async def _send_control(self, call: Callable[[str], Awaitable[ControlReply]]) -> Queued | AlreadyClosed | Refused:
-        reply, _ = await self._send(call)
-        if isinstance(reply, Moved):
-            raise self._kept_moving()
-        return reply
-
-    def _kept_moving(self) -> FleetError:
-        return FleetTimeoutError(f"session {self.session_id} kept moving between workers")
-
-    async def _send(self, call: Callable[[str], Awaitable[_Reply]]) -> tuple[_Reply, bool]:
-        """Run a script against the believed owner's inbox, following up to ``_MAX_MOVES``
-        ownership moves and riding out a Redis outage (reconnect with backoff, up to
-        ``FleetClient.reconnect_s``). Returns the reply (Moved once the session kept moving) and
-        whether an earlier attempt's reply was lost in the outage."""
-        moves, lost, backoff = 0, False, Backoff()
-        deadline = time.monotonic() + self.fleet.reconnect_s
-        while True:
-            try:
-                reply = await call(self.owner)
-            except REDIS_ERRORS as exc:
-                if time.monotonic() > deadline:
-                    raise FleetTimeoutError(f"redis unreachable for {self.fleet.reconnect_s}s: {exc}") from exc
-                lost = True
-                await backoff.wait()
-                continue
-            if isinstance(reply, Moved) and moves < _MAX_MOVES:
-                moves += 1
-                self.owner = reply.owner
-                continue
-            return reply, lost
-
-    # ------------------------------------------------------------------ control
-
-    async def reset(self, *, timeout: float | None = None) -> int:
-        """Reset the session: queued steps run first, then committed goes back to -1 and the
-        engine drops the context. Returns the committed step id (-1) once the owner applied it."""
-        return await self._control("reset", wait=True, timeout=timeout)
-
-    async def close(self) -> None:
-        """Close the session. Later steps get ``session_closed``; closing twice is fine."""
-        await self._control("close", wait=False, timeout=None)
-
-    async def status(self) -> SessionStatus:
-        return await self.fleet.status(self.session_id)
-
-    async def _control(self, kind: str, *, wait: bool, timeout: float | None) -> int:
-        job_id = _new_id()
-        replies = self.fleet.replies
-        waiter = replies.expect(job_id)
-        async with self._order:
-            reply = await self._send_control(
-                lambda owner: self.fleet.scripts.control(
-                    self.session_id, owner, kind=kind, job_id=job_id, reply_to=self.fleet.client_id
-                )
-            )
-        if isinstance(reply, Refused):
-            replies.forget(job_id)
-            raise error_for(reply.code, reply.message)
-        if isinstance(reply, AlreadyClosed) or not wait:
-            replies.forget(job_id)
-            return reply.committed_step_id
-        answer = await asyncio.wait_for(waiter, timeout)
-        return answer.committed
-
-
-async def _resolved(result: StepResult) -> StepResult:
-    return result
-
-
-@dataclass(frozen=True)
-class Enqueued:
-    """Answer to :meth:`Session.enqueue`: ``queued``, ``committed`` (the step was already committed;
-    its result went to the results stream then) or ``error``."""
-
-    step_id: int
-    status: str
-    committed_step_id: int
-    error: ErrorInfo | None = None

@@ -16,7 +16,8 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from broker.client.fleet import FleetClient, Session
+from broker.client.fleet import FleetClient
+from broker.client.session import Session
 from schemas.messages import SessionStatus, StepResult
 
 T = TypeVar("T")
