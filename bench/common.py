@@ -164,7 +164,9 @@ class Children:
 
     def spawn(self, args: Sequence[str], env: dict[str, str] | None = None) -> processes.Process:
         # stderr goes to a temp file: a pipe nobody reads could fill up and stall the child.
-        log = self._logs.enter_context(tempfile.TemporaryFile())  # noqa: SIM115 (closed in stop_all)
+        fd, path = tempfile.mkstemp(prefix="bench-child-")
+        os.unlink(path)  # an anonymous file: gone with its descriptor, which stop_all closes
+        log = self._logs.enter_context(os.fdopen(fd, "w+b"))
         proc = processes.spawn(args, env=env, stdout=subprocess.DEVNULL, stderr=log)
         self._log_of[proc.pid] = log
         self.procs.append(proc)

@@ -1,4 +1,4 @@
-"""``rollout-fleet``: worker, demo, redis (embedded, foreground) and status commands.
+"""``rollout-fleet``: worker, demo, redis, status, supervisor, gateway, replay, update-weights and bench.
 
 The verbs' arguments are in :mod:`workers.cli_args`; this module runs them."""
 

@@ -109,10 +109,9 @@ class Service:
 
 
 def start(cmd: Sequence[str], log: Path, dev_mode: bool = False) -> Service:
-    handle = open(log, "wb")  # noqa: SIM115 - the child owns it
-    proc = subprocess.Popen(list(cmd), stdout=handle, stderr=subprocess.STDOUT, env=child_env(dev_mode), cwd=ROOT,
-                            start_new_session=True)
-    handle.close()
+    with open(log, "wb") as handle:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen(list(cmd), stdout=handle, stderr=subprocess.STDOUT, env=child_env(dev_mode),
+                                cwd=ROOT, start_new_session=True)
     return Service(proc, log)
 
 
