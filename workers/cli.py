@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from broker.redis.config import ConfigError
-from workers.cli_args import WORKER_SETTINGS, Invocation, build_parser, resolve
+from workers.cli_args import WORKER_SETTINGS, Invocation, build_parser, gateway_settings, resolve
 
 
 def _shape(text: str | None) -> tuple[int, ...] | None:
@@ -141,7 +141,7 @@ def _cmd_update_weights(run: Invocation) -> int:
 def _cmd_gateway(run: Invocation) -> int:
     from broker.gateway import serve
 
-    serve(run.cell, run.args.host, run.args.port)
+    serve(run.cell, run.args.host, run.args.port, settings=gateway_settings(run.args))
     return 0
 
 
