@@ -1,13 +1,25 @@
-"""ASGI guards in front of the app, which answer before a body is read: the body size (413).
+"""ASGI guards in front of the app, which answer before a body is read: the bearer key (401) and
+the body size (413).
 
-Plain ASGI rather than a FastAPI dependency: a dependency runs after the body has been read and
-parsed, which is exactly the cost a hostile client must not be able to impose."""
+Both are plain ASGI rather than FastAPI dependencies: a dependency runs after the body has been
+read and parsed, which is exactly the cost a hostile client must not be able to impose."""
 
 from __future__ import annotations
+
+import hashlib
+import hmac
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from broker.gateway.errors import error_response
+
+OPEN_PATHS = frozenset({"/health"})  # answered without a key: load balancers probe it
+CALLER_STATE = "api_key_digest"  # scope["state"] entry: the caller's key digest (None: open gateway)
+
+
+def key_digest(key: str) -> str:
+    """What the gateway stores of a key (never the key itself)."""
+    return hashlib.sha256(key.encode()).hexdigest()
 
 
 def _header(scope: Scope, name: bytes) -> str | None:
@@ -15,6 +27,35 @@ def _header(scope: Scope, name: bytes) -> str | None:
         if key.lower() == name:
             return bytes(value).decode("latin-1")
     return None
+
+
+class BearerAuth:
+    """With keys configured, every route but :data:`OPEN_PATHS` needs ``Authorization: Bearer <key>``;
+    the caller's key digest goes into the request state for session ownership."""
+
+    def __init__(self, app: ASGIApp, api_keys: frozenset[str]) -> None:
+        self.app = app
+        self.digests = tuple(key_digest(key) for key in api_keys)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            digest = self._caller(scope)
+            if digest is None and self.digests and scope["path"] not in OPEN_PATHS:
+                response = error_response(401, "missing or unknown API key: send 'Authorization: Bearer <key>'",
+                                          headers={"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+            scope.setdefault("state", {})[CALLER_STATE] = digest
+        await self.app(scope, receive, send)
+
+    def _caller(self, scope: Scope) -> str | None:
+        scheme, _, token = (_header(scope, b"authorization") or "").partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            return None
+        digest = key_digest(token.strip())
+        # Compare every digest in constant time, so timing does not tell which key came close.
+        matches = [hmac.compare_digest(digest, known) for known in self.digests]
+        return digest if any(matches) else None
 
 
 class BodyLimit:
