@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import time
 from collections.abc import AsyncIterator
 
 import httpx
@@ -13,9 +14,10 @@ import pytest
 from broker import FleetClient
 from broker.gateway.settings import GatewaySettings
 from broker.redis.config import CellConfig
-from broker.redis.embedded import RedisServer
+from broker.redis.embedded import RedisServer, running_redis
 from tests.support import FAST, WorkerPool
 from tests.test_gateway import SESSIONS, GatewayServer, body, error_body
+from tests.test_gateway_limits import MB, post_raw
 from tests.test_multiturn import reference_engine
 from workers.cli_args import build_parser, gateway_settings
 
@@ -52,6 +54,9 @@ async def test_every_route_but_health_needs_a_known_key(keyed: httpx.AsyncClient
             assert error_body(r, 401)["message"].startswith("missing or unknown API key"), (method, path)
             assert r.headers["www-authenticate"] == "Bearer"
     assert (await keyed.get("/health")).status_code == 200
+    port = int(str(keyed.base_url).rstrip("/").rsplit(":", 1)[1])
+    code, _, sent = await asyncio.to_thread(post_raw, port, f"{SESSIONS}/{sid}/step", 200 * MB, declare=True)
+    assert code == 401 and sent < 32 * MB  # no key, no body read
     status = await keyed.get(f"{SESSIONS}/{sid}/status", headers=ALPHA)
     assert status.json()["committed_step_id"] == -1 and status.json()["closed"] is False
 
@@ -94,12 +99,23 @@ async def test_health_needs_redis_and_a_live_worker(keyed: httpx.AsyncClient, wo
     running = await workers.add(reference_engine(), heartbeat_ms=FAST["heartbeat_ms"])
     up = await keyed.get("/health")
     assert up.status_code == 200 and up.json() == {"status": "ok", "model": "reference-world", "live_workers": 1}
-    await workers.kill(running)
-    for _ in range(100):  # the heartbeat ages past the lease
+    await workers.stop(running)
+    for _ in range(100):  # the worker left its pools (and its heartbeat ages past the lease)
         if (await keyed.get("/health")).status_code == 503:
             break
         await asyncio.sleep(0.1)
     assert (await keyed.get("/health")).status_code == 503
+
+
+async def test_health_answers_503_in_bounded_time_when_redis_is_gone(prefix: str) -> None:
+    with running_redis() as private:
+        async with GatewayServer(private.url, prefix) as server, \
+                httpx.AsyncClient(base_url=server.url, timeout=30.0) as http:
+            private.stop(kill=True)
+            started = time.perf_counter()
+            gone = await http.get("/health")
+            assert "redis does not answer" in error_body(gone, 503)["message"]
+            assert time.perf_counter() - started < 5.0
 
 
 def test_cli_keys_from_flags_or_the_variable() -> None:
