@@ -13,7 +13,6 @@ need a supervisor to keep serving; without one a dead worker's sessions just wai
 from __future__ import annotations
 
 import logging
-import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -22,7 +21,7 @@ from arq.connections import RedisSettings, create_pool
 from arq.worker import Worker as ArqWorker
 from redis.asyncio import Redis
 
-from broker.ops.failover import reap
+from broker.ops.failover import reap_exclusively
 from broker.ops.replay import list_dead, replay
 from broker.redis.aio import resolve
 from broker.redis.config import CellConfig
@@ -51,15 +50,9 @@ async def _shutdown(ctx: dict[str, Any]) -> None:
 async def reap_job(ctx: dict[str, Any]) -> dict[str, Any]:
     settings: SupervisorSettings = ctx["settings"]
     scripts: Scripts = ctx["scripts"]
-    token = uuid.uuid4().hex
-    # One reaping pass at a time across supervisors; the lock outlives a stuck pass by little.
-    if not await scripts.redis.set(scripts.keys.supervisor_lock, token, nx=True, px=settings.cell_config.lease_ms):
-        return {"skipped": "another supervisor is reaping"}
-    try:
-        reports = await reap(scripts, lease_ms=settings.cell_config.lease_ms)
-    finally:
-        if await scripts.redis.get(scripts.keys.supervisor_lock) == token.encode():
-            await scripts.redis.delete(scripts.keys.supervisor_lock)
+    reports = await reap_exclusively(scripts, lease_ms=settings.cell_config.lease_ms)
+    if reports is None:
+        return {"skipped": "another process is reaping"}
     for r in reports:
         log.warning("worker %s lease expired: %d sessions moved (%d jobs), %d waiting, retired=%s",
                     r.worker_id, len(r.moved), r.jobs_moved, len(r.stuck), r.retired)
