@@ -7,11 +7,14 @@
 
 Several supervisors may run: arq gives each cron tick one job id (unique), a Redis lock makes a
 reaping pass exclusive, and every move is an idempotent, fenced Lua script anyway. Workers do not
-need a supervisor to keep serving; without one a dead worker's sessions just wait.
+need a supervisor: each worker also reaps under the same lock (``workers/reaper.py``), so failover
+works with none; the supervisor adds trimming and replays.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -24,11 +27,13 @@ from redis.asyncio import Redis
 from broker.ops.failover import reap_exclusively
 from broker.ops.replay import list_dead, replay
 from broker.redis.aio import resolve
+from broker.redis.backoff import REDIS_ERRORS
 from broker.redis.config import CellConfig
 from broker.redis.layouts import DEAD_LETTER_MAXLEN
 from broker.redis.scripts import Scripts
 
 log = logging.getLogger(__name__)
+RESTART_PAUSE_S = 1.0  # between a Redis error that ended arq's loop and the next start
 
 
 @dataclass(frozen=True)
@@ -97,7 +102,29 @@ def build_worker(settings: SupervisorSettings, *, handle_signals: bool = True) -
 
 
 def run_supervisor(settings: SupervisorSettings) -> None:
-    build_worker(settings).run()
+    """Run until SIGINT/SIGTERM. arq's loop ends on the first Redis error (a restart, a network
+    cut): start it again after a pause instead of exiting, so the cell keeps its trimming."""
+    stop = asyncio.Event()
+    while not stop.is_set():
+        worker = build_worker(settings)
+        worker.on_stop = lambda _sig: stop.set()
+        try:
+            worker.run()
+            return
+        except REDIS_ERRORS as exc:
+            log.warning("supervisor lost redis (%s); starting again in %.0fs", exc, RESTART_PAUSE_S)
+        worker.loop.run_until_complete(_abandon(worker))
+        # A signal during the pause still reaches on_stop: the loop runs while we wait.
+        with contextlib.suppress(TimeoutError):
+            worker.loop.run_until_complete(asyncio.wait_for(stop.wait(), RESTART_PAUSE_S))
+
+
+async def _abandon(worker: ArqWorker) -> None:
+    """Close what a worker that died on a Redis error left open."""
+    for redis in (worker.ctx.get("fleet_redis"), worker.pool):
+        if redis is not None:
+            with contextlib.suppress(*REDIS_ERRORS):
+                await redis.aclose()
 
 
 async def request_replay(settings: SupervisorSettings, filters: dict[str, Any], *, dry_run: bool = False) -> str:
