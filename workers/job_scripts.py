@@ -6,7 +6,14 @@ from __future__ import annotations
 
 from broker.redis.keys import INBOX_GROUP
 from broker.redis.layouts import DEAD_LETTER_MAXLEN, ReplyEntry
-from broker.redis.script_replies import Committed, Duplicate, DuplicateUnstored, OutOfOrder, StaleOwner
+from broker.redis.script_replies import (
+    Committed,
+    Duplicate,
+    DuplicateUnstored,
+    OutOfOrder,
+    StaleOwner,
+    Unrequested,
+)
 from broker.redis.scripts import Scripts
 from schemas.codec import encode
 from schemas.errors import Fenced
@@ -55,8 +62,16 @@ class JobScripts:
             job_id=job.job_id, kind=job.kind, mode=job.mode.value, model=job.model, reply_to=job.reply_to,
             grace_ms=self.settings.close_grace_ms, reply_ttl_ms=self.settings.reply_ttl_ms,
         )
-        if isinstance(reply, StaleOwner):
+        if isinstance(reply, StaleOwner | Unrequested):  # not the session's to apply: dropped as fenced
             raise Fenced(job.session_id)
+
+    async def drop_entry(self, entry_id: str) -> None:
+        """Acknowledge and delete an inbox entry that can never run here (fenced by the session)."""
+        inbox = self.scripts.keys.inbox(self.worker_id)
+        async with self.scripts.redis.pipeline(transaction=True) as pipe:
+            pipe.xack(inbox, INBOX_GROUP, entry_id)
+            pipe.xdel(inbox, entry_id)
+            await pipe.execute()
 
     async def reject_malformed(self, job: BadJob, failure: StepFailed) -> None:
         """Dead-letter an entry that does not parse and answer whoever it names. Not the report

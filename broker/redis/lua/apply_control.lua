@@ -8,12 +8,17 @@
 -- Fields (broker/redis/layouts.py): reads session owner, epoch, committed_step_id, reset_pending;
 --       writes session committed_step_id, context_length, reset_pending (reset); drops the log
 --       (reset); adds a reply entry (kind, job_id, committed, result '')
--- Returns {'applied', committed} | {'fenced', owner, epoch}
+-- A reset that control.lua never enqueued (reset_pending 0: a forged or replayed entry) is refused
+-- like a fenced job: applied, it would move committed to -1 while next_step_id stays put.
+-- Returns {'applied', committed} | {'fenced', owner, epoch} | {'unrequested', committed}
 local s = redis.call('HMGET', KEYS[1], 'owner', 'epoch', 'committed_step_id', 'reset_pending')
 if s[1] and fenced(s[1], s[2], ARGV[1], ARGV[2]) then
   return {'fenced', s[1], s[2]}
 end
 local committed = tonumber(s[3] or '-1')
+if s[1] and ARGV[5] == 'reset' and s[4] == '0' then
+  return {'unrequested', committed}
+end
 if s[1] then
   if ARGV[5] == 'reset' then
     committed = -1
