@@ -34,6 +34,7 @@ class WorkerSettings:
     reply_ttl_ms: int = 3_600_000
     close_grace_ms: int = 60_000
     drain_timeout_s: float = 30.0
+    version_wait_s: float = 300.0  # the longest a step waits at the weight gate for its min_policy_version
     handover_on_stop: bool = True  # on SIGTERM hand sessions to live workers (no lease wait)
     limits: Limits = DEFAULT_LIMITS
 
@@ -41,6 +42,8 @@ class WorkerSettings:
         for name in ("capacity", "heartbeat_ms", "read_count", "max_inflight", "max_attempts"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
+        if self.version_wait_s <= 0:
+            raise ValueError("version_wait_s must be positive")
         if self.heartbeat_ms >= self.cell_config.lease_ms:
             raise ValueError("heartbeat_ms must be shorter than lease_ms")
 

@@ -116,6 +116,7 @@ class Worker:
         reader.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await reader
+        self.executor.stop_gate_waits()  # steps waiting for a policy version do not hold the drain
         try:
             await asyncio.wait_for(self._idle.wait(), self.settings.drain_timeout_s)
         except TimeoutError:
@@ -256,6 +257,8 @@ class Worker:
         elif job.kind == "step" and not job.contextual:
             self._spawn(self._finish(self._guard(job, self.executor.run_step(job, None)), job.entry_id), "stateless")
         else:
+            if job.kind == "close":  # a step waiting at the weight gate must not hold the close
+                self.executor.stop_gate_waits(job.session_id)
             lane = self._lanes.get(job.session_id)
             if lane is None:
                 lane = self._lanes[job.session_id] = collections.deque()
