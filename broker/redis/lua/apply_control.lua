@@ -1,10 +1,10 @@
 -- The owner applies a reset or close control job from its inbox, fenced like a commit.
 -- reset: committed -> -1, context 0, stored results dropped. close: the worker's load drops, the
 -- session and its log expire after the grace TTL.
--- Uses: prelude.lua (fenced)
+-- Uses: prelude.lua (fenced, add_reply)
 -- KEYS: 1 session hash, 2 log hash, 3 inbox, 4 reply stream, 5 pool zset, 6 sessions hash
 -- ARGV: 1 worker id, 2 job epoch, 3 inbox entry id, 4 job_id, 5 kind, 6 grace ttl ms,
---       7 reply ttl ms, 8 inbox group, 9 session_id
+--       7 reply ttl ms, 8 inbox group, 9 session_id, 10-12 reply stream bounds (ReplyBounds)
 -- Fields (broker/redis/layouts.py): reads session owner, epoch, committed_step_id, reset_pending;
 --       writes session committed_step_id, context_length, reset_pending (reset); drops the log
 --       (reset); adds a reply entry (kind, job_id, committed, result '')
@@ -35,6 +35,5 @@ if s[1] then
 end
 redis.call('XACK', KEYS[3], ARGV[8], ARGV[3])
 redis.call('XDEL', KEYS[3], ARGV[3])
-redis.call('XADD', KEYS[4], '*', 'kind', ARGV[5], 'job_id', ARGV[4], 'committed', committed, 'result', '')
-redis.call('PEXPIRE', KEYS[4], ARGV[7])
+add_reply(KEYS[4], ARGV[7], ARGV[10], ARGV[11], ARGV[12], ARGV[5], ARGV[4], committed, '')
 return {'applied', committed}
