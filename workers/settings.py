@@ -38,6 +38,7 @@ class WorkerSettings:
     large_reply_ttl_ms: int = 600_000  # ... this shorter TTL
     close_grace_ms: int = 60_000
     drain_timeout_s: float = 30.0
+    idle_sweep_s: float = 5.0  # how often the worker closes its sessions idle past their timeout
     version_wait_s: float = 300.0  # the longest a step waits at the weight gate for its min_policy_version
     handover_on_stop: bool = True  # on SIGTERM hand sessions to live workers (no lease wait)
     limits: Limits = DEFAULT_LIMITS
@@ -47,8 +48,8 @@ class WorkerSettings:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
         self.reply_bounds()  # validated here, at the edge
-        if self.version_wait_s <= 0:
-            raise ValueError("version_wait_s must be positive")
+        if self.version_wait_s <= 0 or self.idle_sweep_s <= 0:
+            raise ValueError("version_wait_s and idle_sweep_s must be positive")
         if self.heartbeat_ms >= self.cell_config.lease_ms:
             raise ValueError("heartbeat_ms must be shorter than lease_ms")
 

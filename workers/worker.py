@@ -30,6 +30,7 @@ from workers.engines.base import Engine
 from workers.executor import SessionState, StepExecutor
 from workers.failure import StepFailed, settled
 from workers.fenced import FencedEntries
+from workers.idle import IdleSweeper
 from workers.jobs import BadJob, Job, parse_job
 from workers.rate_limit import WarningLimiter
 from workers.settings import WorkerSettings, new_worker_id
@@ -61,6 +62,7 @@ class Worker:
         self._stop = asyncio.Event()
         self.weights: WeightControl | None = None
         self._fenced: FencedEntries | None = None
+        self._idle_sweeper: IdleSweeper | None = None
         self._bad_entries = WarningLimiter(log)  # forged or broken entries can come by the thousand
         self._pools = [self.keys.pool(mode.value, model) for model, mode in engine.models().items()]
 
@@ -91,6 +93,7 @@ class Worker:
         self._executor = StepExecutor(self.settings, self._scripts, self.engine, self._batchers,
                                       self.weights.gate)
         self._fenced = FencedEntries(self._executor.jobs)
+        self._idle_sweeper = IdleSweeper(self._scripts, lambda: self.id, interval_s=self.settings.idle_sweep_s)
         await self.weights.apply_latest()
         await self._scripts.register(
             self.id, capacity=self.settings.capacity, pools=self._pools, ttl_ms=3 * self.settings.cell_config.lease_ms,
@@ -100,6 +103,7 @@ class Worker:
         self._idle.set()
         self._spawn(self._heartbeat_loop(), "heartbeat")
         self._spawn(self.weights.follow(), "control")
+        self._spawn(self._idle_sweeper.run(), "idle-sweep")
         log.info("worker %s serving %s", self.id, ", ".join(self.engine.models()))
 
     def request_stop(self) -> None:
@@ -175,6 +179,7 @@ class Worker:
             "policy_version": str(self.engine.policy_version),
             "weights_error": self.weights.error if self.weights else "",
             "committed_steps": str(ex.committed_steps if ex else 0),
+            "idle_closed": str(self._idle_sweeper.closed if self._idle_sweeper else 0),
         }
 
     async def _heartbeat_loop(self) -> None:

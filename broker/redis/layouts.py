@@ -14,6 +14,7 @@ from typing import Any
 from redis.typing import EncodableT, FieldT
 
 from schemas.codec import decode
+from schemas.errors import InvalidRequestError
 from schemas.limits import Limits
 from schemas.messages import Mode, SessionStatus, StepResult
 
@@ -66,7 +67,9 @@ class SessionHash:
     retention: str = "full"
     result_window: int = 1
     created_ms: int = 0
-    updated_ms: int = 0
+    updated_ms: int = 0  # the last activity: create, a step enqueued or committed, a reset or close
+    idle_timeout_ms: int = 0  # its owner closes it after this long unused (0: never)
+    idle_closed: bool = False  # closed by its idle timeout (close_idle.lua)
 
     @classmethod
     def from_fields(cls, fields: Fields) -> SessionHash:
@@ -81,6 +84,7 @@ class SessionHash:
             gen=integer(fields, "gen", 0), reset_pending=integer(fields, "reset_pending", 0),
             retention=text(fields, "retention", "full"), result_window=integer(fields, "result_window", 1),
             created_ms=integer(fields, "created_ms", 0), updated_ms=integer(fields, "updated_ms", 0),
+            idle_timeout_ms=integer(fields, "idle_timeout_ms", 0), idle_closed=text(fields, "idle_closed", "0") == "1",
         )
 
     def status(self, session_id: str) -> SessionStatus:
@@ -89,6 +93,20 @@ class SessionHash:
             next_step_id=self.next_step_id, context_length=self.context_length, closed=self.closed,
             owner=self.owner, epoch=self.epoch, retention=self.retention,
         )
+
+
+DEFAULT_IDLE_TIMEOUT_S = 3600.0  # a session unused this long is closed by its owner
+MAX_IDLE_TIMEOUT_S = 30 * 86400.0
+
+
+def idle_timeout_ms_of(idle_timeout_s: object) -> int:
+    """A session's idle timeout as stored (ms); InvalidRequestError unless a number of seconds in
+    (0, 30 days]."""
+    if (isinstance(idle_timeout_s, bool) or not isinstance(idle_timeout_s, int | float)
+            or not 0 < idle_timeout_s <= MAX_IDLE_TIMEOUT_S):  # NaN fails the comparison too
+        raise InvalidRequestError(f"idle_timeout_s must be a number of seconds in (0, {MAX_IDLE_TIMEOUT_S:.0f}], "
+                                  f"got {idle_timeout_s!r}")
+    return max(1, round(idle_timeout_s * 1000))
 
 
 # ---------------------------------------------------------------------- rf:{c}:log:<sid> HASH

@@ -267,6 +267,8 @@ _REPORT: Mapping[str, _Shape[ReportReply]] = {
 _APPLY_CONTROL: Mapping[str, _Shape[ApplyControlReply]] = {
     "applied": _Shape((1,), lambda v: Applied(v.integer(0))), "fenced": _Shape((2,), _stale),
     "unrequested": _Shape((1,), lambda v: Unrequested(v.integer(0)))}
+_CLOSE_IDLE: Mapping[str, _Shape[int | None]] = {
+    "closed": _Shape((1,), lambda v: v.integer(0)), "kept": _Shape((0,), lambda v: None)}
 _FAILOVER: Mapping[str, _Shape[FailoverReply]] = {
     "moved": _Shape((2,), lambda v: FailedOver(v.integer(0), v.integer(1))),
     "skip": _Shape((1,), lambda v: Skipped(v.text(0))), "gone": _Shape((0,), lambda v: Gone()),
@@ -310,6 +312,11 @@ def decode_report(raw: Any) -> ReportReply:
 
 def decode_apply_control(raw: Any) -> ApplyControlReply:
     return _decode("apply_control", raw, _APPLY_CONTROL)
+
+
+def decode_close_idle(raw: Any) -> int | None:
+    """close_idle.lua: the idle time of a session it closed, None when it kept it."""
+    return _decode("close_idle", raw, _CLOSE_IDLE)
 
 
 def decode_failover(raw: Any) -> FailoverReply:

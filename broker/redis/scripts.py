@@ -34,6 +34,7 @@ from broker.redis.script_replies import (
     ReportReply,
     RetireReply,
     decode_apply_control,
+    decode_close_idle,
     decode_commit,
     decode_control,
     decode_create,
@@ -80,7 +81,7 @@ class Scripts:
 
     NAMES = (
         "create", "enqueue", "control", "commit", "report", "apply_control",
-        "register", "heartbeat", "leave_pools", "failover", "retire", "ack_result",
+        "register", "heartbeat", "leave_pools", "failover", "retire", "ack_result", "close_idle",
     )
 
     def __init__(self, redis: Redis, keys: CellKeys, *, coalesce: bool = True) -> None:
@@ -140,12 +141,13 @@ class Scripts:
     # ------------------------------------------------------------------ trainer side
 
     async def create(self, session_id: str, mode: str, model: str, *, lease_ms: int, retention: str,
-                     result_window: int) -> CreateReply:
+                     result_window: int, idle_timeout_ms: int = 0) -> CreateReply:
+        """``idle_timeout_ms``: its owner closes the session after that long unused (0: never)."""
         k = self.keys
         raw = await self._call(
             "create",
             [k.workers, k.capacity, k.pool(mode, model), k.session(session_id), k.sessions],
-            [session_id, mode, model, lease_ms, retention, result_window],
+            [session_id, mode, model, lease_ms, retention, result_window, idle_timeout_ms],
         )
         return decode_create(raw)
 
@@ -257,6 +259,13 @@ class Scripts:
         flat = [item for pair in fields.items() for item in pair]
         raw = await self._call("heartbeat", [k.workers, k.worker(worker_id)], [worker_id, ttl_ms, *flat])
         return decode_heartbeat(raw)
+
+    async def close_idle(self, session_id: str, *, worker_id: str) -> int | None:
+        """Close the session if it has been idle past its timeout: how long it was idle (ms), or
+        None when it is kept (in use, not ours, closed, or without a timeout)."""
+        raw = await self._call("close_idle", [self.keys.session(session_id), self.keys.inbox(worker_id)],
+                               [worker_id, session_id])
+        return decode_close_idle(raw)
 
     async def leave_pools(self, worker_id: str, *, pools: list[str], state: str) -> None:
         await self._call("leave_pools", [self.keys.worker(worker_id), *pools], [worker_id, state])

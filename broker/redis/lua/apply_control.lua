@@ -7,7 +7,7 @@
 --       7 reply ttl ms, 8 inbox group, 9 session_id, 10-12 reply stream bounds (ReplyBounds)
 -- Fields (broker/redis/layouts.py): reads session owner, epoch, committed_step_id, reset_pending;
 --       writes session committed_step_id, context_length, reset_pending (reset); drops the log
---       (reset); adds a reply entry (kind, job_id, committed, result '')
+--       (reset); adds a reply entry (kind, job_id, committed, result '') unless job_id is 
 -- A reset that control.lua never enqueued (reset_pending 0: a forged or replayed entry) is refused
 -- like a fenced job: applied, it would move committed to -1 while next_step_id stays put.
 -- Returns {'applied', committed} | {'fenced', owner, epoch} | {'unrequested', committed}
@@ -35,5 +35,7 @@ if s[1] then
 end
 redis.call('XACK', KEYS[3], ARGV[8], ARGV[3])
 redis.call('XDEL', KEYS[3], ARGV[3])
-add_reply(KEYS[4], ARGV[7], ARGV[10], ARGV[11], ARGV[12], ARGV[5], ARGV[4], committed, '')
+if ARGV[4] ~= '' then  -- an idle close (close_idle.lua) asks no reply
+  add_reply(KEYS[4], ARGV[7], ARGV[10], ARGV[11], ARGV[12], ARGV[5], ARGV[4], committed, '')
+end
 return {'applied', committed}
