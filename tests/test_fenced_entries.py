@@ -12,6 +12,8 @@ import pytest
 from broker import FleetClient
 from broker.client.session import Session
 from broker.redis.keys import INBOX_GROUP
+from broker.redis.script_replies import Applied, Queued
+from broker.redis.scripts import Scripts
 from schemas.codec import encode
 from tests.support import RunningWorker, WorkerPool, world_step
 from workers.engines.null import NullEngine
@@ -93,3 +95,25 @@ async def test_a_forged_reset_at_the_live_epoch_cannot_desynchronise_the_session
     clean = await run_steps(fleet, w, None)
     assert await run_steps(fleet, w, {"kind": "reset", "epoch": 1, "step_id": -1}) == clean
     assert w.worker.executor.rebuilt_steps == 0
+
+
+async def test_a_retried_reset_is_applied_once_and_the_next_reset_still_applies(scripts: Scripts) -> None:
+    """A worker retries apply_control when Redis dropped its reply: the retry of a reset that went
+    through must neither count as an unrequested reset nor use up the next one's pending count."""
+    await scripts.register("w1", capacity=2, pools=[scripts.keys.pool("tokens", "m")], ttl_ms=15000,
+                           fields={"state": "active"})
+    await scripts.create("s1", "tokens", "m", lease_ms=5000, retention="full", result_window=1)
+    first = await scripts.control("s1", "w1", kind="reset", job_id="r1", reply_to="c")
+    second = await scripts.control("s1", "w1", kind="reset", job_id="r2", reply_to="c")
+    assert isinstance(first, Queued) and isinstance(second, Queued)
+
+    async def apply(entry_id: str) -> object:
+        return await scripts.apply_control(session_id="s1", worker_id="w1", epoch=1, entry_id=entry_id, job_id="r",
+                                           kind="reset", mode="tokens", model="m", reply_to="c", grace_ms=1000,
+                                           reply_ttl_ms=1000)
+
+    assert await apply(first.entry_id) == Applied(-1)
+    assert await apply(first.entry_id) == Applied(-1)  # the retry changes nothing
+    assert await scripts.redis.hget(scripts.keys.session("s1"), "reset_pending") == b"1"
+    assert await apply(second.entry_id) == Applied(-1)
+    assert await scripts.redis.hget(scripts.keys.session("s1"), "reset_pending") == b"0"

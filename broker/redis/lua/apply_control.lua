@@ -9,13 +9,19 @@
 --       writes session committed_step_id, context_length, reset_pending (reset); drops the log
 --       (reset); adds a reply entry (kind, job_id, committed, result '') unless job_id is 
 -- A reset that control.lua never enqueued (reset_pending 0: a forged or replayed entry) is refused
--- like a fenced job: applied, it would move committed to -1 while next_step_id stays put.
+-- like a fenced job: applied, it would move committed to -1 while next_step_id stays put. A retry
+-- of a call that went through (the entry is no longer in the inbox) changes nothing.
 -- Returns {'applied', committed} | {'fenced', owner, epoch} | {'unrequested', committed}
 local s = redis.call('HMGET', KEYS[1], 'owner', 'epoch', 'committed_step_id', 'reset_pending')
 if s[1] and fenced(s[1], s[2], ARGV[1], ARGV[2]) then
   return {'fenced', s[1], s[2]}
 end
 local committed = tonumber(s[3] or '-1')
+if #redis.call('XRANGE', KEYS[3], ARGV[3], ARGV[3]) == 0 then
+  -- The entry is gone: this is the retry of a call that went through (its reply was lost).
+  -- Applying again would count the reset or the close twice.
+  return {'applied', committed}
+end
 if s[1] and ARGV[5] == 'reset' and s[4] == '0' then
   return {'unrequested', committed}
 end
