@@ -14,8 +14,10 @@ MAX_NAME_LENGTH = 200  # a caller-chosen name inside a key (results stream, cons
 def key_part_problem(part: str, *, max_length: int | None = None) -> str | None:
     """Why ``part`` cannot go into a key name, or None. Braces would change the hash tag (the key
     would leave the cell's slot) and colons would make two keys look like one."""
-    if not part or any(c in "{}: " or not c.isprintable() for c in part):
-        return "no braces, colons, spaces or control characters"
+    if not part or any(c in part for c in "{}: \n"):
+        return "no braces, colons or spaces"
+    if not part.isprintable():  # NUL, other control characters: unreadable in logs and tools
+        return "no control characters"
     if max_length is not None and len(part) > max_length:
         return f"at most {max_length} characters"
     return None
