@@ -5,9 +5,11 @@
 - ``trim`` (every 30 s): forget closed sessions that expired, bound the dead-letter stream.
 - ``replay_dead`` (on request): replay dead-lettered jobs as an arq job (:func:`request_replay`).
 
-Several supervisors may run: arq gives each cron tick one job id (unique), a Redis lock makes a
-reaping pass exclusive, and every move is an idempotent, fenced Lua script anyway. Workers do not
-need a supervisor to keep serving; without one a dead worker's sessions just wait.
+Jobs are msgpack, never pickle (:mod:`broker.ops.arq_queue`): a job that is not msgpack is refused
+without being run. Several supervisors may run: arq gives each cron tick one job id (unique), a
+Redis lock makes a reaping pass exclusive, and every move is an idempotent, fenced Lua script
+anyway. Workers do not need a supervisor to keep serving; without one a dead worker's sessions
+just wait.
 """
 
 from __future__ import annotations
@@ -18,10 +20,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from arq import cron
-from arq.connections import RedisSettings, create_pool
 from arq.worker import Worker as ArqWorker
 from redis.asyncio import Redis
 
+from broker.ops.arq_queue import arq_pool, pack_arq, unpack_arq
 from broker.ops.failover import reap
 from broker.ops.replay import list_dead, replay
 from broker.redis.aio import resolve
@@ -93,7 +95,9 @@ def build_worker(settings: SupervisorSettings, *, handle_signals: bool = True) -
             cron(trim_job, name="trim", second={0, 30}, unique=True, timeout=60),
         ],
         queue_name=keys.arq_queue,
-        redis_settings=RedisSettings.from_dsn(settings.cell_config.redis_url),
+        redis_pool=arq_pool(settings.cell_config),  # msgpack jobs, the full URL (TLS, ACL user)
+        job_serializer=pack_arq,
+        job_deserializer=unpack_arq,
         on_startup=_startup,
         on_shutdown=_shutdown,
         ctx={"settings": settings},
@@ -109,7 +113,7 @@ def run_supervisor(settings: SupervisorSettings) -> None:
 
 async def request_replay(settings: SupervisorSettings, filters: dict[str, Any], *, dry_run: bool = False) -> str:
     """Ask the supervisors to replay dead letters matching ``filters`` (an arq job); returns its id."""
-    pool = await create_pool(RedisSettings.from_dsn(settings.cell_config.redis_url))
+    pool = arq_pool(settings.cell_config)
     try:
         job = await pool.enqueue_job("replay_dead", filters, dry_run,
                                      _queue_name=settings.cell_config.keys.arq_queue)
