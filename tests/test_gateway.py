@@ -31,11 +31,12 @@ SHAPE = [1, 4, 2, 8, 10]
 class GatewayServer:
     """uvicorn serving the app on a free port in a background thread (its own event loop)."""
 
-    def __init__(self, redis_url: str, prefix: str) -> None:
+    def __init__(self, redis_url: str, prefix: str, **app_options: Any) -> None:
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        config = uvicorn.Config(create_app(redis_url, prefix=prefix, step_timeout=30.0), log_level="warning",
+        app_options.setdefault("step_timeout", 30.0)
+        config = uvicorn.Config(create_app(redis_url, prefix=prefix, **app_options), log_level="warning",
                                 ws="none", lifespan="on")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)

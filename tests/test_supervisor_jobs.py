@@ -20,7 +20,7 @@ from redis.asyncio import Redis
 from broker.ops.arq_queue import MAX_ARQ_JOB_BYTES, arq_pool, pack_arq, unpack_arq
 from broker.ops.supervisor import SupervisorSettings, build_worker, request_replay
 from broker.redis.config import CellConfig
-from broker.redis.embedded import RedisServer
+from broker.redis.embedded import RedisServer, free_port
 
 
 class _ShellCommand:
@@ -123,3 +123,30 @@ async def test_the_arq_pool_keeps_every_connection_setting_of_the_url(tmp_path: 
         assert (pool.job_serializer, pool.job_deserializer) == (pack_arq, unpack_arq)
     finally:
         await pool.aclose()
+
+
+async def test_a_supervisor_started_before_redis_answers_waits_for_it() -> None:
+    port = free_port()
+    settings = SupervisorSettings(CellConfig(redis_url=f"redis://127.0.0.1:{port}/0", prefix="early"))
+    supervisor = build_worker(settings, handle_signals=False)
+    task = asyncio.create_task(supervisor.async_run())
+    server = None
+    try:
+        await asyncio.sleep(1.0)  # the supervisor is retrying the refused connection meanwhile
+        assert not task.done(), f"the supervisor gave up: {task.exception()}"
+        server = await asyncio.to_thread(RedisServer(port=port).start)
+        redis = Redis.from_url(server.url)
+        try:
+            for _ in range(200):  # the health-check key says arq's loop is running
+                if await redis.exists(f"{settings.cell_config.keys.arq_queue}:health-check"):
+                    break
+                await asyncio.sleep(0.05)
+            assert await redis.exists(f"{settings.cell_config.keys.arq_queue}:health-check")
+        finally:
+            await redis.aclose()
+    finally:
+        await supervisor.close()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        if server is not None:
+            server.cleanup()

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from broker.redis.config import ConfigError
-from workers.cli_args import WORKER_SETTINGS, Invocation, build_parser, resolve
+from workers.cli_args import WORKER_SETTINGS, Invocation, build_parser, gateway_settings, resolve
 
 
 def _shape(text: str | None) -> tuple[int, ...] | None:
@@ -141,7 +141,10 @@ def _cmd_update_weights(run: Invocation) -> int:
 def _cmd_gateway(run: Invocation) -> int:
     from broker.gateway import serve
 
-    serve(run.cell, run.args.host, run.args.port)
+    settings = gateway_settings(run.args)
+    if not settings.api_keys and run.args.host not in ("127.0.0.1", "localhost", "::1"):
+        logging.getLogger(__name__).warning("gateway on %s without API keys: any client may use it", run.args.host)
+    serve(run.cell, run.args.host, run.args.port, settings=settings)
     return 0
 
 

@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from broker.gateway.settings import API_KEY_ENV, GatewaySettings, parse_api_keys
 from broker.ops.supervisor import SupervisorSettings
 from broker.redis.config import ENV_VARS, CellConfig, ConfigError
 from workers.demo import DemoConfig
@@ -118,10 +119,39 @@ def _supervisor(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
     _setting(p, "--interval", SupervisorSettings, "interval_s", "seconds between reaping passes")
 
 
+def _positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:
+    def parse(text: str) -> int | float:
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        return value
+    parse.__name__ = kind.__name__  # argparse names the type in its error message
+    return parse
+
+
 def _gateway(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
     add_cell_flags(p, environ, lease=True)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
+    # The keys' values never appear in --help (unlike the cell flags' defaults).
+    source = f"default: the keys in ${API_KEY_ENV}" if environ.get(API_KEY_ENV) else f"${API_KEY_ENV} sets it"
+    p.add_argument("--api-key", dest="api_keys", action="append", default=None, metavar="KEY",
+                   help="API key a client must send as 'Authorization: Bearer KEY'; repeatable, or "
+                        f"comma-separated ({source}; without keys the gateway is open)")
+    p.set_defaults(api_keys_env=environ.get(API_KEY_ENV, ""))
+    _setting(p, "--max-sessions-per-key", GatewaySettings, "max_sessions_per_key",
+             "open sessions one API key may hold", type=_positive(int))
+    _setting(p, "--step-timeout", GatewaySettings, "step_timeout_s",
+             "seconds an HTTP client waits for a step's result (then 504)", type=_positive(float))
+    _setting(p, "--max-body-bytes", GatewaySettings, "max_body_bytes",
+             "largest request body read (then 413)", type=_positive(int))
+
+
+def gateway_settings(args: argparse.Namespace) -> GatewaySettings:
+    """The gateway verb's settings: keys from the flags, else from the environment."""
+    keys = parse_api_keys(args.api_keys if args.api_keys else [args.api_keys_env])
+    return GatewaySettings(api_keys=keys, max_sessions_per_key=args.max_sessions_per_key,
+                           step_timeout_s=args.step_timeout_s, max_body_bytes=args.max_body_bytes)
 
 
 def _update_weights(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:

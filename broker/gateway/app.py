@@ -3,18 +3,29 @@
 Routes, bodies, status codes and error codes are the reference's (``/v1/realtime/sessions``):
 a step error comes back as a ``RolloutStepResponse`` with ``error`` — HTTP 404
 ``session_not_found``, 410 ``session_closed``, 400 ``invalid_request`` / ``step_already_committed``
-/ ``step_out_of_order``, and HTTP 200 for the others (``inference_error``, ``timeout``,
-``context_lost``); control routes answer 404 / 410 as vLLM's ``{"error": {...}}`` body, and a
-malformed body is a 400 of the same shape. Differences a client can only gain from: a re-sent,
-already committed step returns its stored result (header ``X-Rollout-Duplicate: true``) while it
-is in the session's result window, and ``Accept: application/msgpack`` returns the fleet's
-msgpack ``StepResult`` (latents as raw ndarrays) instead of base64 JSON.
+/ ``step_out_of_order``, 413 ``payload_too_large``, 504 ``timeout`` when no result came within the
+step timeout (60 s by default: an HTTP client never waits for ever), and HTTP 200 for the others
+(``inference_error``, ``context_lost``); control routes answer 404 / 410 as vLLM's
+``{"error": {...}}`` body, and a malformed body is a 400 of the same shape.
 
-    rollout-fleet gateway --redis-url redis://127.0.0.1:6379/0 --port 8000
+The gateway is the boundary for untrusted clients (see :mod:`broker.gateway.guards`): with API keys
+set, every route but ``GET /health`` needs ``Authorization: Bearer <key>`` (401), a session is
+stepped, reset, closed or read only with the key that created it (403), each key holds at most
+``max_sessions_per_key`` open sessions (429); a body over ``max_body_bytes`` is refused before it is
+read (413), and images are size-checked from their headers (413) and decoded in worker threads.
+
+Differences a client can only gain from: a re-sent, already committed step returns its stored
+result (header ``X-Rollout-Duplicate: true``) while it is in the session's result window, and
+``Accept: application/msgpack`` returns the fleet's msgpack ``StepResult`` (latents as raw
+ndarrays) instead of base64 JSON.
+
+    rollout-fleet gateway --redis-url redis://127.0.0.1:6379/0 --port 8000 --api-key "$KEY"
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import logging
 import time
 from collections import OrderedDict
@@ -31,17 +42,22 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from broker.client import FleetClient, Session
 from broker.gateway.convert import fleet_action, fleet_observation, http_status, step_response
+from broker.gateway.errors import error_response
+from broker.gateway.guards import CALLER_STATE, BearerAuth, BodyLimit
+from broker.gateway.health import health_problem
 from broker.gateway.models import (
     CloseSessionResponse,
     CreateSessionRequest,
     CreateSessionResponse,
-    ErrorInfo,
     ErrorResponse,
+    HealthResponse,
     ResetSessionResponse,
     RolloutStepRequest,
     RolloutStepResponse,
     SessionStatusResponse,
 )
+from broker.gateway.settings import GatewaySettings
+from broker.gateway.tenancy import Tenancy
 from broker.redis.config import CellConfig
 from schemas.codec import encode
 from schemas.errors import (
@@ -60,19 +76,22 @@ DEFAULT_MODEL = "reference-world"
 MSGPACK = "application/msgpack"
 DUPLICATE_HEADER = "X-Rollout-Duplicate"
 _ERRORS: dict[int | str, dict[str, Any]] = {
-    400: {"model": ErrorResponse}, 404: {"model": ErrorResponse}, 410: {"model": ErrorResponse},
+    status: {"model": ErrorResponse} for status in (400, 401, 403, 404, 410, 413, 504)
 }
 router = APIRouter()
 
 
 class Gateway:
-    """One app's state: the fleet client and handles of the sessions it has seen (LRU)."""
+    """One app's state: the fleet client, handles of the sessions it has seen (LRU), who owns them."""
 
-    def __init__(self, fleet: FleetClient, *, model_default: str, step_timeout: float | None,
+    def __init__(self, fleet: FleetClient, *, model_default: str, settings: GatewaySettings,
                  limits: Limits, max_handles: int = 4096) -> None:
-        self.fleet, self.model_default, self.step_timeout, self.limits = fleet, model_default, step_timeout, limits
+        self.fleet, self.model_default, self.limits = fleet, model_default, limits
+        self.step_timeout = settings.step_timeout_s
+        self.tenancy = Tenancy(fleet, settings.max_sessions_per_key)
         self.max_handles = max_handles
         self._handles: OrderedDict[str, Session] = OrderedDict()
+        self._decodes = asyncio.Semaphore(settings.decode_threads)
 
     def remember(self, session: Session) -> Session:
         self._handles[session.session_id] = session
@@ -92,10 +111,16 @@ class Gateway:
             return handle
         return self.remember(await self.fleet.attach(session_id))
 
+    async def observation(self, body: RolloutStepRequest) -> dict[str, Any]:
+        """The body's observation, its images decoded in a thread: a large picture takes a second
+        to decode, and on the event loop that second would stall every other client."""
+        async with self._decodes:
+            return await asyncio.to_thread(fleet_observation, body.observation, self.limits)
+
     async def step(self, session_id: str, body: RolloutStepRequest) -> StepResult:
         try:
             session = await self.session(session_id)
-            observation = fleet_observation(body.observation, self.limits)
+            observation = await self.observation(body)
             action = fleet_action(body.action)
         except FleetError as exc:
             return StepResult.failure(session_id, body.step_id, exc.code, exc.message)
@@ -105,6 +130,19 @@ class Gateway:
 
 def _gateway(request: Request) -> Gateway:
     gateway: Gateway = request.app.state.gateway
+    return gateway
+
+
+def _caller(request: Request) -> str | None:
+    """The caller's key digest (set by BearerAuth); None on an open gateway."""
+    caller: str | None = getattr(request.state, CALLER_STATE, None)
+    return caller
+
+
+async def _owned(request: Request, session_id: str) -> Gateway:
+    """The gateway, once the caller is known to own the session (403 otherwise)."""
+    gateway = _gateway(request)
+    await gateway.tenancy.check(_caller(request), session_id)
     return gateway
 
 
@@ -129,12 +167,13 @@ def _step_reply(request: Request, result: StepResult) -> Response:
 
 
 @router.post("/v1/realtime/sessions", response_model=CreateSessionResponse,
-             responses={**_ERRORS, 503: {"model": ErrorResponse}})
+             responses={**_ERRORS, 429: {"model": ErrorResponse}, 503: {"model": ErrorResponse}})
 async def create_rollout_session(body: CreateSessionRequest, request: Request) -> CreateSessionResponse:
     """Create a world_model_env session on the least loaded worker serving the model."""
     gateway = _gateway(request)
     try:
-        session = await gateway.fleet.create_session(body.model or gateway.model_default, body.mode)
+        session = await gateway.tenancy.create(
+            _caller(request), lambda: gateway.fleet.create_session(body.model or gateway.model_default, body.mode))
     except InvalidRequestError as exc:
         raise HTTPException(status_code=400, detail=exc.message) from exc
     except CapacityExhaustedError as exc:
@@ -147,13 +186,14 @@ async def create_rollout_session(body: CreateSessionRequest, request: Request) -
              responses={**_ERRORS, 200: {"content": {MSGPACK: {}}}})
 async def rollout_step(session_id: str, body: RolloutStepRequest, request: Request) -> Response:
     """Run one step. Errors come back in the body's ``error`` (see the module docs for statuses)."""
-    return _step_reply(request, await _gateway(request).step(session_id, body))
+    gateway = await _owned(request, session_id)
+    return _step_reply(request, await gateway.step(session_id, body))
 
 
 @router.post("/v1/realtime/sessions/{session_id}/reset", response_model=ResetSessionResponse, responses=_ERRORS)
 async def reset_rollout_session(session_id: str, request: Request) -> ResetSessionResponse:
     """Reset after the queued steps: committed_step_id goes back to -1, the context is dropped."""
-    gateway = _gateway(request)
+    gateway = await _owned(request, session_id)
     try:
         session = await gateway.session(session_id)
         committed = await session.reset(timeout=gateway.step_timeout)
@@ -169,25 +209,37 @@ async def reset_rollout_session(session_id: str, request: Request) -> ResetSessi
 @router.post("/v1/realtime/sessions/{session_id}/close", response_model=CloseSessionResponse, responses=_ERRORS)
 async def close_rollout_session(session_id: str, request: Request) -> CloseSessionResponse:
     """Close the session; closing twice is fine."""
-    gateway = _gateway(request)
+    gateway = await _owned(request, session_id)
     try:
         session = await gateway.session(session_id)
         await session.close()
     except SessionNotFoundError as exc:
         raise _not_found(session_id) from exc
     gateway.forget(session_id)
+    await gateway.tenancy.release(_caller(request), session_id)
     return CloseSessionResponse(session_id=session_id, closed=True)
 
 
 @router.get("/v1/realtime/sessions/{session_id}/status", response_model=SessionStatusResponse, responses=_ERRORS)
 async def rollout_session_status(session_id: str, request: Request) -> SessionStatusResponse:
     """The session's committed step, context length and whether it is closed."""
+    gateway = await _owned(request, session_id)
     try:
-        status = await _gateway(request).fleet.status(session_id)
+        status = await gateway.fleet.status(session_id)
     except SessionNotFoundError as exc:
         raise _not_found(session_id) from exc
     return SessionStatusResponse(session_id=session_id, committed_step_id=status.committed_step_id,
                                  context_length=status.context_length, closed=status.closed)
+
+
+@router.get("/health", response_model=HealthResponse, responses={503: {"model": ErrorResponse}})
+async def health(request: Request) -> Response:
+    """200 when Redis answers and a live worker serves the default model; 503 with the reason."""
+    gateway = _gateway(request)
+    problem, live = await health_problem(gateway.fleet, gateway.model_default)
+    if problem is not None:
+        return error_response(503, problem)
+    return JSONResponse(HealthResponse(status="ok", model=gateway.model_default, live_workers=live).model_dump())
 
 
 # --------------------------------------------------------------------------- errors, app
@@ -195,9 +247,7 @@ async def rollout_session_status(session_id: str, request: Request) -> SessionSt
 
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, StarletteHTTPException)
-    body = ErrorResponse(error=ErrorInfo(message=str(exc.detail), type=HTTPStatus(exc.status_code).phrase,
-                                         code=exc.status_code))
-    return JSONResponse(body.model_dump(), status_code=exc.status_code, headers=exc.headers)
+    return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
 
 
 async def _validation_error(request: Request, exc: Exception) -> Response:
@@ -206,28 +256,29 @@ async def _validation_error(request: Request, exc: Exception) -> Response:
     plural = "s" if len(errors) != 1 else ""
     message = f"{len(errors)} validation error{plural}:" + "".join(f"\n  {err}" for err in errors)
     param = ".".join(str(part) for part in errors[0].get("loc", ())) if errors else None
-    body = ErrorResponse(error=ErrorInfo(message=message, type=HTTPStatus.BAD_REQUEST.phrase, param=param or None,
-                                         code=HTTPStatus.BAD_REQUEST))
-    return JSONResponse(body.model_dump(), status_code=HTTPStatus.BAD_REQUEST)
+    return error_response(HTTPStatus.BAD_REQUEST, message, param=param or None)
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
     logger.exception("unhandled gateway error on %s", request.url.path, exc_info=exc)
-    body = ErrorResponse(error=ErrorInfo(message=f"{type(exc).__name__}: {exc}",
-                                         type=HTTPStatus.INTERNAL_SERVER_ERROR.phrase, code=500))
-    return JSONResponse(body.model_dump(), status_code=500)
+    return error_response(500, f"{type(exc).__name__}: {exc}")
 
 
 def create_app(redis_url: str | None = None, prefix: str | None = None, cell: str | None = None,
                model_default: str = DEFAULT_MODEL, *, config: CellConfig | None = None,
-               step_timeout: float | None = None, limits: Limits = DEFAULT_LIMITS) -> FastAPI:
+               step_timeout: float | None = None, limits: Limits = DEFAULT_LIMITS,
+               settings: GatewaySettings | None = None) -> FastAPI:
     """The gateway app; one FleetClient lives for the app's lifespan. ``redis_url``, ``prefix``
-    and ``cell`` override ``config``'s, as for :class:`FleetClient`."""
+    and ``cell`` override ``config``'s, as for :class:`FleetClient`; ``step_timeout`` overrides
+    ``settings.step_timeout_s``."""
+    settings = settings or GatewaySettings()
+    if step_timeout is not None:
+        settings = dataclasses.replace(settings, step_timeout_s=step_timeout)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with FleetClient(redis_url, prefix=prefix, cell=cell, config=config, limits=limits) as fleet:
-            app.state.gateway = Gateway(fleet, model_default=model_default, step_timeout=step_timeout, limits=limits)
+            app.state.gateway = Gateway(fleet, model_default=model_default, settings=settings, limits=limits)
             yield
 
     app = FastAPI(title="Rollout Fleet gateway", version="1", lifespan=lifespan,
@@ -236,11 +287,14 @@ def create_app(redis_url: str | None = None, prefix: str | None = None, cell: st
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(Exception, _internal_error)
+    # The last added runs first: the key is checked before a byte of the body is read.
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BearerAuth, api_keys=settings.api_keys)
     return app
 
 
 def serve(config: CellConfig, host: str = "127.0.0.1", port: int = 8000, *,
-          model_default: str = DEFAULT_MODEL, step_timeout: float | None = None) -> None:
+          model_default: str = DEFAULT_MODEL, settings: GatewaySettings | None = None) -> None:
     """Run the gateway in the foreground (uvicorn) until interrupted."""
-    app = create_app(model_default=model_default, config=config, step_timeout=step_timeout)
+    app = create_app(model_default=model_default, config=config, settings=settings)
     uvicorn.run(app, host=host, port=port, log_level="info")

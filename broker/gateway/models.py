@@ -108,3 +108,9 @@ class ErrorInfo(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorInfo
+
+
+class HealthResponse(BaseModel):
+    status: Literal["ok"]
+    model: str
+    live_workers: int

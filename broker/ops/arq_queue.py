@@ -21,10 +21,8 @@ from arq.connections import ArqRedis
 from redis.asyncio import ConnectionPool
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from broker.redis.backoff import CAP_S, START_S
+from broker.redis.backoff import CAP_S, REDIS_ERRORS, START_S
 from broker.redis.config import CellConfig
 
 # A replay request is a few filters; a result is a list of outcomes. A job larger than this is
@@ -42,7 +40,8 @@ ARQ_KEY_PATTERNS: tuple[str, ...] = (
 )
 
 # arq's own create_pool retried a refused connection 5 times, 1 s apart; this keeps that tolerance
-# (about 10 s in all) with the fleet's backoff, for every command rather than only the first.
+# (about 9 s in all) with the fleet's backoff, for every command rather than only the first.
+# OSError is in the list because a refused connect surfaces as one, before redis-py wraps it.
 CONNECT_RETRIES = 8
 
 
@@ -72,7 +71,7 @@ def arq_pool(config: CellConfig) -> ArqRedis:
     """An arq pool on the cell's Redis, with the msgpack serializers and the cell's queue."""
     retry = Retry(ExponentialBackoff(cap=CAP_S, base=START_S), CONNECT_RETRIES)
     connections = ConnectionPool.from_url(config.redis_url, retry=retry,
-                                          retry_on_error=[RedisConnectionError, RedisTimeoutError])
+                                          retry_on_error=list(REDIS_ERRORS))
     pool = ArqRedis(connections, job_serializer=pack_arq, job_deserializer=unpack_arq,
                     default_queue_name=config.keys.arq_queue)
     pool.auto_close_connection_pool = True  # the pool is this client's alone: aclose() closes it

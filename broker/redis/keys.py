@@ -109,3 +109,7 @@ class CellKeys:
     def sessions(self) -> str:
         """HASH session id -> owner of every live session (failover finds a worker's sessions here)."""
         return f"{self.base}:sessions"
+
+    def gateway_open(self, key_digest: str) -> str:
+        """SET of the open sessions the gateway created for one API key (by the key's digest)."""
+        return f"{self.base}:gateway:open:{key_digest}"

@@ -1,0 +1,112 @@
+"""ASGI guards in front of the app, which answer before a body is read: the bearer key (401) and
+the body size (413).
+
+Both are plain ASGI rather than FastAPI dependencies: a dependency runs after the body has been
+read and parsed, which is exactly the cost a hostile client must not be able to impose."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from broker.gateway.errors import error_response
+
+OPEN_PATHS = frozenset({"/health"})  # answered without a key: load balancers probe it
+CALLER_STATE = "api_key_digest"  # scope["state"] entry: the caller's key digest (None: open gateway)
+
+
+def key_digest(key: str) -> str:
+    """What the gateway stores of a key (never the key itself)."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope.get("headers", ()):
+        if key.lower() == name:
+            return bytes(value).decode("latin-1")
+    return None
+
+
+class BearerAuth:
+    """With keys configured, every route but :data:`OPEN_PATHS` needs ``Authorization: Bearer <key>``;
+    the caller's key digest goes into the request state for session ownership."""
+
+    def __init__(self, app: ASGIApp, api_keys: frozenset[str]) -> None:
+        self.app = app
+        self.digests = tuple(key_digest(key) for key in api_keys)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            digest = self._caller(scope)
+            if digest is None and self.digests and scope["path"] not in OPEN_PATHS:
+                response = error_response(401, "missing or unknown API key: send 'Authorization: Bearer <key>'",
+                                          headers={"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+            scope.setdefault("state", {})[CALLER_STATE] = digest
+        await self.app(scope, receive, send)
+
+    def _caller(self, scope: Scope) -> str | None:
+        scheme, _, token = (_header(scope, b"authorization") or "").partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            return None
+        digest = key_digest(token.strip())
+        # Compare every digest in constant time, so timing does not tell which key came close.
+        matches = [hmac.compare_digest(digest, known) for known in self.digests]
+        return digest if any(matches) else None
+
+
+class BodyLimit:
+    """Refuses a body over ``max_bytes`` with 413: at once when Content-Length says so, else as soon
+    as the streamed bytes pass the limit (the rest is never read). A body within the limit is
+    buffered and handed to the app unchanged."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = _header(scope, b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
+            await self._refuse(scope, receive, send, declared)
+            return
+        first = await self._read_within_limit(receive)
+        if first is None:
+            await self._refuse(scope, receive, send, f"more than {self.max_bytes}")
+            return
+        await self.app(scope, _replay(first, receive), send)
+
+    async def _read_within_limit(self, receive: Receive) -> Message | None:
+        """The whole body as one message (or the disconnect that cut it short); None past the limit."""
+        chunks: list[bytes] = []
+        total = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return message
+            chunk = message.get("body", b"")
+            total += len(chunk)
+            if total > self.max_bytes:
+                return None
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send, size: str) -> None:
+        response = error_response(413, f"request body of {size} bytes; the limit is {self.max_bytes}",
+                                  headers={"Connection": "close"})
+        await response(scope, receive, send)
+
+
+def _replay(first: Message, receive: Receive) -> Receive:
+    """A receive that answers the buffered body once, then the server's own (disconnects)."""
+    pending = [first]
+
+    async def replay() -> Message:
+        return pending.pop() if pending else await receive()
+
+    return replay
