@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from broker.ops.failover import reap
+from broker.ops.failover import reap, sessions_of
 from broker.redis.scripts import Scripts
 from workers.engines.base import Engine
 from workers.settings import WorkerSettings
@@ -26,6 +26,9 @@ async def reap_until_moved(scripts: Scripts, dead: str, timeout: float = 5.0, le
     while asyncio.get_running_loop().time() < deadline:
         reports = await reap(scripts, lease_ms=lease_ms)
         if any(r.worker_id == dead and r.retired for r in reports):
+            return
+        # Workers reap too (workers/reaper.py): the pass that retired it may have been theirs.
+        if await scripts.redis.zscore(scripts.keys.workers, dead) is None and not await sessions_of(scripts, dead):
             return
         await asyncio.sleep(0.1)
     pytest.fail(f"{dead} was not failed over")
@@ -70,6 +73,8 @@ class WorkerPool:
             task.cancel()
         await asyncio.gather(running.task, *worker._tasks, return_exceptions=True)
         if worker._redis is not None:
+            if worker._scripts is not None:
+                await worker._scripts.cancel_pending()
             await worker._redis.aclose()
             worker._redis = None
         self.running.remove(running)

@@ -16,6 +16,7 @@ import pytest
 
 from broker import FleetClient, Session
 from broker.redis.embedded import RedisServer, free_port
+from schemas.errors import ErrorCode
 from schemas.messages import StepResult, TokenStep, WorldStep
 from schemas.reference_tokenizer import ReferenceTokenizer
 from tests.procs import Fleet
@@ -93,9 +94,22 @@ async def killer(procs: Fleet, stop: asyncio.Event, every_s: float, engine_args:
 
 
 async def test_sigkill_chaos_loses_nothing_and_matches_a_fault_free_run(fleet_procs: Fleet) -> None:
-    sessions_n, steps = (60, 100) if LONG else (12, 40)
-    engine_args = ["--latent-shape", ",".join(map(str, SHAPE))]
     fleet_procs.supervisor()
+    await sigkill_chaos(fleet_procs, *((60, 100) if LONG else (12, 40)), every_s=5.0 if LONG else 1.5)
+
+
+async def test_sigkill_chaos_with_the_supervisor_stopped_heals_through_the_workers(fleet_procs: Fleet) -> None:
+    supervisor = fleet_procs.supervisor()
+    supervisor.send_signal(signal.SIGSTOP)  # frozen for the whole run: only the workers reap
+    # a kill every 4 s: each replacement (a torch import) is up before the next kill on a busy machine
+    await sigkill_chaos(fleet_procs, 8, 24, every_s=4.0)
+    assert supervisor.poll() is None
+
+
+async def sigkill_chaos(fleet_procs: Fleet, sessions_n: int, steps: int, *, every_s: float) -> None:
+    """Drive ``sessions_n`` sessions while workers are SIGKILLed and replaced; compare every result
+    with a fault-free run."""
+    engine_args = ["--latent-shape", ",".join(map(str, SHAPE))]
     for _ in range(3):
         fleet_procs.worker(*engine_args, engine="reference")
     await fleet_procs.wait_active(3)
@@ -105,7 +119,7 @@ async def test_sigkill_chaos_loses_nothing_and_matches_a_fault_free_run(fleet_pr
                                                mode=m) for m in modes]
         results: list[list[StepResult]] = [[] for _ in sessions]
         stop = asyncio.Event()
-        kill_task = asyncio.create_task(killer(fleet_procs, stop, 5.0 if LONG else 1.5, engine_args))
+        kill_task = asyncio.create_task(killer(fleet_procs, stop, every_s, engine_args))
         pairs = enumerate(zip(sessions, modes, strict=True))
         await asyncio.gather(*[drive(s, m, k, steps, results[k]) for k, (s, m) in pairs])
         stop.set()
@@ -196,3 +210,39 @@ async def test_redis_killed_and_restarted_with_aof_always_loses_nothing(prefix: 
         finally:
             procs.close()
             server.cleanup()
+
+
+async def test_redis_restarted_without_persistence_no_trainer_hangs(prefix: str) -> None:
+    port = free_port()
+    server = RedisServer(port=port).start()
+    procs = Fleet(server.url, prefix, lease_ms=2000, heartbeat_ms=300)
+    try:
+        supervisor = procs.supervisor()
+        for _ in range(2):
+            procs.worker("--engine-opt", "delay_ms=5")
+        await procs.wait_active(2)
+        async with FleetClient(server.url, prefix=prefix, step_timeout=30, session_check_s=1.0) as fleet:
+            sessions = [await fleet.create_session(model="null-world", mode="world_model_env") for _ in range(16)]
+            results: list[list[StepResult]] = [[] for _ in sessions]
+            running = asyncio.gather(*[drive_null(s, 200, results[k]) for k, s in enumerate(sessions)])
+            await asyncio.sleep(1.0)
+            server.stop(kill=True)  # SIGKILL mid-run; it comes back empty
+            server.cleanup()
+            await asyncio.sleep(1.0)
+            server = RedisServer(port=port).start()
+            await asyncio.wait_for(running, 120)  # every trainer finishes: nobody hangs
+            for rs in results:
+                ok = [r for r in rs if r.ok]
+                assert ok, "the run ended before the restart"
+                # what was answered before the loss is each session's steps in order, once each
+                assert [r.output["context"] for r in ok] == list(range(len(ok)))
+                codes = {r.error.code for r in rs if r.error is not None}
+                assert codes <= {ErrorCode.SESSION_NOT_FOUND, ErrorCode.CONTEXT_LOST}, codes
+                assert rs[-1].error is not None  # the trainer learnt that its session is gone
+            await procs.wait_active(2)  # the workers came back as new incarnations
+            fresh = await fleet.create_session(model="null-world", mode="world_model_env")
+            assert (await asyncio.wait_for(fresh.step(0, **world_step(0)), 30)).ok
+            assert supervisor.poll() is None  # the supervisor rode out the loss
+    finally:
+        procs.close()
+        server.cleanup()

@@ -47,6 +47,23 @@ async def test_results_reach_a_consumer_group_and_are_handled_once(
 
 
 @pytest.mark.slow
+async def test_a_consumer_whose_stream_vanished_recreates_its_group_and_reads_on(
+    fleet: FleetClient, workers: WorkerPool
+) -> None:
+    await workers.add(NullEngine())
+    s = await fleet.create_session(model="null-lm", mode="tokens")
+    async with ResultConsumer(fleet, "rollouts", group="g", consumer="c1") as results:
+        await fleet.redis.delete(fleet.keys.reply("rollouts"))  # as a Redis restarted without persistence
+        assert await results.read(block_ms=100) == []
+        assert (await s.enqueue(0, results_stream="rollouts", token_ids=[1])).status == "queued"
+        seen: list[int] = []
+        for _ in range(50):
+            seen += [d.result.step_id for d in await results.read(block_ms=100)]
+            if seen:
+                break
+        assert seen == [0]
+
+
 async def test_producer_and_two_trainers_one_killed_mid_run(redis_server: RedisServer, prefix: str) -> None:
     procs = Fleet(redis_server.url, prefix)
     trainers: list[subprocess.Popen[bytes]] = []

@@ -35,6 +35,7 @@ class WorkerSettings:
     close_grace_ms: int = 60_000
     drain_timeout_s: float = 30.0
     handover_on_stop: bool = True  # on SIGTERM hand sessions to live workers (no lease wait)
+    reap: bool = True  # take part in failing over dead workers (workers/reaper.py), no supervisor needed
     limits: Limits = DEFAULT_LIMITS
 
     def __post_init__(self) -> None:

@@ -29,7 +29,9 @@ from workers.batcher import Batcher
 from workers.engines.base import Engine
 from workers.executor import SessionState, StepExecutor
 from workers.failure import StepFailed, settled
+from workers.inbox_repair import recreate_inbox
 from workers.jobs import BadJob, Job, parse_job
+from workers.reaper import reap_loop
 from workers.settings import WorkerSettings, new_worker_id
 from workers.weight_control import WeightControl
 
@@ -95,6 +97,8 @@ class Worker:
         self._idle.set()
         self._spawn(self._heartbeat_loop(), "heartbeat")
         self._spawn(self.weights.follow(), "control")
+        if self.settings.reap:
+            self._spawn(reap_loop(self._scripts, lease_ms=self.settings.cell_config.lease_ms), "reaper")
         log.info("worker %s serving %s", self.id, ", ".join(self.engine.models()))
 
     def request_stop(self) -> None:
@@ -135,6 +139,7 @@ class Worker:
         if self._redis is not None:
             with contextlib.suppress(Exception):
                 await self._scripts_or_fail().leave_pools(self.id, pools=self._pools, state="stopped")
+            await self._scripts_or_fail().cancel_pending()
             await self._redis.aclose()
             self._redis = None
         await self.engine.close()
@@ -229,6 +234,8 @@ class Worker:
                 # ResponseError: our inbox was deleted under a blocked read (we were retired as dead);
                 # the heartbeat re-registers us as a new incarnation with a new inbox.
                 log.warning("inbox read failed (%s); retrying in %.2fs", exc, backoff.delay)
+                if isinstance(exc, ResponseError) and "NOGROUP" in str(exc):
+                    await recreate_inbox(redis, self.keys, self.id)
                 await backoff.wait()
                 cursor = "0"
                 continue

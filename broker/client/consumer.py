@@ -68,25 +68,36 @@ class ResultConsumer:
         self._next_claim = 0.0
 
     async def __aenter__(self) -> ResultConsumer:
+        await self._create_group()
+        return self
+
+    async def _create_group(self) -> None:
         try:
             await self.fleet.redis.xgroup_create(self._key, self.group, id="0", mkstream=True)
         except ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
-        return self
 
     async def __aexit__(self, *exc: object) -> None:
         return None
 
     async def read(self, count: int = 64, block_ms: int = 1000) -> list[Delivery]:
         """Up to ``count`` results not yet handled by the group (may be empty after ``block_ms``)."""
-        raw = await self._claim(count) if time.monotonic() >= self._next_claim else []
-        if not raw:
-            resp: Any = await self.fleet.redis.xreadgroup(self.group, self.name, {self._key: self._cursor},
-                                                          count=count, block=block_ms)
-            raw = resp[0][1] if resp else []
-            if self._cursor != ">":
-                self._cursor = raw[-1][0] if raw else ">"
+        try:
+            raw = await self._claim(count) if time.monotonic() >= self._next_claim else []
+            if not raw:
+                resp: Any = await self.fleet.redis.xreadgroup(self.group, self.name, {self._key: self._cursor},
+                                                              count=count, block=block_ms)
+                raw = resp[0][1] if resp else []
+                if self._cursor != ">":
+                    self._cursor = raw[-1][0] if raw else ">"
+        except ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            # The stream or its group vanished (Redis lost its data): recreate them and read on.
+            log.warning("results stream %s lost its group; recreating it", self._key)
+            await self._create_group()
+            return []
         return await self._deliveries(raw)
 
     async def _claim(self, count: int) -> list[Any]:

@@ -31,13 +31,26 @@ from schemas.limits import DEFAULT_LIMITS, Limits
 from schemas.messages import Mode, SessionStatus, StepResult, parse_mode
 
 RETENTIONS = ("full", "none")
+DEFAULT_STEP_TIMEOUT_S = 300.0
+DEFAULT_SESSION_CHECK_S = 2.0
+
+
+def _positive_or_none(name: str, value: float | None) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ValueError(f"{name} must be a positive number of seconds or None, got {value!r}")
+    return float(value)
 
 
 class FleetClient:
     """Async client of one cell. Use as ``async with FleetClient(url) as fleet``.
 
     ``url``, ``prefix``, ``cell`` and ``lease_ms`` override the matching values of ``config``
-    (default: ``CellConfig()``); None keeps the config's value."""
+    (default: ``CellConfig()``); None keeps the config's value. ``step_timeout`` bounds every
+    step and reset called without a ``timeout`` (None: no bound); while waiting, the client checks
+    every ``session_check_s`` that the session still exists and fails the wait with
+    ``session_not_found`` once it is gone."""
 
     def __init__(
         self,
@@ -51,6 +64,8 @@ class FleetClient:
         reply_ttl_ms: int = 3_600_000,
         reconnect_s: float = 60.0,
         config: CellConfig | None = None,
+        step_timeout: float | None = DEFAULT_STEP_TIMEOUT_S,
+        session_check_s: float = DEFAULT_SESSION_CHECK_S,
     ) -> None:
         self.config = (config or CellConfig()).with_overrides(redis_url=url, prefix=prefix, cell=cell,
                                                               lease_ms=lease_ms)
@@ -61,6 +76,10 @@ class FleetClient:
         self.lease_ms = self.config.lease_ms
         self.reply_ttl_ms = reply_ttl_ms
         self.reconnect_s = reconnect_s
+        # A step (or reset) called without a timeout waits this long at most; None: no bound.
+        self.step_timeout = _positive_or_none("step_timeout", step_timeout)
+        # While waiting, how often to check that the session still exists (broker/client/waiting.py).
+        self.session_check_s = _positive_or_none("session_check_s", session_check_s) or DEFAULT_SESSION_CHECK_S
         self._redis: Redis | None = None
         self._scripts: Scripts | None = None
         self._replies: ReplyReader | None = None
@@ -84,6 +103,8 @@ class FleetClient:
     async def aclose(self) -> None:
         if self._replies is not None:
             await self._replies.stop()
+        if self._scripts is not None:
+            await self._scripts.cancel_pending()
         if self._redis is not None:
             await self._redis.aclose()
         self._redis = self._scripts = self._replies = None

@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from broker.client.waiting import wait_bound, wait_for_reply
 from broker.redis.backoff import REDIS_ERRORS, Backoff
 from broker.redis.keys import check_stream_name
 from broker.redis.layouts import ReplyEntry
@@ -172,14 +173,18 @@ class Session:
                                       committed_step_id=reply.committed_step_id,
                                       context_length=reply.context_length)
         try:
-            answer = await asyncio.wait_for(waiter, timeout)
-        except TimeoutError:
+            answer = await wait_for_reply(self.fleet, self.session_id, waiter, timeout)
+        except FleetTimeoutError:
             replies.forget(job_id)
             return StepResult.failure(
                 self.session_id, step_id, ErrorCode.TIMEOUT,
-                f"no result within {timeout}s; the step is still queued and may commit later "
-                "(re-send the same step_id to get its stored result)",
+                f"no result within {wait_bound(self.fleet, timeout)}s; the step is still queued and may "
+                "commit later (re-send the same step_id to get its stored result)",
                 committed_step_id=reply.committed_step_id)
+        except FleetError as exc:
+            replies.forget(job_id)
+            return StepResult.failure(self.session_id, step_id, exc.code, exc.message,
+                                      committed_step_id=reply.committed_step_id)
         return self.fleet.decode_result(answer, started)
 
     async def _send_step(self, call: Callable[[str], Awaitable[EnqueueReply]]) -> Queued | Stored | Refused:
@@ -253,7 +258,10 @@ class Session:
         if isinstance(reply, AlreadyClosed) or not wait:
             replies.forget(job_id)
             return reply.committed_step_id
-        answer = await asyncio.wait_for(waiter, timeout)
+        try:
+            answer = await wait_for_reply(self.fleet, self.session_id, waiter, timeout)
+        finally:
+            replies.forget(job_id)
         return answer.committed
 
 

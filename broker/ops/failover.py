@@ -8,6 +8,7 @@ owner's liveness and capacity. Running it twice, or from two supervisors at once
 from __future__ import annotations
 
 import logging
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -117,3 +118,21 @@ async def fail_over(scripts: Scripts, worker_id: str, *, lease_ms: int, reason: 
 async def reap(scripts: Scripts, *, lease_ms: int) -> list[FailoverReport]:
     """One pass: fail over every worker whose lease expired."""
     return [await fail_over(scripts, wid, lease_ms=lease_ms) for wid in await expired_workers(scripts, lease_ms)]
+
+
+async def reap_exclusively(scripts: Scripts, *, lease_ms: int) -> list[FailoverReport] | None:
+    """One reaping pass under the cell's reap lock; None when another process holds the lock.
+
+    Every worker and every supervisor calls this; SET NX PX lets one of them reap at a time. The
+    moves would be safe concurrently too (fenced scripts); the lock only saves duplicated work.
+    The lock expires after one lease, so a reaper that dies mid-pass delays the next by that much.
+    """
+    redis, lock = scripts.redis, scripts.keys.supervisor_lock
+    token = uuid.uuid4().hex
+    if not await redis.set(lock, token, nx=True, px=lease_ms):
+        return None
+    try:
+        return await reap(scripts, lease_ms=lease_ms)
+    finally:
+        if await redis.get(lock) == token.encode():
+            await redis.delete(lock)

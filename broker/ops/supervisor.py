@@ -6,16 +6,17 @@
 - ``replay_dead`` (on request): replay dead-lettered jobs as an arq job (:func:`request_replay`).
 
 Jobs are msgpack, never pickle (:mod:`broker.ops.arq_queue`): a job that is not msgpack is refused
-without being run. Several supervisors may run: arq gives each cron tick one job id (unique), a
-Redis lock makes a reaping pass exclusive, and every move is an idempotent, fenced Lua script
-anyway. Workers do not need a supervisor to keep serving; without one a dead worker's sessions
-just wait.
+without being run. Several supervisors may run: arq gives each cron tick one job id (unique), a Redis lock makes a
+reaping pass exclusive, and every move is an idempotent, fenced Lua script anyway. Workers do not
+need a supervisor: each worker also reaps under the same lock (``workers/reaper.py``), so failover
+works with none; the supervisor adds trimming and replays.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
-import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -24,14 +25,16 @@ from arq.worker import Worker as ArqWorker
 from redis.asyncio import Redis
 
 from broker.ops.arq_queue import arq_pool, pack_arq, unpack_arq
-from broker.ops.failover import reap
+from broker.ops.failover import reap_exclusively
 from broker.ops.replay import list_dead, replay
 from broker.redis.aio import resolve
+from broker.redis.backoff import REDIS_ERRORS
 from broker.redis.config import CellConfig
 from broker.redis.layouts import DEAD_LETTER_MAXLEN
 from broker.redis.scripts import Scripts
 
 log = logging.getLogger(__name__)
+RESTART_PAUSE_S = 1.0  # between a Redis error that ended arq's loop and the next start
 
 
 @dataclass(frozen=True)
@@ -53,15 +56,9 @@ async def _shutdown(ctx: dict[str, Any]) -> None:
 async def reap_job(ctx: dict[str, Any]) -> dict[str, Any]:
     settings: SupervisorSettings = ctx["settings"]
     scripts: Scripts = ctx["scripts"]
-    token = uuid.uuid4().hex
-    # One reaping pass at a time across supervisors; the lock outlives a stuck pass by little.
-    if not await scripts.redis.set(scripts.keys.supervisor_lock, token, nx=True, px=settings.cell_config.lease_ms):
-        return {"skipped": "another supervisor is reaping"}
-    try:
-        reports = await reap(scripts, lease_ms=settings.cell_config.lease_ms)
-    finally:
-        if await scripts.redis.get(scripts.keys.supervisor_lock) == token.encode():
-            await scripts.redis.delete(scripts.keys.supervisor_lock)
+    reports = await reap_exclusively(scripts, lease_ms=settings.cell_config.lease_ms)
+    if reports is None:
+        return {"skipped": "another process is reaping"}
     for r in reports:
         log.warning("worker %s lease expired: %d sessions moved (%d jobs), %d waiting, retired=%s",
                     r.worker_id, len(r.moved), r.jobs_moved, len(r.stuck), r.retired)
@@ -108,7 +105,29 @@ def build_worker(settings: SupervisorSettings, *, handle_signals: bool = True) -
 
 
 def run_supervisor(settings: SupervisorSettings) -> None:
-    build_worker(settings).run()
+    """Run until SIGINT/SIGTERM. arq's loop ends on the first Redis error (a restart, a network
+    cut): start it again after a pause instead of exiting, so the cell keeps its trimming."""
+    stop = asyncio.Event()
+    while not stop.is_set():
+        worker = build_worker(settings)
+        worker.on_stop = lambda _sig: stop.set()
+        try:
+            worker.run()
+            return
+        except REDIS_ERRORS as exc:
+            log.warning("supervisor lost redis (%s); starting again in %.0fs", exc, RESTART_PAUSE_S)
+        worker.loop.run_until_complete(_abandon(worker))
+        # A signal during the pause still reaches on_stop: the loop runs while we wait.
+        with contextlib.suppress(TimeoutError):
+            worker.loop.run_until_complete(asyncio.wait_for(stop.wait(), RESTART_PAUSE_S))
+
+
+async def _abandon(worker: ArqWorker) -> None:
+    """Close what a worker that died on a Redis error left open."""
+    for redis in (worker.ctx.get("fleet_redis"), worker.pool):
+        if redis is not None:
+            with contextlib.suppress(*REDIS_ERRORS):
+                await redis.aclose()
 
 
 async def request_replay(settings: SupervisorSettings, filters: dict[str, Any], *, dry_run: bool = False) -> str:

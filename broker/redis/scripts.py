@@ -101,8 +101,21 @@ class Scripts:
     async def _direct(self, name: str, keys: list[str], args: list[Any]) -> Any:
         return await self._scripts[name](keys=keys, args=args)  # EVALSHA, loads on NOSCRIPT
 
+    async def cancel_pending(self) -> None:
+        """Cancel the script calls still in flight, before the owner closes the connection pool:
+        a flush that outlived its pool would open a fresh connection nobody closes. Their callers
+        see a cancellation (a commit that was sent is fenced like any lost reply)."""
+        batch, self._pending = self._pending, []
+        for *_, fut in batch:
+            fut.cancel()
+        for task in list(self._flushing):
+            task.cancel()
+        await asyncio.gather(*self._flushing, return_exceptions=True)
+
     def _flush_soon(self) -> None:
         batch, self._pending = self._pending, []
+        if not batch:  # cancelled before the loop came round to flush it
+            return
         task = asyncio.create_task(self._flush(batch))
         self._flushing.add(task)
         task.add_done_callback(self._flushing.discard)
