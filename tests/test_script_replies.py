@@ -38,6 +38,7 @@ SHAPES: list[tuple[Callable[[Any], object], list[Any], object]] = [
     (r.decode_report, [b"fenced", b"w2", b"2"], r.StaleOwner("w2", 2)),
     (r.decode_apply_control, [b"applied", -1], r.Applied(-1)),
     (r.decode_apply_control, [b"fenced", b"w2", b"2"], r.StaleOwner("w2", 2)),
+    (r.decode_apply_control, [b"unrequested", 3], r.Unrequested(3)),
     (r.decode_failover, [b"moved", 2, 5], r.FailedOver(2, 5)),
     (r.decode_failover, [b"skip", b"w9"], r.Skipped("w9")),
     (r.decode_failover, [b"gone"], r.Gone()),

@@ -25,7 +25,7 @@ from workers.settings import WorkerSettings
 
 DESCRIPTION = "rollout-fleet: worker, demo, redis (embedded, foreground) and status commands."
 # The worker's own settings the CLI sets (flag dests are these field names).
-WORKER_SETTINGS = ("worker_id", "capacity", "heartbeat_ms", "max_attempts", "drain_timeout_s")
+WORKER_SETTINGS = ("worker_id", "capacity", "heartbeat_ms", "max_attempts", "drain_timeout_s", "version_wait_s")
 _CELL_HELP = {"redis_url": "Redis URL", "prefix": "key prefix", "cell": "cell hash tag",
               "lease_ms": "lease in ms: a worker silent this long is failed over (one value per cell)"}
 
@@ -91,6 +91,8 @@ def _worker(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
     _setting(p, "--heartbeat-ms", WorkerSettings, "heartbeat_ms", "heartbeat interval")
     _setting(p, "--max-attempts", WorkerSettings, "max_attempts", "engine attempts per step (transient errors)")
     _setting(p, "--drain-timeout", WorkerSettings, "drain_timeout_s", "seconds to finish in-flight jobs")
+    _setting(p, "--version-wait", WorkerSettings, "version_wait_s",
+             "seconds a step waits for its min_policy_version before it fails with timeout")
 
 
 def _demo(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:

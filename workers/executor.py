@@ -7,9 +7,11 @@ can fail raises ``StepFailed``; the worker answers it with :meth:`StepExecutor.p
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from broker.redis.script_replies import Committed, Duplicate, DuplicateUnstored, OutOfOrder
@@ -31,7 +33,7 @@ from workers.job_scripts import JobScripts
 from workers.jobs import BadJob, Job
 from workers.rebuild import rebuild_context, records_kept, step_record
 from workers.settings import WorkerSettings
-from workers.weights_gate import WeightGate
+from workers.weights_gate import VersionWaitEnded, WeightGate
 
 log = logging.getLogger(__name__)
 EngineRun = tuple[EngineOutput, int, float, int]  # output, attempt, engine ms, policy version
@@ -60,6 +62,8 @@ class StepExecutor:
         self.rebuilt_steps = 0
         self.aborted_steps = 0  # runs stopped by an aborting weight update (each ran again)
         self.rebuild_ms: list[float] = []
+        self.draining = False  # a drain stops every step waiting at the gate for a policy version
+        self._gate_waits: dict[str, set[asyncio.Event]] = {}  # session -> its steps' stop events
 
     @property
     def worker_id(self) -> str:
@@ -141,7 +145,7 @@ class StepExecutor:
         update that aborts in-flight steps sends this one back to the gate: it runs again, whole,
         on the new weights (the engine left the session's context as it was)."""
         while True:
-            async with self.gate.step(job.min_version) as version:
+            async with self._gate(job) as version:
                 try:
                     if state is not None and state.committed >= 0 and not state.engine_ready:
                         await self._rebuild(job, state)
@@ -154,6 +158,45 @@ class StepExecutor:
                     self.aborted_steps += 1
                     log.info("step %s/%d aborted for a weight update; it runs again after it",
                              job.session_id, job.step_id)
+
+    @contextlib.asynccontextmanager
+    async def _gate(self, job: Job) -> AsyncIterator[int]:
+        """Pass the weight gate; a step waiting there for its minimum policy version gives up after
+        ``version_wait_s``, or at once when its session is closed or the worker drains."""
+        stop = asyncio.Event()
+        if self.draining:
+            stop.set()
+        waiting = self._gate_waits.setdefault(job.session_id, set())
+        waiting.add(stop)
+        try:
+            async with self.gate.step(job.min_version, wait_s=self.settings.version_wait_s,
+                                      stop=stop) as version:
+                yield version
+        except VersionWaitEnded as exc:
+            raise self._version_failure(exc) from exc
+        finally:
+            waiting.discard(stop)
+            if not waiting and self._gate_waits.get(job.session_id) is waiting:
+                del self._gate_waits[job.session_id]
+
+    def stop_gate_waits(self, session_id: str | None = None) -> None:
+        """A close of ``session_id`` (None: a drain of the worker) stops its steps waiting at the gate."""
+        if session_id is None:
+            self.draining = True
+        for sid, events in self._gate_waits.items():
+            if session_id in (None, sid):
+                for event in events:
+                    event.set()
+
+    def _version_failure(self, exc: VersionWaitEnded) -> StepFailed:
+        if not exc.stopped:
+            return StepFailed(ErrorCode.TIMEOUT, f"waited {self.settings.version_wait_s:g}s at the weight gate: "
+                              f"{exc}; send the step again later", fallback=True)
+        if self.draining:
+            return StepFailed(ErrorCode.TIMEOUT, f"the worker is draining: {exc}; send the step again",
+                              fallback=True)
+        return StepFailed(ErrorCode.SESSION_CLOSED, f"the session was closed while its step waited: {exc}",
+                          fallback=False)
 
     async def _run_engine(self, job: Job, request: EngineRequest,
                           state: SessionState | None) -> tuple[EngineOutput, int, float]:

@@ -6,7 +6,14 @@ from __future__ import annotations
 
 from broker.redis.keys import INBOX_GROUP
 from broker.redis.layouts import DEAD_LETTER_MAXLEN, ReplyEntry
-from broker.redis.script_replies import Committed, Duplicate, DuplicateUnstored, OutOfOrder, StaleOwner
+from broker.redis.script_replies import (
+    Committed,
+    Duplicate,
+    DuplicateUnstored,
+    OutOfOrder,
+    StaleOwner,
+    Unrequested,
+)
 from broker.redis.scripts import Scripts
 from schemas.codec import encode
 from schemas.errors import Fenced
@@ -23,6 +30,7 @@ class JobScripts:
         self.scripts = scripts
         self.settings = settings
         self.worker_id = settings.worker_id
+        self.reply_bounds = settings.reply_bounds()
 
     async def commit(self, job: Job, result: bytes, *, context_length: int, record: bytes = b"",
                      keep_records: int = -1) -> Committed | Duplicate | DuplicateUnstored | OutOfOrder:
@@ -31,7 +39,7 @@ class JobScripts:
             session_id=job.session_id, worker_id=self.worker_id, epoch=job.epoch, step_id=job.step_id,
             entry_id=job.entry_id, result=result, context_length=context_length, job_id=job.job_id,
             reply_to=job.reply_to, reply_ttl_ms=self.settings.reply_ttl_ms, record=record,
-            keep_records=keep_records,
+            keep_records=keep_records, reply_bounds=self.reply_bounds,
         )
         if isinstance(reply, StaleOwner):
             raise Fenced(job.session_id)
@@ -44,6 +52,7 @@ class JobScripts:
             session_id=job.session_id, worker_id=self.worker_id, epoch=job.epoch, entry_id=job.entry_id,
             job_id=job.job_id, result=result, fallback_gen=job.gen if fallback else None,
             reply_to=job.reply_to, reply_ttl_ms=self.settings.reply_ttl_ms, dead_letter=dead_letter,
+            reply_bounds=self.reply_bounds,
         )
         if isinstance(reply, StaleOwner):
             raise Fenced(job.session_id)
@@ -54,9 +63,18 @@ class JobScripts:
             session_id=job.session_id, worker_id=self.worker_id, epoch=job.epoch, entry_id=job.entry_id,
             job_id=job.job_id, kind=job.kind, mode=job.mode.value, model=job.model, reply_to=job.reply_to,
             grace_ms=self.settings.close_grace_ms, reply_ttl_ms=self.settings.reply_ttl_ms,
+            reply_bounds=self.reply_bounds,
         )
-        if isinstance(reply, StaleOwner):
+        if isinstance(reply, StaleOwner | Unrequested):  # not the session's to apply: dropped as fenced
             raise Fenced(job.session_id)
+
+    async def drop_entry(self, entry_id: str) -> None:
+        """Acknowledge and delete an inbox entry that can never run here (fenced by the session)."""
+        inbox = self.scripts.keys.inbox(self.worker_id)
+        async with self.scripts.redis.pipeline(transaction=True) as pipe:
+            pipe.xack(inbox, INBOX_GROUP, entry_id)
+            pipe.xdel(inbox, entry_id)
+            await pipe.execute()
 
     async def reject_malformed(self, job: BadJob, failure: StepFailed) -> None:
         """Dead-letter an entry that does not parse and answer whoever it names. Not the report

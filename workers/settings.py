@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from broker.redis.config import CellConfig
+from broker.redis.layouts import ReplyBounds
 from schemas.limits import DEFAULT_LIMITS, Limits
 
 
@@ -32,8 +33,13 @@ class WorkerSettings:
     max_attempts: int = 3  # engine attempts per step for transient errors
     retry_backoff_ms: float = 50.0
     reply_ttl_ms: int = 3_600_000
+    reply_stream_bytes: int = 256 * 1024 * 1024  # a reply stream's byte budget (broker ReplyBounds)
+    large_reply_bytes: int = 1024 * 1024  # a result this large gives its reply stream ...
+    large_reply_ttl_ms: int = 600_000  # ... this shorter TTL
     close_grace_ms: int = 60_000
     drain_timeout_s: float = 30.0
+    idle_sweep_s: float = 5.0  # how often the worker closes its sessions idle past their timeout
+    version_wait_s: float = 300.0  # the longest a step waits at the weight gate for its min_policy_version
     handover_on_stop: bool = True  # on SIGTERM hand sessions to live workers (no lease wait)
     reap: bool = True  # take part in failing over dead workers (workers/reaper.py), no supervisor needed
     limits: Limits = DEFAULT_LIMITS
@@ -42,8 +48,14 @@ class WorkerSettings:
         for name in ("capacity", "heartbeat_ms", "read_count", "max_inflight", "max_attempts"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
+        self.reply_bounds()  # validated here, at the edge
+        if self.version_wait_s <= 0 or self.idle_sweep_s <= 0:
+            raise ValueError("version_wait_s and idle_sweep_s must be positive")
         if self.heartbeat_ms >= self.cell_config.lease_ms:
             raise ValueError("heartbeat_ms must be shorter than lease_ms")
+
+    def reply_bounds(self) -> ReplyBounds:
+        return ReplyBounds(self.reply_stream_bytes, self.large_reply_bytes, self.large_reply_ttl_ms)
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> WorkerSettings:

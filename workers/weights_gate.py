@@ -16,6 +16,16 @@ log = logging.getLogger(__name__)
 ABORT_REPEAT_S = 0.05  # how often an aborting update re-aborts steps that reached the engine late
 
 
+class VersionWaitEnded(Exception):
+    """A step stopped waiting at the gate for a policy version the engine does not have."""
+
+    def __init__(self, wanted: int, current: int, *, stopped: bool) -> None:
+        super().__init__(f"policy version {wanted} was not reached (the worker has version {current})")
+        self.wanted = wanted
+        self.current = current
+        self.stopped = stopped  # told to stop (a close, a drain) rather than timed out
+
+
 class WeightGate:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -28,14 +38,17 @@ class WeightGate:
         self._aborting = False
 
     @contextlib.asynccontextmanager
-    async def step(self, min_version: int = 0) -> AsyncIterator[int]:
-        """Hold the engine for one step; yields the policy version the step runs with."""
+    async def step(self, min_version: int = 0, *, wait_s: float | None = None,
+                   stop: asyncio.Event | None = None) -> AsyncIterator[int]:
+        """Hold the engine for one step; yields the policy version the step runs with. A step that
+        needs a version the engine does not have waits at most ``wait_s`` for it, and no longer
+        than until ``stop`` is set: then VersionWaitEnded."""
+        deadline = None if wait_s is None else asyncio.get_running_loop().time() + wait_s
         while True:
             await self._open.wait()
             if self.engine.policy_version >= min_version:
                 break
-            changed = self._changed
-            await changed.wait()
+            await self._wait_for_change(min_version, deadline, stop)
         self._running += 1
         self._idle.clear()
         try:
@@ -44,6 +57,25 @@ class WeightGate:
             self._running -= 1
             if self._running == 0:
                 self._idle.set()
+
+    async def _wait_for_change(self, min_version: int, deadline: float | None, stop: asyncio.Event | None) -> None:
+        """Wait until the weights change; VersionWaitEnded at the deadline or when ``stop`` is set."""
+        changed = self._changed  # an update sets this one, then puts a fresh one in its place
+        waits = {asyncio.ensure_future(changed.wait())}
+        if stop is not None:
+            waits.add(asyncio.ensure_future(stop.wait()))
+        timeout = None if deadline is None else max(0.0, deadline - asyncio.get_running_loop().time())
+        try:
+            await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiting in waits:
+                waiting.cancel()
+        if changed.is_set():
+            return
+        if (stop is not None and stop.is_set()) or (deadline is not None
+                                                    and asyncio.get_running_loop().time() >= deadline):
+            raise VersionWaitEnded(min_version, self.engine.policy_version,
+                                   stopped=stop is not None and stop.is_set())
 
     @property
     def running(self) -> int:

@@ -29,8 +29,11 @@ from workers.batcher import Batcher
 from workers.engines.base import Engine
 from workers.executor import SessionState, StepExecutor
 from workers.failure import StepFailed, settled
+from workers.fenced import FencedEntries
+from workers.idle import IdleSweeper
 from workers.inbox_repair import recreate_inbox
 from workers.jobs import BadJob, Job, parse_job
+from workers.rate_limit import WarningLimiter
 from workers.reaper import reap_loop
 from workers.settings import WorkerSettings, new_worker_id
 from workers.weight_control import WeightControl
@@ -60,6 +63,9 @@ class Worker:
         self._idle = asyncio.Event()
         self._stop = asyncio.Event()
         self.weights: WeightControl | None = None
+        self._fenced: FencedEntries | None = None
+        self._idle_sweeper: IdleSweeper | None = None
+        self._bad_entries = WarningLimiter(log)  # forged or broken entries can come by the thousand
         self._pools = [self.keys.pool(mode.value, model) for model, mode in engine.models().items()]
 
     # ------------------------------------------------------------------ lifecycle
@@ -88,6 +94,8 @@ class Worker:
         self.weights = WeightControl(self.engine, self._redis, self.keys, block_ms=self.settings.block_ms)
         self._executor = StepExecutor(self.settings, self._scripts, self.engine, self._batchers,
                                       self.weights.gate)
+        self._fenced = FencedEntries(self._executor.jobs)
+        self._idle_sweeper = IdleSweeper(self._scripts, lambda: self.id, interval_s=self.settings.idle_sweep_s)
         await self.weights.apply_latest()
         await self._scripts.register(
             self.id, capacity=self.settings.capacity, pools=self._pools, ttl_ms=3 * self.settings.cell_config.lease_ms,
@@ -97,6 +105,7 @@ class Worker:
         self._idle.set()
         self._spawn(self._heartbeat_loop(), "heartbeat")
         self._spawn(self.weights.follow(), "control")
+        self._spawn(self._idle_sweeper.run(), "idle-sweep")
         if self.settings.reap:
             self._spawn(reap_loop(self._scripts, lease_ms=self.settings.cell_config.lease_ms), "reaper")
         log.info("worker %s serving %s", self.id, ", ".join(self.engine.models()))
@@ -115,6 +124,7 @@ class Worker:
         reader.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await reader
+        self.executor.stop_gate_waits()  # steps waiting for a policy version do not hold the drain
         try:
             await asyncio.wait_for(self._idle.wait(), self.settings.drain_timeout_s)
         except TimeoutError:
@@ -174,6 +184,7 @@ class Worker:
             "policy_version": str(self.engine.policy_version),
             "weights_error": self.weights.error if self.weights else "",
             "committed_steps": str(ex.committed_steps if ex else 0),
+            "idle_closed": str(self._idle_sweeper.closed if self._idle_sweeper else 0),
         }
 
     async def _heartbeat_loop(self) -> None:
@@ -254,10 +265,12 @@ class Worker:
         self._idle.clear()
         self._running.add(job.entry_id)
         if isinstance(job, BadJob):
-            self._spawn(self._finish(self._guard(job, _reject(job)), job.entry_id), "bad-job")
+            self._spawn(self._finish(self._guard(job, _reject(job, self._bad_entries)), job.entry_id), "bad-job")
         elif job.kind == "step" and not job.contextual:
             self._spawn(self._finish(self._guard(job, self.executor.run_step(job, None)), job.entry_id), "stateless")
         else:
+            if job.kind == "close":  # a step waiting at the weight gate must not hold the close
+                self.executor.stop_gate_waits(job.session_id)
             lane = self._lanes.get(job.session_id)
             if lane is None:
                 lane = self._lanes[job.session_id] = collections.deque()
@@ -290,8 +303,7 @@ class Worker:
         try:
             await self._answer_failure(job, coro)
         except Fenced:
-            log.warning("session %s is no longer ours; dropping it", job.session_id)
-            self._forget(job.session_id or "")
+            await self._drop_fenced(job)
         except REDIS_ERRORS as exc:
             # The job stays pending in our inbox group; it is not lost.
             log.error("redis unavailable while running job %s of session %s: %s", job.job_id, job.session_id, exc)
@@ -319,14 +331,14 @@ class Worker:
             return
 
         async def apply_once() -> None:
-            await self.executor.jobs.apply_control(job)
+            await self.executor.jobs.apply_control(job)  # raises Fenced before the engine is touched
             if job.kind == "close":
                 self._forget(job.session_id)
             else:
+                self.engine.drop_session(job.session_id)
                 state.committed = -1
                 state.engine_ready = True  # an empty context: the next step starts fresh (reset=True)
 
-        self.engine.drop_session(job.session_id)
         await settled(apply_once, f"{job.kind} {job.session_id}")
 
     async def _session_state(self, job: Job) -> SessionState:
@@ -347,15 +359,24 @@ class Worker:
         self._sessions[job.session_id] = state
         return state
 
+    async def _drop_fenced(self, job: Job | BadJob) -> None:
+        """A job the session hash fences off is acked and dropped; the session's context goes only
+        when Redis says it is no longer ours at the epoch we hold (see workers/fenced.py)."""
+        assert isinstance(job, Job)  # only a parsed job has an epoch to be fenced on
+        assert self._fenced is not None, "worker not started"
+        state = self._sessions.get(job.session_id)
+        if not await self._fenced.drop(job, state.epoch if state else None):
+            self._forget(job.session_id)
+
     def _forget(self, session_id: str) -> None:
         self._sessions.pop(session_id, None)
         self.engine.drop_session(session_id)
         self.engine.drop_session(f"{session_id}:stateless")
 
 
-async def _reject(job: BadJob) -> None:
+async def _reject(job: BadJob, warnings: WarningLimiter) -> None:
     """A malformed entry fails like any job: dead-lettered, and answered if it names where to."""
-    log.warning("malformed job %s: %s", job.entry_id, job.reason)
+    warnings.warning("malformed job %s: %s", job.entry_id, job.reason)
     raise StepFailed(ErrorCode.INVALID_REQUEST, f"malformed job: {job.reason}", fallback=False, dead_letter=True)
 
 

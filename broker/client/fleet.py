@@ -17,7 +17,7 @@ from broker.client.replies import ReplyReader
 from broker.client.session import Session, new_id
 from broker.redis.aio import resolve
 from broker.redis.config import CellConfig
-from broker.redis.layouts import ReplyEntry, SessionHash
+from broker.redis.layouts import DEFAULT_IDLE_TIMEOUT_S, ReplyEntry, SessionHash, idle_timeout_ms_of
 from broker.redis.script_replies import (
     Created,
 )
@@ -139,11 +139,14 @@ class FleetClient:
         session_id: str | None = None,
         retention: str = "full",
         result_window: int = 4,
+        idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
     ) -> Session:
         """Place a new session on the least loaded live worker serving (model, mode).
 
         ``result_window`` is how many of the latest committed results stay stored for idempotent
-        retries of a lost reply. Raises CapacityExhaustedError or InvalidRequestError.
+        retries of a lost reply. ``idle_timeout_s``: the owner closes the session (freeing its
+        capacity) after that long without a step, reset or close. Raises CapacityExhaustedError or
+        InvalidRequestError.
         """
         mode = parse_mode(mode)
         if not isinstance(model, str) or not model:
@@ -152,9 +155,10 @@ class FleetClient:
             raise InvalidRequestError(f"retention must be full, none or last:N, got {retention!r}")
         if result_window < 1:
             raise InvalidRequestError("result_window must be >= 1")
+        idle_timeout_ms = idle_timeout_ms_of(idle_timeout_s)
         sid = session_id or new_id()
-        reply = await self.scripts.create(sid, mode.value, model, lease_ms=self.lease_ms,
-                                          retention=retention, result_window=result_window)
+        reply = await self.scripts.create(sid, mode.value, model, lease_ms=self.lease_ms, retention=retention,
+                                          result_window=result_window, idle_timeout_ms=idle_timeout_ms)
         if not isinstance(reply, Created):
             raise error_for(reply.code, reply.message)
         return Session(self, sid, model=model, mode=mode, owner=reply.owner)

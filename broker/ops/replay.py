@@ -66,7 +66,7 @@ async def replay_one(scripts: Scripts, job: DeadJob, *, dry_run: bool = False) -
         return ReplayOutcome(job.entry_id, job.session_id, job.step_id, status, message)
 
     if not job.replayable or job.step_id is None:
-        return outcome("not_replayable", f"entry is not a step job ({job.reason})")
+        return outcome("not_replayable", job.not_replayable_why)
     if dry_run:
         return outcome("dry_run", f"would re-enqueue step {job.step_id} of {job.session_id}")
     raw: Any = await resolve(scripts.redis.hgetall(scripts.keys.session(job.session_id)))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from broker.redis.layouts import DeadLetter, Fields, LayoutError, integer, text
+from broker.redis.layouts import DeadLetter, Fields, LayoutError, dead_letter_payload, integer, text
 from schemas.messages import Mode
 
 KINDS = frozenset({"step", "reset", "close"})
@@ -52,12 +52,14 @@ class InboxEntry:
         )
 
     def dead_letter(self, reason: str, attempts: int, worker_id: str, failed_ms: int) -> DeadLetter:
-        """Everything a replay needs, plus why and how often it failed."""
+        """Everything a replay needs (the payload only under its byte budget), plus why and how
+        often it failed."""
+        payload, dropped = dead_letter_payload(self.payload)
         return DeadLetter(
             reason=reason, attempts=attempts, worker_id=worker_id, failed_ms=failed_ms, kind=self.kind,
             job_id=self.job_id, session_id=self.session_id, step_id=self.step_id, contextual=self.contextual,
             mode=self.mode.value, model=self.model, reply_to=self.reply_to, enqueued_ms=self.enqueued_ms,
-            payload=self.payload, min_version=self.min_version,
+            payload=payload, min_version=self.min_version, payload_dropped=dropped,
         )
 
     def dead_letter_fields(self, reason: str, attempts: int, worker_id: str, failed_ms: int) -> dict[str, object]:

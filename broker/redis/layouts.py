@@ -14,6 +14,7 @@ from typing import Any
 from redis.typing import EncodableT, FieldT
 
 from schemas.codec import decode
+from schemas.errors import InvalidRequestError
 from schemas.limits import Limits
 from schemas.messages import Mode, SessionStatus, StepResult
 
@@ -66,7 +67,9 @@ class SessionHash:
     retention: str = "full"
     result_window: int = 1
     created_ms: int = 0
-    updated_ms: int = 0
+    updated_ms: int = 0  # the last activity: create, a step enqueued or committed, a reset or close
+    idle_timeout_ms: int = 0  # its owner closes it after this long unused (0: never)
+    idle_closed: bool = False  # closed by its idle timeout (close_idle.lua)
 
     @classmethod
     def from_fields(cls, fields: Fields) -> SessionHash:
@@ -81,6 +84,7 @@ class SessionHash:
             gen=integer(fields, "gen", 0), reset_pending=integer(fields, "reset_pending", 0),
             retention=text(fields, "retention", "full"), result_window=integer(fields, "result_window", 1),
             created_ms=integer(fields, "created_ms", 0), updated_ms=integer(fields, "updated_ms", 0),
+            idle_timeout_ms=integer(fields, "idle_timeout_ms", 0), idle_closed=text(fields, "idle_closed", "0") == "1",
         )
 
     def status(self, session_id: str) -> SessionStatus:
@@ -89,6 +93,20 @@ class SessionHash:
             next_step_id=self.next_step_id, context_length=self.context_length, closed=self.closed,
             owner=self.owner, epoch=self.epoch, retention=self.retention,
         )
+
+
+DEFAULT_IDLE_TIMEOUT_S = 3600.0  # a session unused this long is closed by its owner
+MAX_IDLE_TIMEOUT_S = 30 * 86400.0
+
+
+def idle_timeout_ms_of(idle_timeout_s: object) -> int:
+    """A session's idle timeout as stored (ms); InvalidRequestError unless a number of seconds in
+    (0, 30 days]."""
+    if (isinstance(idle_timeout_s, bool) or not isinstance(idle_timeout_s, int | float)
+            or not 0 < idle_timeout_s <= MAX_IDLE_TIMEOUT_S):  # NaN fails the comparison too
+        raise InvalidRequestError(f"idle_timeout_s must be a number of seconds in (0, {MAX_IDLE_TIMEOUT_S:.0f}], "
+                                  f"got {idle_timeout_s!r}")
+    return max(1, round(idle_timeout_s * 1000))
 
 
 # ---------------------------------------------------------------------- rf:{c}:log:<sid> HASH
@@ -135,9 +153,46 @@ class ReplyEntry:
         return StepResult.from_wire(decode(self.result, limits))
 
 
+@dataclass(frozen=True)
+class ReplyBounds:
+    """How commit, report and apply_control.lua bound a reply stream (docs/operations.md): each
+    new entry trims the stream (XADD MAXLEN ~) to the entries of its size that ``stream_bytes``
+    holds, and a result of ``large_bytes`` or more sets the stream's TTL to ``large_ttl_ms``
+    instead of the usual one: a reader that left does not keep latents for an hour."""
+
+    stream_bytes: int = 256 * 1024 * 1024
+    large_bytes: int = 1024 * 1024
+    large_ttl_ms: int = 600_000
+
+    def __post_init__(self) -> None:
+        if min(self.stream_bytes, self.large_bytes, self.large_ttl_ms) <= 0:
+            raise ValueError("reply stream bounds must be positive")
+
+    def args(self) -> list[int]:
+        """The three ARGV values the scripts read, in this order."""
+        return [self.stream_bytes, self.large_bytes, self.large_ttl_ms]
+
+
+DEFAULT_REPLY_BOUNDS = ReplyBounds()
+
+
 # ---------------------------------------------------------------------- rf:{c}:dead STREAM
 
-DEAD_LETTER_MAXLEN = 100_000  # the dead-letter stream's bound (approximate trim), for every writer
+# The dead-letter stream's bound in bytes (docs/operations.md): a letter keeps its payload only
+# under DEAD_LETTER_PAYLOAD_BYTES (a larger one is replaced by a marker and is not replayable), and
+# the stream keeps DEAD_LETTER_MAXLEN letters (approximate trim, for every writer): at most about
+# 2,000 x (64 KiB + the letter's other fields), ~130 MiB, where a count alone let 20 letters of
+# 2 MB payloads take 50 MB and 100,000 of them 200 GB.
+DEAD_LETTER_PAYLOAD_BYTES = 64 * 1024
+DEAD_LETTER_MAXLEN = 2_000
+
+
+def dead_letter_payload(payload: bytes) -> tuple[bytes, str]:
+    """The payload a dead letter keeps and, when it keeps none, why (retire.lua says the same)."""
+    if len(payload) <= DEAD_LETTER_PAYLOAD_BYTES:
+        return payload, ""
+    return b"", (f"payload too large to keep: {len(payload)} bytes, over the dead-letter budget of "
+                 f"{DEAD_LETTER_PAYLOAD_BYTES} bytes")
 
 
 def _optional_step(fields: Fields) -> int | None:
@@ -169,6 +224,7 @@ class DeadLetter:
     enqueued_ms: int | None = None
     min_version: int | None = None
     inbox_entry_id: str | None = None  # the malformed entry's id in its inbox
+    payload_dropped: str = ""  # why the payload is not kept (too large), or empty
 
     @property
     def code(self) -> str:
@@ -178,6 +234,15 @@ class DeadLetter:
     @property
     def replayable(self) -> bool:
         return self.kind == "step" and bool(self.session_id) and self.step_id is not None and bool(self.payload)
+
+    @property
+    def not_replayable_why(self) -> str:
+        """Why a replay cannot re-enqueue this letter (empty when it can)."""
+        if self.replayable:
+            return ""
+        if self.payload_dropped:
+            return f"its {self.payload_dropped}"
+        return f"entry is not a step job ({self.reason})"
 
     @classmethod
     def from_entry(cls, entry_id: bytes | str, fields: Fields) -> DeadLetter:
@@ -192,6 +257,7 @@ class DeadLetter:
             kind=lenient("kind"), session_id=lenient("session_id"), step_id=_optional_step(fields),
             contextual=lenient("contextual", "1") == "1", mode=lenient("mode"), model=lenient("model"),
             reply_to=lenient("reply_to"), job_id=lenient("job_id"), payload=fields.get(b"payload", b""),
+            payload_dropped=lenient("payload_dropped"),
         )
 
     def to_fields(self) -> Entry:
@@ -204,7 +270,7 @@ class DeadLetter:
             "failed_ms": self.failed_ms, "kind": self.kind, "job_id": self.job_id,
             "session_id": self.session_id, "step_id": self.step_id, "contextual": "1" if self.contextual else "0",
             "mode": self.mode, "model": self.model, "reply_to": self.reply_to, "enqueued_ms": self.enqueued_ms,
-            "payload": self.payload, "min_version": self.min_version,
+            "payload": self.payload, "min_version": self.min_version, "payload_dropped": self.payload_dropped or None,
         }
         return {name: value for name, value in fields.items() if value is not None}
 

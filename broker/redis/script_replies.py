@@ -114,6 +114,13 @@ class Applied:
 
 
 @dataclass(frozen=True)
+class Unrequested:
+    """A reset entry control.lua never enqueued (no reset pending): fenced off, nothing changed."""
+
+    committed_step_id: int
+
+
+@dataclass(frozen=True)
 class FailedOver:
     epoch: int
     jobs_moved: int
@@ -154,7 +161,7 @@ EnqueueReply = Queued | Stored | Refused | Moved
 ControlReply = Queued | AlreadyClosed | Refused | Moved
 CommitReply = Committed | Duplicate | DuplicateUnstored | StaleOwner | OutOfOrder
 ReportReply = Published | StaleOwner
-ApplyControlReply = Applied | StaleOwner
+ApplyControlReply = Applied | StaleOwner | Unrequested
 FailoverReply = FailedOver | Skipped | Gone | Alive | Retry
 RetireReply = Retired | Alive
 
@@ -258,7 +265,10 @@ _COMMIT: Mapping[str, _Shape[CommitReply]] = {
 _REPORT: Mapping[str, _Shape[ReportReply]] = {
     "published": _Shape((1,), lambda v: Published(v.integer(0))), "fenced": _Shape((2,), _stale)}
 _APPLY_CONTROL: Mapping[str, _Shape[ApplyControlReply]] = {
-    "applied": _Shape((1,), lambda v: Applied(v.integer(0))), "fenced": _Shape((2,), _stale)}
+    "applied": _Shape((1,), lambda v: Applied(v.integer(0))), "fenced": _Shape((2,), _stale),
+    "unrequested": _Shape((1,), lambda v: Unrequested(v.integer(0)))}
+_CLOSE_IDLE: Mapping[str, _Shape[int | None]] = {
+    "closed": _Shape((1,), lambda v: v.integer(0)), "kept": _Shape((0,), lambda v: None)}
 _FAILOVER: Mapping[str, _Shape[FailoverReply]] = {
     "moved": _Shape((2,), lambda v: FailedOver(v.integer(0), v.integer(1))),
     "skip": _Shape((1,), lambda v: Skipped(v.text(0))), "gone": _Shape((0,), lambda v: Gone()),
@@ -302,6 +312,11 @@ def decode_report(raw: Any) -> ReportReply:
 
 def decode_apply_control(raw: Any) -> ApplyControlReply:
     return _decode("apply_control", raw, _APPLY_CONTROL)
+
+
+def decode_close_idle(raw: Any) -> int | None:
+    """close_idle.lua: the idle time of a session it closed, None when it kept it."""
+    return _decode("close_idle", raw, _CLOSE_IDLE)
 
 
 def decode_failover(raw: Any) -> FailoverReply:

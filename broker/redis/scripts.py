@@ -16,7 +16,13 @@ from redis.asyncio import Redis
 from redis.exceptions import NoScriptError
 
 from broker.redis.keys import INBOX_GROUP, CellKeys
-from broker.redis.layouts import DEAD_LETTER_MAXLEN, handled_field
+from broker.redis.layouts import (
+    DEAD_LETTER_MAXLEN,
+    DEAD_LETTER_PAYLOAD_BYTES,
+    DEFAULT_REPLY_BOUNDS,
+    ReplyBounds,
+    handled_field,
+)
 from broker.redis.script_replies import (
     ApplyControlReply,
     CommitReply,
@@ -28,6 +34,7 @@ from broker.redis.script_replies import (
     ReportReply,
     RetireReply,
     decode_apply_control,
+    decode_close_idle,
     decode_commit,
     decode_control,
     decode_create,
@@ -74,7 +81,7 @@ class Scripts:
 
     NAMES = (
         "create", "enqueue", "control", "commit", "report", "apply_control",
-        "register", "heartbeat", "leave_pools", "failover", "retire", "ack_result",
+        "register", "heartbeat", "leave_pools", "failover", "retire", "ack_result", "close_idle",
     )
 
     def __init__(self, redis: Redis, keys: CellKeys, *, coalesce: bool = True) -> None:
@@ -147,12 +154,13 @@ class Scripts:
     # ------------------------------------------------------------------ trainer side
 
     async def create(self, session_id: str, mode: str, model: str, *, lease_ms: int, retention: str,
-                     result_window: int) -> CreateReply:
+                     result_window: int, idle_timeout_ms: int = 0) -> CreateReply:
+        """``idle_timeout_ms``: its owner closes the session after that long unused (0: never)."""
         k = self.keys
         raw = await self._call(
             "create",
             [k.workers, k.capacity, k.pool(mode, model), k.session(session_id), k.sessions],
-            [session_id, mode, model, lease_ms, retention, result_window],
+            [session_id, mode, model, lease_ms, retention, result_window, idle_timeout_ms],
         )
         return decode_create(raw)
 
@@ -186,7 +194,8 @@ class Scripts:
 
     async def commit(self, *, session_id: str, worker_id: str, epoch: int, step_id: int, entry_id: str,
                      result: bytes, context_length: int, job_id: str, reply_to: str, reply_ttl_ms: int,
-                     record: bytes = b"", keep_records: int = -1) -> CommitReply:
+                     record: bytes = b"", keep_records: int = -1,
+                     reply_bounds: ReplyBounds = DEFAULT_REPLY_BOUNDS) -> CommitReply:
         """Commit a step; ``record`` (kept per ``keep_records``: -1 all, N last N, 0 none) is what a
         new owner replays to rebuild the session's context."""
         k = self.keys
@@ -194,13 +203,14 @@ class Scripts:
             "commit",
             [k.session(session_id), k.log(session_id), k.inbox(worker_id), k.reply(reply_to)],
             [worker_id, epoch, step_id, entry_id, result, context_length, job_id, reply_ttl_ms, INBOX_GROUP,
-             record, keep_records],
+             record, keep_records, *reply_bounds.args()],
         )
         return decode_commit(raw)
 
     async def report(self, *, session_id: str, worker_id: str, epoch: int, entry_id: str, job_id: str,
                      result: bytes, fallback_gen: int | None, reply_to: str, reply_ttl_ms: int,
-                     dead_letter: dict[str, Any] | None = None) -> ReportReply:
+                     dead_letter: dict[str, Any] | None = None,
+                     reply_bounds: ReplyBounds = DEFAULT_REPLY_BOUNDS) -> ReportReply:
         """Publish a non-committing outcome; ``dead_letter`` fields also dead-letter the job."""
         k = self.keys
         flat = [item for pair in (dead_letter or {}).items() for item in pair]
@@ -208,7 +218,7 @@ class Scripts:
             "report",
             [k.session(session_id), k.inbox(worker_id), k.reply(reply_to), k.dead],
             [worker_id, epoch, entry_id, job_id, result, "" if fallback_gen is None else fallback_gen,
-             reply_ttl_ms, INBOX_GROUP, DEAD_LETTER_MAXLEN, *flat],
+             reply_ttl_ms, INBOX_GROUP, DEAD_LETTER_MAXLEN, *reply_bounds.args(), *flat],
         )
         return decode_report(raw)
 
@@ -228,19 +238,21 @@ class Scripts:
         raw = await self._call(
             "retire",
             [k.workers, k.capacity, k.worker(worker_id), k.inbox(worker_id), k.dead, *pools],
-            [worker_id, lease_ms, reason, DEAD_LETTER_MAXLEN],
+            [worker_id, lease_ms, reason, DEAD_LETTER_MAXLEN, DEAD_LETTER_PAYLOAD_BYTES],
         )
         return decode_retire(raw)
 
     async def apply_control(self, *, session_id: str, worker_id: str, epoch: int, entry_id: str,
                             job_id: str, kind: str, mode: str, model: str, reply_to: str,
-                            grace_ms: int, reply_ttl_ms: int) -> ApplyControlReply:
+                            grace_ms: int, reply_ttl_ms: int,
+                            reply_bounds: ReplyBounds = DEFAULT_REPLY_BOUNDS) -> ApplyControlReply:
         k = self.keys
         raw = await self._call(
             "apply_control",
             [k.session(session_id), k.log(session_id), k.inbox(worker_id), k.reply(reply_to),
              k.pool(mode, model), k.sessions],
-            [worker_id, epoch, entry_id, job_id, kind, grace_ms, reply_ttl_ms, INBOX_GROUP, session_id],
+            [worker_id, epoch, entry_id, job_id, kind, grace_ms, reply_ttl_ms, INBOX_GROUP, session_id,
+             *reply_bounds.args()],
         )
         return decode_apply_control(raw)
 
@@ -260,6 +272,13 @@ class Scripts:
         flat = [item for pair in fields.items() for item in pair]
         raw = await self._call("heartbeat", [k.workers, k.worker(worker_id)], [worker_id, ttl_ms, *flat])
         return decode_heartbeat(raw)
+
+    async def close_idle(self, session_id: str, *, worker_id: str) -> int | None:
+        """Close the session if it has been idle past its timeout: how long it was idle (ms), or
+        None when it is kept (in use, not ours, closed, or without a timeout)."""
+        raw = await self._call("close_idle", [self.keys.session(session_id), self.keys.inbox(worker_id)],
+                               [worker_id, session_id])
+        return decode_close_idle(raw)
 
     async def leave_pools(self, worker_id: str, *, pools: list[str], state: str) -> None:
         await self._call("leave_pools", [self.keys.worker(worker_id), *pools], [worker_id, state])

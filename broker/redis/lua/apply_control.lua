@@ -1,19 +1,30 @@
 -- The owner applies a reset or close control job from its inbox, fenced like a commit.
 -- reset: committed -> -1, context 0, stored results dropped. close: the worker's load drops, the
 -- session and its log expire after the grace TTL.
--- Uses: prelude.lua (fenced)
+-- Uses: prelude.lua (fenced, add_reply)
 -- KEYS: 1 session hash, 2 log hash, 3 inbox, 4 reply stream, 5 pool zset, 6 sessions hash
 -- ARGV: 1 worker id, 2 job epoch, 3 inbox entry id, 4 job_id, 5 kind, 6 grace ttl ms,
---       7 reply ttl ms, 8 inbox group, 9 session_id
+--       7 reply ttl ms, 8 inbox group, 9 session_id, 10-12 reply stream bounds (ReplyBounds)
 -- Fields (broker/redis/layouts.py): reads session owner, epoch, committed_step_id, reset_pending;
 --       writes session committed_step_id, context_length, reset_pending (reset); drops the log
---       (reset); adds a reply entry (kind, job_id, committed, result '')
--- Returns {'applied', committed} | {'fenced', owner, epoch}
+--       (reset); adds a reply entry (kind, job_id, committed, result '') unless job_id is 
+-- A reset that control.lua never enqueued (reset_pending 0: a forged or replayed entry) is refused
+-- like a fenced job: applied, it would move committed to -1 while next_step_id stays put. A retry
+-- of a call that went through (the entry is no longer in the inbox) changes nothing.
+-- Returns {'applied', committed} | {'fenced', owner, epoch} | {'unrequested', committed}
 local s = redis.call('HMGET', KEYS[1], 'owner', 'epoch', 'committed_step_id', 'reset_pending')
 if s[1] and fenced(s[1], s[2], ARGV[1], ARGV[2]) then
   return {'fenced', s[1], s[2]}
 end
 local committed = tonumber(s[3] or '-1')
+if #redis.call('XRANGE', KEYS[3], ARGV[3], ARGV[3]) == 0 then
+  -- The entry is gone: this is the retry of a call that went through (its reply was lost).
+  -- Applying again would count the reset or the close twice.
+  return {'applied', committed}
+end
+if s[1] and ARGV[5] == 'reset' and s[4] == '0' then
+  return {'unrequested', committed}
+end
 if s[1] then
   if ARGV[5] == 'reset' then
     committed = -1
@@ -30,6 +41,7 @@ if s[1] then
 end
 redis.call('XACK', KEYS[3], ARGV[8], ARGV[3])
 redis.call('XDEL', KEYS[3], ARGV[3])
-redis.call('XADD', KEYS[4], '*', 'kind', ARGV[5], 'job_id', ARGV[4], 'committed', committed, 'result', '')
-redis.call('PEXPIRE', KEYS[4], ARGV[7])
+if ARGV[4] ~= '' then  -- an idle close (close_idle.lua) asks no reply
+  add_reply(KEYS[4], ARGV[7], ARGV[10], ARGV[11], ARGV[12], ARGV[5], ARGV[4], committed, '')
+end
 return {'applied', committed}

@@ -1,9 +1,10 @@
 -- Commit step k of a session: the exactly-once point. Fenced by owner and lease epoch.
--- Uses: prelude.lua (now_ms, fenced)
+-- Uses: prelude.lua (now_ms, fenced, add_reply)
 -- KEYS: 1 session hash, 2 log hash, 3 inbox, 4 reply stream
 -- ARGV: 1 worker id, 2 job epoch, 3 step_id, 4 inbox entry id, 5 result, 6 context_length,
 --       7 job_id, 8 reply ttl ms, 9 inbox group, 10 step record for context rebuild ('' = none),
---       11 records kept (-1 = all, N = the last N)
+--       11 records kept (-1 = all, N = the last N), 12-14 reply stream bounds (bytes, large result
+--       bytes, large result ttl ms: ReplyBounds)
 -- Fields (broker/redis/layouts.py): reads session owner, epoch, committed_step_id, result_window;
 --       writes session committed_step_id, context_length, updated_ms; log result:<step> (the
 --       last result_window kept) and input:<step> (per ARGV 11); adds a reply entry (kind,
@@ -19,9 +20,7 @@ local committed = tonumber(s[3])
 local function publish(result, current)
   redis.call('XACK', KEYS[3], ARGV[9], ARGV[4])
   redis.call('XDEL', KEYS[3], ARGV[4])
-  redis.call('XADD', KEYS[4], '*', 'kind', 'step', 'job_id', ARGV[7], 'committed', current,
-    'result', result)
-  redis.call('PEXPIRE', KEYS[4], ARGV[8])
+  add_reply(KEYS[4], ARGV[8], ARGV[12], ARGV[13], ARGV[14], 'step', ARGV[7], current, result)
 end
 if committed >= step then
   local stored = redis.call('HGET', KEYS[2], 'result:' .. step)

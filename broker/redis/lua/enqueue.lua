@@ -5,7 +5,7 @@
 --       7 session_id, 8 attempt, 9 minimum policy version
 -- Fields (broker/redis/layouts.py, inbox.py): reads session owner, epoch, committed_step_id,
 --       next_step_id, context_length, closed, gen, reset_pending, mode, model, retention; writes
---       session next_step_id; reads log result:<step>; adds an inbox entry (kind, job_id,
+--       session next_step_id and updated_ms (a step is activity: the idle timeout starts again); reads log result:<step>; adds an inbox entry (kind, job_id,
 --       session_id, step_id, contextual, epoch, gen, mode, model, reply_to, enqueued_ms, attempt,
 --       retention, min_version, payload)
 -- Returns {'queued', entry_id, committed} | {'stored', result, committed}
@@ -38,10 +38,12 @@ if ARGV[3] == '1' then
   end
   redis.call('HSET', KEYS[1], 'next_step_id', nxt + 1)
 end
+local now = now_ms()
+redis.call('HSET', KEYS[1], 'updated_ms', now)
 local id = redis.call('XADD', KEYS[2], '*',
   'kind', 'step', 'job_id', ARGV[4], 'session_id', ARGV[7], 'step_id', step,
   'contextual', ARGV[3], 'epoch', s[2], 'gen', s[7], 'mode', s[9], 'model', s[10],
-  'reply_to', ARGV[5], 'enqueued_ms', now_ms(), 'attempt', ARGV[8], 'retention', s[11] or 'full',
+  'reply_to', ARGV[5], 'enqueued_ms', now, 'attempt', ARGV[8], 'retention', s[11] or 'full',
   'min_version', ARGV[9] or '0',
   'payload', ARGV[6])
 return {'queued', id, committed}

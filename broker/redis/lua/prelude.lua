@@ -30,3 +30,17 @@ local function session_refusal(owner, closed, committed, context_length, believe
   return nil
 end
 
+
+-- Add an entry to a reply stream within its bounds (broker/redis/layouts.py ReplyBounds): the
+-- stream is trimmed to the entries of this size its byte budget holds (128 bytes stand for the
+-- entry's other fields), and a large result gives the stream the shorter TTL.
+local function add_reply(key, ttl_ms, stream_bytes, large_bytes, large_ttl_ms, kind, job_id, committed, result)
+  local maxlen = math.max(1, math.floor(tonumber(stream_bytes) / (#result + 128)))
+  redis.call('XADD', key, 'MAXLEN', '~', maxlen, '*', 'kind', kind, 'job_id', job_id, 'committed', committed,
+    'result', result)
+  local ttl = tonumber(ttl_ms)
+  if #result >= tonumber(large_bytes) then
+    ttl = math.min(ttl, tonumber(large_ttl_ms))
+  end
+  redis.call('PEXPIRE', key, ttl)
+end

@@ -2,13 +2,14 @@
 -- A contextual step's final failure lets the trainer retry the same step_id: next_step_id falls
 -- back to committed+1 unless a newer generation (a reset or an earlier fallback) was enqueued.
 -- A job that failed for good is also dead-lettered (atomically), with the reason and attempts.
--- Uses: prelude.lua (fenced)
+-- Uses: prelude.lua (fenced, add_reply)
 -- KEYS: 1 session hash, 2 inbox, 3 reply stream, 4 dead-letter stream
 -- ARGV: 1 worker id, 2 job epoch, 3 inbox entry id, 4 job_id, 5 result, 6 fallback gen ('' = none),
---       7 reply ttl ms, 8 inbox group, 9 dead-letter maxlen, 10.. dead-letter field/value pairs (none
---       when the job is not dead-lettered)
+--       7 reply ttl ms, 8 inbox group, 9 dead-letter maxlen, 10-12 reply stream bounds (ReplyBounds),
+--       13.. dead-letter field/value pairs (none when the job is not dead-lettered; the payload
+--       already cut to its budget by DeadLetter)
 -- Fields (broker/redis/layouts.py): reads session owner, epoch, committed_step_id, gen; writes
---       session next_step_id, gen (fallback); adds a dead letter (DeadLetter.to_fields, ARGV 10..)
+--       session next_step_id, gen (fallback); adds a dead letter (DeadLetter.to_fields, ARGV 13..)
 --       and a reply entry (kind, job_id, committed, result)
 -- Returns {'published', committed} | {'fenced', owner, epoch}
 local s = redis.call('HMGET', KEYS[1], 'owner', 'epoch', 'committed_step_id', 'gen')
@@ -19,12 +20,10 @@ local committed = tonumber(s[3] or '-1')
 if s[1] and ARGV[6] ~= '' and s[4] == ARGV[6] then
   redis.call('HSET', KEYS[1], 'next_step_id', committed + 1, 'gen', tonumber(s[4]) + 1)
 end
-if #ARGV > 9 then
-  redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[9], '*', unpack(ARGV, 10))
+if #ARGV > 12 then
+  redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[9], '*', unpack(ARGV, 13))
 end
 redis.call('XACK', KEYS[2], ARGV[8], ARGV[3])
 redis.call('XDEL', KEYS[2], ARGV[3])
-redis.call('XADD', KEYS[3], '*', 'kind', 'step', 'job_id', ARGV[4], 'committed', committed,
-  'result', ARGV[5])
-redis.call('PEXPIRE', KEYS[3], ARGV[7])
+add_reply(KEYS[3], ARGV[7], ARGV[10], ARGV[11], ARGV[12], 'step', ARGV[4], committed, ARGV[5])
 return {'published', committed}

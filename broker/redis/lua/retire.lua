@@ -3,7 +3,9 @@
 -- session; they go to the dead-letter stream with the reason 'orphaned', never silently away.
 -- Uses: prelude.lua (now_ms)
 -- KEYS: 1 workers zset, 2 capacity hash, 3 worker hash, 4 inbox, 5 dead-letter stream, 6.. pools
--- ARGV: 1 worker id, 2 lease ms, 3 reason ('expired'|'drained'), 4 dead-letter maxlen
+-- ARGV: 1 worker id, 2 lease ms, 3 reason ('expired'|'drained'), 4 dead-letter maxlen,
+--       5 dead-letter payload budget in bytes (a larger payload is replaced by payload_dropped,
+--       worded as broker.redis.layouts.dead_letter_payload words it)
 -- Fields (broker/redis/layouts.py DeadLetter): each orphan is dead-lettered as reason, worker_id,
 --       failed_ms followed by the inbox entry's own fields (broker/redis/inbox.py)
 -- Returns {'retired', orphans} | {'alive'}
@@ -17,6 +19,15 @@ end
 local orphans = 0
 for _, entry in ipairs(redis.call('XRANGE', KEYS[4], '-', '+')) do
   local fields = entry[2]
+  for i = 1, #fields - 1, 2 do
+    if fields[i] == 'payload' and #fields[i + 1] > tonumber(ARGV[5]) then
+      local size = #fields[i + 1]
+      fields[i + 1] = ''
+      table.insert(fields, 'payload_dropped')
+      table.insert(fields, 'payload too large to keep: ' .. size .. ' bytes, over the dead-letter budget of '
+        .. ARGV[5] .. ' bytes')
+    end
+  end
   redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[4], '*', 'reason', 'orphaned: its session no longer exists',
     'worker_id', ARGV[1], 'failed_ms', now, unpack(fields))
   orphans = orphans + 1
