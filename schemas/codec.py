@@ -74,24 +74,37 @@ def _pack_array(dtype_tag: str, arr: np.ndarray) -> msgpack.ExtType:
     return msgpack.ExtType(NDARRAY_EXT, header + raw)
 
 
-def _default(obj: Any) -> Any:
-    if isinstance(obj, np.ndarray):
-        return _pack_array(obj.dtype.name, obj)
-    if isinstance(obj, BFloat16Array):
-        return _pack_array("bfloat16", obj.bits.astype("<u2", copy=False))
-    if _is_torch_tensor(obj):
-        return _default(_torch_to_wire(obj))
-    if isinstance(obj, np.generic):
-        return obj.item()
-    if isinstance(obj, (set, frozenset)):
-        return sorted(obj)
-    raise TypeError(f"cannot encode {type(obj).__name__} on the wire")
+class _Encoder:
+    """msgpack's ``default`` hook; with limits it checks each array's header as the decoder will,
+    before its bytes are copied, so a sender refuses an oversized array without shipping it."""
+
+    def __init__(self, limits: Limits | None) -> None:
+        self.limits = limits
+
+    def __call__(self, obj: Any) -> Any:
+        if isinstance(obj, np.ndarray):
+            return self._array(obj.dtype.name, obj)
+        if isinstance(obj, BFloat16Array):
+            return self._array("bfloat16", obj.bits.astype("<u2", copy=False))
+        if _is_torch_tensor(obj):
+            return self(_torch_to_wire(obj))
+        if isinstance(obj, np.generic):
+            return obj.item()
+        if isinstance(obj, (set, frozenset)):
+            return sorted(obj)
+        raise TypeError(f"cannot encode {type(obj).__name__} on the wire")
+
+    def _array(self, dtype_tag: str, arr: np.ndarray) -> msgpack.ExtType:
+        if self.limits is not None:
+            check_array_header(dtype_tag, arr.ndim, tuple(arr.shape), self.limits)
+        return _pack_array(dtype_tag, arr)
 
 
-def encode(obj: Any) -> bytes:
-    """Encode to msgpack bytes; raises InvalidRequestError for unsupported objects."""
+def encode(obj: Any, limits: Limits | None = None) -> bytes:
+    """Encode to msgpack bytes; raises InvalidRequestError for unsupported objects. With
+    ``limits``, an array the decoder would refuse (dtype, dimensions, elements) is refused here."""
     try:
-        return msgpack.packb(obj, default=_default, use_bin_type=True)  # type: ignore[no-any-return]
+        return msgpack.packb(obj, default=_Encoder(limits), use_bin_type=True)  # type: ignore[no-any-return]
     except (TypeError, ValueError, OverflowError) as exc:
         raise InvalidRequestError(f"cannot encode payload: {exc}") from exc
 

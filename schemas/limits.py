@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# Step ids are integers in [0, MAX_STEP_ID] end to end. Lua 5.1 numbers are doubles, and the
+# scripts compare and add step ids as numbers: every integer up to 2**53 is exact there, so the
+# client refuses larger ids and the worker dead-letters an inbox entry that carries one.
+MAX_STEP_ID = 2**53 - 1
+
 # numpy dtype names allowed on the wire; "bfloat16" is carried as its raw 16-bit pattern.
 DEFAULT_DTYPES: frozenset[str] = frozenset(
     {

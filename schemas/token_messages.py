@@ -10,7 +10,7 @@ import numpy as np
 
 from schemas.errors import InvalidRequestError, PayloadTooLargeError
 from schemas.limits import DEFAULT_LIMITS, Limits
-from schemas.wire_fields import as_extra, as_int, as_mapping, as_number, check_fields
+from schemas.wire_fields import as_extra, as_int, as_list, as_mapping, as_number, check_fields, or_default
 
 
 @dataclass(frozen=True)
@@ -27,13 +27,11 @@ class SamplingParams:
 
     @classmethod
     def from_wire(cls, data: Any) -> SamplingParams:
-        data = as_mapping(data or {}, "sampling")
+        data = as_mapping(or_default(data, {}), "sampling")
         check_fields(data, {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids"},
                       "sampling")
         seed = data.get("seed")
-        stops = data.get("stop_token_ids") or ()
-        if not isinstance(stops, (list, tuple)):
-            raise InvalidRequestError("sampling.stop_token_ids must be a list of integers")
+        stops = as_list(or_default(data.get("stop_token_ids"), ()), "sampling.stop_token_ids", "integers")
         return cls(
             max_tokens=as_int(data.get("max_tokens", 16), "sampling.max_tokens", minimum=0),
             temperature=as_number(data.get("temperature", 1.0), "sampling.temperature", low=0.0, high=100.0),

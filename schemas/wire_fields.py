@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from schemas.errors import InvalidRequestError
+from schemas.limits import MAX_STEP_ID
 
 
 def as_mapping(value: Any, name: str) -> Mapping[str, Any]:
@@ -21,16 +22,37 @@ def as_mapping(value: Any, name: str) -> Mapping[str, Any]:
     return value
 
 
-def as_floats(value: Any, name: str, *, count: int | None = None) -> tuple[float, ...]:
+def or_default(value: Any, default: Any) -> Any:
+    """``value``, or ``default`` when it is None. Not ``value or default``: an ndarray has no truth
+    value, and asking for one raises ValueError out of the parser."""
+    return default if value is None else value
+
+
+def as_list(value: Any, name: str, what: str) -> list[Any]:
+    """A list, a tuple or a 1-D ndarray (read as the list it stands for)."""
     if isinstance(value, np.ndarray):
-        value = value.reshape(-1).tolist()
+        if value.ndim != 1:
+            raise InvalidRequestError(f"{name} must be a 1-D list of {what}, got shape {list(value.shape)}")
+        return value.tolist()  # type: ignore[no-any-return]
     if not isinstance(value, Sequence) or isinstance(value, (str, bytes)):
-        raise InvalidRequestError(f"{name} must be a list of numbers")
+        raise InvalidRequestError(f"{name} must be a list of {what}")
+    return list(value)
+
+
+def is_finite(value: int | float) -> bool:
+    """math.isfinite without the OverflowError of an int too large for a float."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+def as_floats(value: Any, name: str, *, count: int | None = None) -> tuple[float, ...]:
     out: list[float] = []
-    for item in value:
+    for item in as_list(value, name, "numbers"):
         if isinstance(item, bool) or not isinstance(item, (int, float)):
             raise InvalidRequestError(f"{name} must contain only numbers, got {type(item).__name__}")
-        if not math.isfinite(item):
+        if not is_finite(item):
             raise InvalidRequestError(f"{name} must contain finite numbers")
         out.append(float(item))
     if count is not None and len(out) != count:
@@ -38,16 +60,30 @@ def as_floats(value: Any, name: str, *, count: int | None = None) -> tuple[float
     return tuple(out)
 
 
-def as_int(value: Any, name: str, *, minimum: int | None = None) -> int:
+def as_int(value: Any, name: str, *, minimum: int | None = None, maximum: int = 2**63 - 1) -> int:
+    """An int within [minimum, maximum]; the default maximum is what msgpack and Redis carry."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise InvalidRequestError(f"{name} must be an integer, got {type(value).__name__}")
-    if minimum is not None and value < minimum:
-        raise InvalidRequestError(f"{name} must be >= {minimum}, got {value}")
+    low = -(2**63) if minimum is None else minimum
+    if value < low:
+        raise InvalidRequestError(f"{name} must be >= {low}, got {_short(value)}")
+    if value > maximum:
+        raise InvalidRequestError(f"{name} must be <= {maximum}, got {_short(value)}")
     return value
 
 
+def _short(value: int) -> str:
+    """An int for a message: a hostile 10**4000 must not become a 4000-digit message."""
+    return str(value) if value.bit_length() < 256 else f"an integer of {value.bit_length()} bits"
+
+
+def as_step_id(value: Any) -> int:
+    """A step id: an integer in [0, MAX_STEP_ID] (exact in the Lua scripts, see schemas.limits)."""
+    return as_int(value, "step_id", minimum=0, maximum=MAX_STEP_ID)
+
+
 def as_number(value: Any, name: str, *, low: float, high: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not is_finite(value):
         raise InvalidRequestError(f"{name} must be a finite number")
     if not low <= value <= high:
         raise InvalidRequestError(f"{name} must be within [{low}, {high}], got {value}")
@@ -74,3 +110,26 @@ def as_image(value: Any, name: str) -> np.ndarray:
     if value.ndim != 3 or value.shape[2] != 3 or value.shape[0] == 0 or value.shape[1] == 0:
         raise InvalidRequestError(f"image {name!r} must be HxWx3, got shape {list(value.shape)}")
     return value
+
+
+RETENTIONS = ("full", "none")  # and "last:N"
+MAX_RESULT_WINDOW = 1 << 20  # results kept per session for idempotent retries; a bound, not a target
+
+
+def as_retention(value: Any) -> str:
+    """``full``, ``none`` or ``last:N`` (N a decimal integer in [0, MAX_STEP_ID]): what a session
+    keeps of its step inputs. The worker reads N with int(), so nothing else may pass here."""
+    if isinstance(value, str) and (value in RETENTIONS or _is_last_n(value)):
+        return value
+    raise InvalidRequestError(f"retention must be full, none or last:N (N >= 0), got {value!r:.100}")
+
+
+def _is_last_n(value: str) -> bool:
+    head, _, count = value.partition(":")
+    return (head == "last" and 0 < len(count) <= 16 and count.isascii() and count.isdigit()
+            and int(count) <= MAX_STEP_ID)
+
+
+def as_result_window(value: Any) -> int:
+    """How many latest committed results a session keeps: an integer in [1, MAX_RESULT_WINDOW]."""
+    return as_int(value, "result_window", minimum=1, maximum=MAX_RESULT_WINDOW)

@@ -10,7 +10,7 @@ import numpy as np
 
 from schemas.errors import InvalidRequestError, PayloadTooLargeError
 from schemas.limits import DEFAULT_LIMITS, Limits
-from schemas.wire_fields import as_extra, as_floats, as_image, as_mapping, check_fields
+from schemas.wire_fields import as_extra, as_floats, as_image, as_mapping, check_fields, or_default
 
 JOINT_COUNT = 7  # DROID arm joints
 GRIPPER_COUNT = 1
@@ -32,11 +32,11 @@ class Observation:
         prompt = data.get("prompt", "")
         if not isinstance(prompt, str):
             raise InvalidRequestError("observation.prompt must be a string")
-        images_in = as_mapping(data.get("images") or {}, "observation.images")
+        images_in = as_mapping(or_default(data.get("images"), {}), "observation.images")
         if len(images_in) > limits.max_images:
             raise PayloadTooLargeError(f"{len(images_in)} images; limit is {limits.max_images}")
         images = {str(k): as_image(v, str(k)) for k, v in images_in.items()}
-        state = as_floats(data.get("state") or (), "observation.state")
+        state = as_floats(or_default(data.get("state"), ()), "observation.state")
         return cls(prompt=prompt, images=images, state=state, extra=as_extra(data.get("extra"), "extra"))
 
     def to_wire(self) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from broker.client.replies import ReplyReader
 from broker.client.session import Session, new_id
 from broker.redis.aio import resolve
 from broker.redis.config import CellConfig
+from broker.redis.keys import check_session_id
 from broker.redis.layouts import DEFAULT_IDLE_TIMEOUT_S, ReplyEntry, SessionHash, idle_timeout_ms_of
 from broker.redis.script_replies import (
     Created,
@@ -29,8 +30,8 @@ from schemas.errors import (
 )
 from schemas.limits import DEFAULT_LIMITS, Limits
 from schemas.messages import Mode, SessionStatus, StepResult, parse_mode
+from schemas.wire_fields import as_result_window, as_retention
 
-RETENTIONS = ("full", "none")
 DEFAULT_STEP_TIMEOUT_S = 300.0
 DEFAULT_SESSION_CHECK_S = 2.0
 
@@ -151,12 +152,10 @@ class FleetClient:
         mode = parse_mode(mode)
         if not isinstance(model, str) or not model:
             raise InvalidRequestError("model must be a non-empty string")
-        if retention not in RETENTIONS and not retention.startswith("last:"):
-            raise InvalidRequestError(f"retention must be full, none or last:N, got {retention!r}")
-        if result_window < 1:
-            raise InvalidRequestError("result_window must be >= 1")
+        as_retention(retention)
+        as_result_window(result_window)
         idle_timeout_ms = idle_timeout_ms_of(idle_timeout_s)
-        sid = session_id or new_id()
+        sid = new_id() if session_id is None else check_session_id(session_id)
         reply = await self.scripts.create(sid, mode.value, model, lease_ms=self.lease_ms, retention=retention,
                                           result_window=result_window, idle_timeout_ms=idle_timeout_ms)
         if not isinstance(reply, Created):
@@ -165,7 +164,7 @@ class FleetClient:
 
     async def attach(self, session_id: str) -> Session:
         """A handle on an existing session (for example one created by another process)."""
-        st = await self.status(session_id)
+        st = await self.status(check_session_id(session_id))
         return Session(self, session_id, model=st.model, mode=st.mode, owner=st.owner)
 
     async def status(self, session_id: str) -> SessionStatus:

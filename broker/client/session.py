@@ -34,6 +34,7 @@ from schemas.errors import (
     error_for,
 )
 from schemas.messages import ErrorInfo, Mode, SessionStatus, StepResult, parse_step_input
+from schemas.wire_fields import as_step_id, or_default
 
 _MAX_MOVES = 8  # owner changes followed in one call before giving up
 _Reply = TypeVar("_Reply")
@@ -100,6 +101,7 @@ class Session:
         Steps enqueued one after another keep their order."""
         use_session_context = inputs.pop("use_session_context", True)
         try:
+            as_step_id(step_id)
             check_stream_name(results_stream)
             payload = self._payload(inputs.get("observation"), inputs.get("action"), inputs.get("token_ids"),
                                     inputs.get("sampling"), inputs.get("return_routed_experts", False),
@@ -133,20 +135,21 @@ class Session:
         else:
             if observation is not None or action is not None:
                 raise InvalidRequestError("a tokens step takes token_ids and sampling, not observations")
-            data = {"token_ids": token_ids, "sampling": sampling or {}, "return_routed_experts": routed,
-                    "multimodal": multimodal or {}}
+            data = {"token_ids": token_ids, "sampling": or_default(sampling, {}), "return_routed_experts": routed,
+                    "multimodal": or_default(multimodal, {})}
         limits = self.fleet.limits
         step = parse_step_input(self.mode, data, limits)
-        payload = encode(step.to_wire())
+        payload = encode(step.to_wire(), limits)  # an array over the limits is refused before it is sent
         if len(payload) > limits.max_payload_bytes:
             raise PayloadTooLargeError(f"payload is {len(payload)} bytes; limit is {limits.max_payload_bytes}")
         return payload
 
     async def _run_step(self, step_id: int, payload: bytes, contextual: bool,
                         timeout: float | None, min_version: int = 0) -> StepResult:
-        if isinstance(step_id, bool) or not isinstance(step_id, int) or step_id < 0:
-            return StepResult.failure(self.session_id, -1, ErrorCode.INVALID_REQUEST,
-                                      f"step_id must be a non-negative integer, got {step_id!r}")
+        try:
+            as_step_id(step_id)
+        except InvalidRequestError as exc:
+            return StepResult.failure(self.session_id, -1, exc.code, exc.message)
         started = time.perf_counter()
         job_id = new_id()
         replies = self.fleet.replies

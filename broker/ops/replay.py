@@ -23,6 +23,21 @@ from broker.redis.scripts import Scripts
 DeadJob = DeadLetter
 
 
+MALFORMED = "malformed_dead_letter"  # the code of a dead letter whose fields do not parse
+
+
+def read_dead(entry_id: bytes | str, fields: dict[bytes, bytes]) -> DeadJob:
+    """One dead letter as written, or, when its fields do not parse (written by hand, by an old
+    version, or damaged), a letter that says so: listed with a clear reason, never replayed."""
+    try:
+        return DeadJob.from_entry(entry_id, fields)
+    except ValueError as exc:  # int() of a counter that is not one (LayoutError is one too)
+        eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+        raw_sid = fields.get(b"session_id", b"")
+        return DeadJob(reason=f"{MALFORMED}: its attempts or failed_ms is not an integer ({exc})",
+                       entry_id=eid, kind="malformed", session_id=raw_sid.decode("utf-8", "replace")[:200])
+
+
 @dataclass(frozen=True)
 class ReplayOutcome:
     entry_id: str
@@ -40,7 +55,7 @@ async def list_dead(scripts: Scripts, *, session: str | None = None, code: str |
     raw: Any = await scripts.redis.xrange(scripts.keys.dead, "-", "+")
     out = []
     for entry_id, fields in raw:
-        job = DeadJob.from_entry(entry_id, fields)
+        job = read_dead(entry_id, fields)
         age_s = (now_ms - job.failed_ms) / 1000 if job.failed_ms else float("inf")
         if session and job.session_id != session:
             continue
@@ -58,7 +73,7 @@ async def list_dead(scripts: Scripts, *, session: str | None = None, code: str |
 
 async def show(scripts: Scripts, entry_id: str) -> DeadJob | None:
     raw: Any = await scripts.redis.xrange(scripts.keys.dead, entry_id, entry_id)
-    return DeadJob.from_entry(raw[0][0], raw[0][1]) if raw else None
+    return read_dead(raw[0][0], raw[0][1]) if raw else None
 
 
 async def replay_one(scripts: Scripts, job: DeadJob, *, dry_run: bool = False) -> ReplayOutcome:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from broker.redis.layouts import DeadLetter, Fields, LayoutError, dead_letter_payload, integer, text
+from schemas.limits import MAX_STEP_ID
 from schemas.messages import Mode
 
 KINDS = frozenset({"step", "reset", "close"})
@@ -41,10 +42,13 @@ class InboxEntry:
             mode = Mode(text(fields, "mode"))
         except ValueError as exc:
             raise LayoutError(str(exc)) from exc
+        step_id = integer(fields, "step_id")
+        if not (0 <= step_id <= MAX_STEP_ID if kind == "step" else step_id == -1):
+            raise LayoutError(f"field 'step_id' is out of range for a {kind} job: {step_id}")
         return cls(
             entry_id=entry_id.decode() if isinstance(entry_id, bytes) else entry_id,
             kind=kind, job_id=text(fields, "job_id"), session_id=text(fields, "session_id"),
-            step_id=integer(fields, "step_id"), contextual=text(fields, "contextual") == "1",
+            step_id=step_id, contextual=text(fields, "contextual") == "1",
             epoch=integer(fields, "epoch"), gen=integer(fields, "gen"), mode=mode, model=text(fields, "model"),
             reply_to=text(fields, "reply_to"), enqueued_ms=integer(fields, "enqueued_ms"),
             attempt=integer(fields, "attempt"), payload=fields.get(b"payload", b""),

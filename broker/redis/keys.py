@@ -16,9 +16,21 @@ def key_part_problem(part: str, *, max_length: int | None = None) -> str | None:
     would leave the cell's slot) and colons would make two keys look like one."""
     if not part or any(c in part for c in "{}: \n"):
         return "no braces, colons or spaces"
+    if not part.isprintable():  # NUL, other control characters: unreadable in logs and tools
+        return "no control characters"
     if max_length is not None and len(part) > max_length:
         return f"at most {max_length} characters"
     return None
+
+
+def check_session_id(session_id: object) -> str:
+    """A caller-chosen session id (it goes into key names and every inbox entry)."""
+    if not isinstance(session_id, str):
+        raise InvalidRequestError(f"invalid session id: a string is needed, got {type(session_id).__name__}")
+    problem = key_part_problem(session_id, max_length=MAX_NAME_LENGTH)
+    if problem is not None:
+        raise InvalidRequestError(f"invalid session id {session_id[:MAX_NAME_LENGTH]!r}: {problem}")
+    return session_id
 
 
 def check_stream_name(name: str) -> None:

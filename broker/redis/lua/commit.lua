@@ -1,5 +1,5 @@
 -- Commit step k of a session: the exactly-once point. Fenced by owner and lease epoch.
--- Uses: prelude.lua (now_ms, fenced, add_reply)
+-- Uses: prelude.lua (now_ms, fenced, add_reply, step_text)
 -- KEYS: 1 session hash, 2 log hash, 3 inbox, 4 reply stream
 -- ARGV: 1 worker id, 2 job epoch, 3 step_id, 4 inbox entry id, 5 result, 6 context_length,
 --       7 job_id, 8 reply ttl ms, 9 inbox group, 10 step record for context rebuild ('' = none),
@@ -23,7 +23,7 @@ local function publish(result, current)
   add_reply(KEYS[4], ARGV[8], ARGV[12], ARGV[13], ARGV[14], 'step', ARGV[7], current, result)
 end
 if committed >= step then
-  local stored = redis.call('HGET', KEYS[2], 'result:' .. step)
+  local stored = redis.call('HGET', KEYS[2], 'result:' .. step_text(step))
   if not stored then
     return {'duplicate_unstored', committed}
   end
@@ -34,16 +34,16 @@ if committed ~= step - 1 then
   return {'out_of_order', committed}
 end
 redis.call('HSET', KEYS[1], 'committed_step_id', step, 'context_length', ARGV[6], 'updated_ms', now_ms())
-redis.call('HSET', KEYS[2], 'result:' .. step, ARGV[5])
+redis.call('HSET', KEYS[2], 'result:' .. step_text(step), ARGV[5])
 local window = tonumber(s[4] or '1')
 if step - window >= 0 then
-  redis.call('HDEL', KEYS[2], 'result:' .. (step - window))
+  redis.call('HDEL', KEYS[2], 'result:' .. step_text(step - window))
 end
 local keep = tonumber(ARGV[11])
 if ARGV[10] ~= '' and keep ~= 0 then
-  redis.call('HSET', KEYS[2], 'input:' .. step, ARGV[10])
+  redis.call('HSET', KEYS[2], 'input:' .. step_text(step), ARGV[10])
   if keep > 0 and step - keep >= 0 then
-    redis.call('HDEL', KEYS[2], 'input:' .. (step - keep))
+    redis.call('HDEL', KEYS[2], 'input:' .. step_text(step - keep))
   end
 end
 publish(ARGV[5], step)

@@ -1,5 +1,5 @@
 -- Enqueue one step job into its owner's inbox, enforcing the step-id rules atomically.
--- Uses: prelude.lua (now_ms, session_refusal)
+-- Uses: prelude.lua (now_ms, session_refusal, step_text)
 -- KEYS: 1 session hash, 2 inbox of the owner the client believes in, 3 log hash
 -- ARGV: 1 believed owner, 2 step_id, 3 contextual ('1'|'0'), 4 job_id, 5 reply_to, 6 payload,
 --       7 session_id, 8 attempt, 9 minimum policy version
@@ -17,31 +17,31 @@ local refusal = session_refusal(owner, s[6], committed, ctx, ARGV[1], ARGV[7])
 if refusal then
   return refusal
 end
-local step = tonumber(ARGV[2])
+local step = tonumber(ARGV[2])  -- an integer in [0, 2^53 - 1]: exact as a double
 if ARGV[3] == '1' then
   local nxt = tonumber(s[4])
   if step ~= nxt then
     if step <= committed and s[8] == '0' then
-      local stored = redis.call('HGET', KEYS[3], 'result:' .. step)
+      local stored = redis.call('HGET', KEYS[3], 'result:' .. step_text(step))
       if stored then
         return {'stored', stored, committed}
       end
       return {'error', 'step_already_committed',
-              'step ' .. step .. ' is already committed; highest committed step is ' .. committed,
+              'step ' .. step_text(step) .. ' is already committed; highest committed step is ' .. step_text(committed),
               committed, ctx}
     end
     if step < nxt then
       return {'error', 'step_out_of_order',
-              'step ' .. step .. ' is already queued; expected step_id ' .. nxt, committed, ctx, 'in_flight'}
+              'step ' .. step_text(step) .. ' is already queued; expected step_id ' .. step_text(nxt), committed, ctx, 'in_flight'}
     end
-    return {'error', 'step_out_of_order', 'expected step_id ' .. nxt .. ', got ' .. step, committed, ctx}
+    return {'error', 'step_out_of_order', 'expected step_id ' .. step_text(nxt) .. ', got ' .. step_text(step), committed, ctx}
   end
   redis.call('HSET', KEYS[1], 'next_step_id', nxt + 1)
 end
 local now = now_ms()
 redis.call('HSET', KEYS[1], 'updated_ms', now)
 local id = redis.call('XADD', KEYS[2], '*',
-  'kind', 'step', 'job_id', ARGV[4], 'session_id', ARGV[7], 'step_id', step,
+  'kind', 'step', 'job_id', ARGV[4], 'session_id', ARGV[7], 'step_id', step_text(step),
   'contextual', ARGV[3], 'epoch', s[2], 'gen', s[7], 'mode', s[9], 'model', s[10],
   'reply_to', ARGV[5], 'enqueued_ms', now, 'attempt', ARGV[8], 'retention', s[11] or 'full',
   'min_version', ARGV[9] or '0',
