@@ -9,7 +9,7 @@ import os
 import random
 import signal
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -76,20 +76,34 @@ async def drive(session: Session, mode: str, k: int, steps: int, results: list[S
         results.append(await asyncio.wait_for(session.step(i, **inputs(mode, k, i)), 600))
 
 
-async def killer(procs: Fleet, stop: asyncio.Event, every_s: float, engine_args: list[str]) -> int:
+# Kills also land at these fractions of the run's steps, so a run faster than ``every_s`` still
+# sees its chaos: each kill stalls the moved sessions for about a lease, so the run cannot end first.
+KILL_AT = (0.15, 0.4, 0.65)
+
+
+async def killer(procs: Fleet, stop: asyncio.Event, every_s: float, engine_args: list[str],
+                 progress: Callable[[], float]) -> int:
     kills = 0
     rng = random.Random(7)
+    loop = asyncio.get_running_loop()
+    last = loop.time()
+    marks = list(KILL_AT)
     while not stop.is_set():
         try:
-            await asyncio.wait_for(stop.wait(), every_s)
+            await asyncio.wait_for(stop.wait(), 0.05)
             break
         except TimeoutError:
             pass
+        due = loop.time() - last >= every_s or (marks and progress() >= marks[0])
         victims = procs.alive_workers()
-        if victims:
-            rng.choice(victims).kill()  # SIGKILL: no drain, no handover
-            kills += 1
-            procs.worker(*engine_args, engine="reference")  # a replacement, as an autoscaler would
+        if not due or not victims:
+            continue
+        while marks and progress() >= marks[0]:
+            marks.pop(0)
+        rng.choice(victims).kill()  # SIGKILL: no drain, no handover
+        kills += 1
+        last = loop.time()
+        procs.worker(*engine_args, engine="reference")  # a replacement, as an autoscaler would
     return kills
 
 
@@ -119,7 +133,10 @@ async def sigkill_chaos(fleet_procs: Fleet, sessions_n: int, steps: int, *, ever
                                                mode=m) for m in modes]
         results: list[list[StepResult]] = [[] for _ in sessions]
         stop = asyncio.Event()
-        kill_task = asyncio.create_task(killer(fleet_procs, stop, every_s, engine_args))
+        def progress() -> float:
+            return sum(map(len, results)) / (sessions_n * steps)
+
+        kill_task = asyncio.create_task(killer(fleet_procs, stop, every_s, engine_args, progress))
         pairs = enumerate(zip(sessions, modes, strict=True))
         await asyncio.gather(*[drive(s, m, k, steps, results[k]) for k, (s, m) in pairs])
         stop.set()
