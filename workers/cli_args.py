@@ -12,15 +12,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.metadata
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from broker.gateway.settings import API_KEY_ENV, GatewaySettings, parse_api_keys
 from broker.ops.supervisor import SupervisorSettings
 from broker.redis.config import ENV_VARS, CellConfig, ConfigError
+from workers.cli_env import attach_env
+from workers.cli_errors import redact
 from workers.demo import DemoConfig
 from workers.engines.registry import ENGINE_HELP, engine_name
+from workers.logs import FORMATS, LEVELS
 from workers.settings import WorkerSettings
 
 DESCRIPTION = "rollout-fleet: worker, demo, redis (embedded, foreground) and status commands."
@@ -51,8 +55,8 @@ def setting_default(cls: type[Any], name: str) -> Any:
 
 def _cell_default_text(name: str, environ: Mapping[str, str], fallback: str | None) -> str:
     var = ENV_VARS[name]
-    if var in environ:
-        return f"default: {environ[var]}, from ${var}"
+    if var in environ:  # a URL's password is not shown
+        return f"default: {redact(environ[var])}, from ${var}"
     value = fallback if fallback is not None else setting_default(CellConfig, name)
     return f"default: {value}; ${var} sets it"
 
@@ -193,16 +197,45 @@ VERBS: dict[str, tuple[str, _Builder]] = {
 }
 
 
+class Parser(argparse.ArgumentParser):
+    """A mistake on the command line is one line on stderr and exit 2 (not the whole usage)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def package_version() -> str:
+    try:
+        return importlib.metadata.version("rollout-fleet")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout that is not installed
+        return "unknown (not installed)"
+
+
+def _log_flags(p: argparse.ArgumentParser, *, after_verb: bool) -> None:
+    """--log-level and --log-format: before the verb (with the defaults) and after it (SUPPRESS:
+    only a value given there replaces the global one)."""
+    p.add_argument("--log-level", type=str.upper, choices=LEVELS,
+                   default=argparse.SUPPRESS if after_verb else "INFO", help="log level (default: INFO)")
+    p.add_argument("--log-format", choices=FORMATS, default=argparse.SUPPRESS if after_verb else "text",
+                   help="text (default), or json: one JSON object a line (ts, level, logger, message, exc_info)")
+
+
 def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
-    """The parser; ``environ`` supplies the cell flags' defaults (and their help)."""
-    parser = argparse.ArgumentParser(prog="rollout-fleet", description=DESCRIPTION)
-    parser.add_argument("--log-level", default="INFO")
+    """The parser; ``environ`` supplies the defaults of every option (:mod:`workers.cli_env`)."""
+    parser = Parser(prog="rollout-fleet", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"rollout-fleet {package_version()}")
+    _log_flags(parser, after_verb=False)
     sub = parser.add_subparsers(dest="command", required=True)
     for verb, (text, build) in VERBS.items():
-        build(sub.add_parser(verb, help=text), environ)
+        verb_parser = sub.add_parser(verb, help=text)
+        build(verb_parser, environ)
+        _log_flags(verb_parser, after_verb=True)
     # Its options are bench.run_all's own (--size, --only, --plot, ...): passed through untouched.
     sub.add_parser("bench", help="benchmarks beside their anchors (arq, streaq, HTTP); prints a table",
                    add_help=False)
+    attach_env(parser, environ)
+    for verb_parser in sub.choices.values():
+        attach_env(verb_parser, environ)
     return parser
 
 
