@@ -98,7 +98,8 @@ def _cmd_status(run: Invocation) -> int:
 def _cmd_supervisor(run: Invocation) -> int:
     from broker.ops.supervisor import SupervisorSettings, run_supervisor
 
-    run_supervisor(SupervisorSettings(cell_config=run.cell, interval_s=run.args.interval_s))
+    run_supervisor(SupervisorSettings(cell_config=run.cell, interval_s=run.args.interval_s,
+                                      metrics_port=run.args.metrics_port))
     return 0
 
 
