@@ -9,6 +9,7 @@ import asyncio
 import socket
 import time
 from collections.abc import Iterable
+from typing import Any
 
 import httpx
 import pytest
@@ -17,6 +18,9 @@ from prometheus_client.samples import Sample
 
 from broker import FleetClient
 from broker.gateway.settings import GatewaySettings
+from broker.ops.metrics import FleetMetrics
+from broker.ops.supervisor import SupervisorSettings, reap_job, trim_job
+from broker.redis.config import CellConfig
 from broker.redis.embedded import RedisServer
 from broker.redis.scripts import Scripts
 from schemas.errors import ErrorCode
@@ -87,9 +91,11 @@ async def test_a_worker_counts_the_steps_it_answered(fleet: FleetClient, workers
     assert value(samples, "rollout_fleet_failovers_total") == 0
     assert not label_values(samples) & {s.session_id, w.id}
 
-    await s.close()
-    samples = await scrape(port)
-    assert value(samples, "rollout_fleet_sessions", model=WORLD) == 0
+    await s.close()  # the worker applies the close after close() returns: wait for it, bounded
+    deadline = time.monotonic() + 10.0
+    while value(await scrape(port), "rollout_fleet_sessions", model=WORLD) != 0:
+        assert time.monotonic() < deadline, "the sessions gauge still counts the closed session"
+        await asyncio.sleep(0.05)
 
 
 async def test_failovers_and_context_rebuilds_are_counted(fleet: FleetClient, workers: WorkerPool) -> None:
@@ -169,3 +175,27 @@ def test_the_metrics_port_flag_reads_the_environment_and_refuses_bad_ports(
             build_parser(bad_env).parse_args(argv)
         assert exit_info.value.code == 2
         assert "--metrics-port" in capsys.readouterr().err
+
+
+async def test_the_supervisor_counts_failovers_dead_letters_and_sessions(
+        fleet: FleetClient, workers: WorkerPool, scripts: Scripts, redis_server: RedisServer, prefix: str) -> None:
+    fast = {"heartbeat_ms": FAST["heartbeat_ms"], "lease_ms": FAST["lease_ms"], "reap": False}
+    config = CellConfig(redis_url=redis_server.url, prefix=prefix, lease_ms=FAST["lease_ms"])
+    metrics = FleetMetrics()
+    ctx: dict[str, Any] = {"settings": SupervisorSettings(cell_config=config), "scripts": scripts,
+                           "metrics": metrics}
+    for _ in range(2):
+        await workers.add(NullEngine(), max_attempts=1, **fast)
+    s = await fleet.create_session(model=WORLD, mode="world_model_env")
+    await reap_job(ctx)  # the first pass takes the dead-letter stream as it is (none yet)
+    assert not (await s.step(0, **world_step(0, prompt="fail"))).ok  # dead-lettered
+    assert (await s.step(0, **world_step(0))).ok
+    await workers.kill(next(w for w in workers.running if w.id == s.owner))
+    deadline = time.monotonic() + 10.0
+    while metrics.registry.get_sample_value("rollout_fleet_failovers_total") != 1:
+        assert time.monotonic() < deadline, "the supervisor did not fail the session over"
+        await asyncio.sleep(0.1)
+        await reap_job(ctx)
+    assert metrics.registry.get_sample_value("rollout_fleet_dead_letters_total") == 1
+    await trim_job(ctx)
+    assert metrics.registry.get_sample_value("rollout_fleet_sessions", {"model": WORLD}) == 1

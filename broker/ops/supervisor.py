@@ -75,13 +75,14 @@ async def _count_dead_letters(ctx: dict[str, Any]) -> None:
     """``rollout_fleet_dead_letters_total`` grows by the entries added to the cell's dead-letter
     stream since the last pass (XINFO's entries-added: trimming does not lower it, XLEN would)."""
     scripts: Scripts = ctx["scripts"]
-    if not await scripts.redis.exists(scripts.keys.dead):
-        return
-    info: Any = await scripts.redis.xinfo_stream(scripts.keys.dead)
-    added = int(info.get("entries-added", info.get(b"entries-added", 0)))
+    added = 0
+    if await scripts.redis.exists(scripts.keys.dead):
+        info: Any = await scripts.redis.xinfo_stream(scripts.keys.dead)
+        added = int(info.get("entries-added", info.get(b"entries-added", 0)))
     seen = ctx.get("dead_letters_seen")
-    if seen is not None and added > seen:
-        ctx["metrics"].dead_letters.inc(added - seen)
+    if seen is not None and added != seen:
+        # Fewer than seen: the stream was deleted and made again, and all it holds is new.
+        ctx["metrics"].dead_letters.inc(added - seen if added > seen else added)
     ctx["dead_letters_seen"] = added  # the first pass only sets the baseline: earlier ones are history
 
 
