@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import subprocess
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -29,6 +30,7 @@ from tests.support import FAST, WorkerPool, world_step
 from tests.test_gateway import SESSIONS, GatewayServer, body
 from workers.cli_args import build_parser
 from workers.engines.null import NullEngine
+from workers.processes import supervisor_command, worker_command
 
 WORLD = "null-world"
 
@@ -199,3 +201,29 @@ async def test_the_supervisor_counts_failovers_dead_letters_and_sessions(
     assert metrics.registry.get_sample_value("rollout_fleet_dead_letters_total") == 1
     await trim_job(ctx)
     assert metrics.registry.get_sample_value("rollout_fleet_sessions", {"model": WORLD}) == 1
+
+
+async def test_a_supervisor_process_serves_metrics_and_a_taken_port_is_one_line(
+        redis_server: RedisServer, prefix: str) -> None:
+    port = free_port()
+    command = [*supervisor_command(redis_server.url, prefix), "--metrics-port", str(port)]
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30.0
+        while True:
+            try:
+                samples = await scrape(port)
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline and proc.poll() is None, "no /metrics from the supervisor"
+                await asyncio.sleep(0.1)
+        assert value(samples, "rollout_fleet_failovers_total") == 0
+        # The port is taken now: a worker asked to serve metrics there says so and exits 2.
+        taken = subprocess.run(worker_command(redis_server.url, prefix, extra=["--metrics-port", str(port)]),
+                               capture_output=True, text=True, timeout=60)
+        assert taken.returncode == 2
+        assert taken.stderr.strip().splitlines() == [
+            f"worker: cannot serve metrics on 0.0.0.0:{port}: Address already in use"]
+    finally:
+        proc.terminate()
+        proc.wait(10)

@@ -88,9 +88,9 @@ class Worker:
         return self._executor
 
     async def start(self) -> None:
+        self.metrics.start()  # first: a taken port fails the start before anything else is open
         self._redis = Redis.from_url(self.settings.cell_config.redis_url, decode_responses=False)
         self._scripts = Scripts(self._redis, self.keys)
-        self.metrics.start()
         await self.engine.start()
         self._batchers = {
             model: Batcher(self.engine, model, max_batch=self.engine.max_batch_size(model),

@@ -84,10 +84,17 @@ class MetricsServer:
         self.thread.join(timeout_s)
 
 
+class MetricsPortError(Exception):
+    """The metrics port cannot be listened on (taken, or not allowed): said in one line."""
+
+
 def serve_metrics(port: int, registry: CollectorRegistry, host: str = "0.0.0.0") -> MetricsServer:
     """Serve ``registry`` at ``http://host:port/metrics`` (port 0: a free port, see ``.port``).
     The listen address is all interfaces by default, as Prometheus scrapes from another host."""
-    server, thread = start_http_server(port, addr=host, registry=registry)
+    try:
+        server, thread = start_http_server(port, addr=host, registry=registry)
+    except OSError as exc:
+        raise MetricsPortError(f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}") from exc
     return MetricsServer(server, thread)
 
 
