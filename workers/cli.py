@@ -54,13 +54,18 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _cmd_worker(run: Invocation) -> int:
+    from broker.ops.metrics import MetricsPortError
     from workers.runner import run_worker
     from workers.settings import WorkerSettings
 
     args = run.args
     own = {name: getattr(args, name) for name in WORKER_SETTINGS}
     settings = WorkerSettings.from_mapping({**dataclasses.asdict(run.cell), **own})
-    run_worker(args.engine, settings, _engine_options(args))
+    try:
+        run_worker(args.engine, settings, _engine_options(args))
+    except MetricsPortError as exc:
+        print(f"worker: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -100,9 +105,15 @@ def _cmd_status(run: Invocation) -> int:
 
 
 def _cmd_supervisor(run: Invocation) -> int:
+    from broker.ops.metrics import MetricsPortError
     from broker.ops.supervisor import SupervisorSettings, run_supervisor
 
-    run_supervisor(SupervisorSettings(cell_config=run.cell, interval_s=run.args.interval_s))
+    try:
+        run_supervisor(SupervisorSettings(cell_config=run.cell, interval_s=run.args.interval_s,
+                                          metrics_port=run.args.metrics_port))
+    except MetricsPortError as exc:
+        print(f"supervisor: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

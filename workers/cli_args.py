@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from broker.gateway.settings import API_KEY_ENV, GatewaySettings, parse_api_keys
+from broker.ops.metrics import ENV_PORT as METRICS_PORT_ENV
+from broker.ops.metrics import metrics_port
 from broker.ops.supervisor import SupervisorSettings
 from broker.redis.config import ENV_VARS, CellConfig, ConfigError
 from workers.cli_env import attach_env
@@ -29,7 +31,8 @@ from workers.settings import WorkerSettings
 
 DESCRIPTION = "rollout-fleet: worker, demo, redis (embedded, foreground) and status commands."
 # The worker's own settings the CLI sets (flag dests are these field names).
-WORKER_SETTINGS = ("worker_id", "capacity", "heartbeat_ms", "max_attempts", "drain_timeout_s", "version_wait_s")
+WORKER_SETTINGS = ("worker_id", "capacity", "heartbeat_ms", "max_attempts", "drain_timeout_s", "version_wait_s",
+                   "metrics_port")
 _CELL_HELP = {"redis_url": "Redis URL", "prefix": "key prefix", "cell": "cell hash tag",
               "lease_ms": "lease in ms: a worker silent this long is failed over (one value per cell)"}
 
@@ -79,6 +82,22 @@ def _setting(p: argparse.ArgumentParser, flag: str, cls: type[Any], name: str, t
     p.add_argument(flag, dest=name, default=setting_default(cls, name), help=f"{text} (default: %(default)s)", **kw)
 
 
+def _port(text: str) -> int:
+    try:
+        return metrics_port(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_metrics_port(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
+    """--metrics-port: off unless given here or in $ROLLOUT_FLEET_METRICS_PORT (argparse checks a
+    default from the environment with the same type, so a bad value there is a usage error too)."""
+    source = f"default: {environ[METRICS_PORT_ENV]}, from ${METRICS_PORT_ENV}" if METRICS_PORT_ENV in environ \
+        else f"default: off; ${METRICS_PORT_ENV} sets it"
+    p.add_argument("--metrics-port", dest="metrics_port", type=_port, default=environ.get(METRICS_PORT_ENV),
+                   metavar="PORT", help=f"serve Prometheus metrics at http://0.0.0.0:PORT/metrics ({source})")
+
+
 def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--latent-shape", default=None, help="reference world latent shape, e.g. 1,16,2,44,80")
     p.add_argument("--engine-opt", action="append", default=[], metavar="KEY=VALUE",
@@ -97,6 +116,7 @@ def _worker(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
     _setting(p, "--drain-timeout", WorkerSettings, "drain_timeout_s", "seconds to finish in-flight jobs")
     _setting(p, "--version-wait", WorkerSettings, "version_wait_s",
              "seconds a step waits for its min_policy_version before it fails with timeout")
+    add_metrics_port(p, environ)
 
 
 def _demo(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
@@ -123,6 +143,7 @@ def _status(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
 def _supervisor(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
     add_cell_flags(p, environ, lease=True)
     _setting(p, "--interval", SupervisorSettings, "interval_s", "seconds between reaping passes")
+    add_metrics_port(p, environ)
 
 
 def _positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:

@@ -59,12 +59,20 @@ def format_status(report: CellReport, lease_ms: int | None = None) -> str:
     (default: the cell's default lease)."""
     lease_ms = CellConfig().lease_ms if lease_ms is None else lease_ms
     lines = [f"{'worker':<40} {'state':<9} {'alive':<6} {'beat_ms':>8} {'load':>5} {'inbox':>6} {'pending':>7} "
-             f"{'idle_closed':>11}"]
+             f"{'idle_closed':>11} {'engine_ready':<12}"]
     for w in report.workers:
         alive = "yes" if w.heartbeat_age_ms <= lease_ms else "NO"
         lines.append(f"{w.worker_id:<40} {w.fields.get('state', '?'):<9} {alive:<6} {w.heartbeat_age_ms:>8} "
                      f"{w.fields.get('load', '?'):>5} {w.inbox_length:>6} {w.inbox_pending:>7} "
-                     f"{w.fields.get('idle_closed', '0'):>11}")
+                     f"{w.fields.get('idle_closed', '0'):>11} {_engine_ready(w.fields):<12}")
     lines.append(f"sessions={report.live_sessions} dead_letters={report.dead_letters} "
                  f"checked_at={time.strftime('%H:%M:%S')}")
     return "\n".join(lines)
+
+
+def _engine_ready(fields: dict[str, str]) -> str:
+    """yes, or NO with the worker's reason (a worker from before readiness checks says nothing: ?)."""
+    ready = fields.get("engine_ready")
+    if ready is None:
+        return "?"
+    return "yes" if ready == "1" else f"NO ({fields.get('engine_reason', '')})"
