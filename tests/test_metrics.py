@@ -28,7 +28,7 @@ from schemas.errors import ErrorCode
 from tests.procs import Fleet
 from tests.support import FAST, WorkerPool, world_step
 from tests.test_gateway import SESSIONS, GatewayServer, body
-from workers.cli_args import build_parser
+from workers.cli import parse_invocation
 from workers.engines.null import NullEngine
 from workers.processes import supervisor_command, worker_command
 
@@ -168,15 +168,15 @@ def test_the_metrics_port_flag_reads_the_environment_and_refuses_bad_ports(
         capsys: pytest.CaptureFixture[str]) -> None:
     env = {"ROLLOUT_FLEET_METRICS_PORT": "9400"}
     for verb in ("worker", "supervisor"):
-        assert build_parser({}).parse_args([verb]).metrics_port is None  # off unless asked for
-        assert build_parser(env).parse_args([verb]).metrics_port == 9400
-        assert build_parser(env).parse_args([verb, "--metrics-port", "9500"]).metrics_port == 9500
-    for bad_env, argv in (({}, ["worker", "--metrics-port", "70000"]),
-                          ({"ROLLOUT_FLEET_METRICS_PORT": "nine"}, ["worker"])):
+        assert parse_invocation([verb], {}).args.metrics_port is None  # off unless asked for
+        assert parse_invocation([verb], env).args.metrics_port == 9400
+        assert parse_invocation([verb, "--metrics-port", "9500"], env).args.metrics_port == 9500
+    for bad_env, argv, named in (({}, ["worker", "--metrics-port", "70000"], "--metrics-port"),
+                                 ({"ROLLOUT_FLEET_METRICS_PORT": "nine"}, ["worker"], "ROLLOUT_FLEET_METRICS_PORT")):
         with pytest.raises(SystemExit) as exit_info:
-            build_parser(bad_env).parse_args(argv)
+            parse_invocation(argv, bad_env)
         assert exit_info.value.code == 2
-        assert "--metrics-port" in capsys.readouterr().err
+        assert named in capsys.readouterr().err
 
 
 async def test_the_supervisor_counts_failovers_dead_letters_and_sessions(

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from broker.gateway.settings import API_KEY_ENV, GatewaySettings, parse_api_keys
-from broker.ops.metrics import ENV_PORT as METRICS_PORT_ENV
 from broker.ops.metrics import metrics_port
 from broker.ops.supervisor import SupervisorSettings
 from broker.redis.config import ENV_VARS, CellConfig, ConfigError
@@ -90,12 +89,10 @@ def _port(text: str) -> int:
 
 
 def add_metrics_port(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
-    """--metrics-port: off unless given here or in $ROLLOUT_FLEET_METRICS_PORT (argparse checks a
-    default from the environment with the same type, so a bad value there is a usage error too)."""
-    source = f"default: {environ[METRICS_PORT_ENV]}, from ${METRICS_PORT_ENV}" if METRICS_PORT_ENV in environ \
-        else f"default: off; ${METRICS_PORT_ENV} sets it"
-    p.add_argument("--metrics-port", dest="metrics_port", type=_port, default=environ.get(METRICS_PORT_ENV),
-                   metavar="PORT", help=f"serve Prometheus metrics at http://0.0.0.0:PORT/metrics ({source})")
+    """--metrics-port: off unless given (its $ROLLOUT_FLEET_METRICS_PORT comes from workers.cli_env,
+    like every option's variable, and is checked by the same ``_port``)."""
+    p.add_argument("--metrics-port", dest="metrics_port", type=_port, default=None, metavar="PORT",
+                   help="serve Prometheus metrics at http://0.0.0.0:PORT/metrics (default: off)")
 
 
 def _engine_flags(p: argparse.ArgumentParser) -> None:
