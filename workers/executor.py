@@ -33,6 +33,7 @@ from workers.job_scripts import JobScripts
 from workers.jobs import BadJob, Job
 from workers.rebuild import rebuild_context, records_kept, step_record
 from workers.settings import WorkerSettings
+from workers.stats_publisher import StepStats
 from workers.weights_gate import VersionWaitEnded, WeightGate
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ class StepExecutor:
         self.batchers = batchers
         self.committed_steps = 0
         self.failed_steps = 0
+        self.stats = StepStats(settings.heartbeat_ms)  # the dashboard's rates and latencies
         self.rebuilt_steps = 0
         self.aborted_steps = 0  # runs stopped by an aborting weight update (each ran again)
         self.rebuild_ms: list[float] = []
@@ -88,6 +90,7 @@ class StepExecutor:
             await finish_before_cancel(self.jobs.reject_malformed(job, failure))
             return
         self.failed_steps += 1
+        self.stats.failed()
         result = StepResult.failure(
             job.session_id, job.step_id, failure.code, failure.message,
             committed_step_id=state.committed if state else -1, worker_id=self.worker_id,
@@ -282,6 +285,7 @@ class StepExecutor:
             state.committed = job.step_id
             state.engine_ready = True
             self.committed_steps += 1
+            self.stats.committed(time.time() * 1000.0 - job.enqueued_ms)
             return
         # The engine ran a step that did not commit: its context is no longer the committed one.
         state.engine_ready = False

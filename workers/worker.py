@@ -195,6 +195,7 @@ class Worker:
                     self.id, ttl_ms=3 * self.settings.cell_config.lease_ms, fields=self._describe(self.state))
                 if not beat.registered and not self._stop.is_set():
                     await self._reincarnate()
+                await self.executor.stats.tick(self._redis_or_fail(), self.keys, self.id)
             except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
                 log.warning("heartbeat failed: %s", exc)
             await asyncio.sleep(interval)
