@@ -9,6 +9,8 @@ import contextlib
 import os
 import shutil
 import socket
+import subprocess
+import sys
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -131,6 +133,28 @@ async def test_standalone_dashboard_verb(redis_server: RedisServer, prefix: str,
     async with AppServer(app) as server, httpx.AsyncClient(base_url=server.url, timeout=30.0) as http:
         assert running.id in (await http.get("/dashboard")).text
         assert (await http.get("/dashboard/data")).json()["workers"][0]["worker_id"] == running.id
+
+
+@pytest.mark.asyncio
+async def test_without_redis_the_routes_answer_503_with_the_reason() -> None:
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        url = f"redis://127.0.0.1:{probe.getsockname()[1]}/0"
+    app = create_dashboard_app(CellConfig(redis_url=url, prefix="nobody"))
+    async with AppServer(app) as server, httpx.AsyncClient(base_url=server.url, timeout=30.0) as http:
+        for method, path in (("GET", "/dashboard"), ("GET", "/dashboard/data"), ("POST", "/dashboard/replay/1-0")):
+            r = await http.request(method, path)
+            assert r.status_code == 503, path
+            assert r.json()["error"]["message"].startswith("redis does not answer"), path
+
+
+def test_the_verb_without_the_gateway_extra_says_what_to_install() -> None:
+    hide_fastapi = ("import sys; sys.modules['fastapi'] = None; from workers.cli import main; "
+                    "sys.exit(main(['dashboard']))")
+    done = subprocess.run([sys.executable, "-c", hide_fastapi], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)})
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.strip() == "dashboard: fastapi is missing: install rollout-fleet[gateway]"
 
 
 async def _trainer(fleet: FleetClient, stop: asyncio.Event) -> None:

@@ -149,9 +149,13 @@ def _cmd_gateway(run: Invocation) -> int:
 
 
 def _cmd_dashboard(run: Invocation) -> int:
-    from broker.gateway.dashboard import serve_dashboard
     from workers.cli_args import dashboard_settings
 
+    try:
+        from broker.gateway.dashboard import serve_dashboard
+    except ModuleNotFoundError as exc:  # the web server is an extra
+        print(f"dashboard: {exc.name} is missing: install rollout-fleet[gateway]", file=sys.stderr)
+        return 2
     serve_dashboard(run.cell, run.args.host, run.args.port, settings=dashboard_settings(run.args))
     return 0
 

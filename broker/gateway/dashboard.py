@@ -10,14 +10,17 @@ a browser may give it once as ``/dashboard?key=KEY``, which the page turns into 
 
 from __future__ import annotations
 
+import asyncio
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
+from typing import Any
 
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request, Response
 from fastapi.responses import HTMLResponse, JSONResponse
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from broker.gateway.dashboard_page import render_page
 from broker.gateway.errors import error_response
@@ -28,6 +31,7 @@ from broker.redis.config import CellConfig
 from broker.redis.scripts import Scripts
 
 ENTRY_ID = re.compile(r"\d{1,20}-\d{1,20}")  # a stream entry id; anything else is refused (400)
+DATA_TIMEOUT_S = 5.0  # a refresh or replay that Redis does not answer in this long answers 503
 router = APIRouter(prefix="/dashboard")
 
 
@@ -41,10 +45,23 @@ def _source(request: Request) -> DashboardSource:
     return source
 
 
+async def _bounded(work: Awaitable[dict[str, Any]]) -> dict[str, Any] | Response:
+    """The work's answer, or a 503 saying why when Redis does not answer within DATA_TIMEOUT_S."""
+    try:
+        async with asyncio.timeout(DATA_TIMEOUT_S):
+            return await work
+    except (RedisError, OSError, TimeoutError) as exc:
+        # The error type only: the message may name the Redis address and its user.
+        return error_response(503, f"redis does not answer ({type(exc).__name__})")
+
+
 @router.get("", response_class=HTMLResponse, include_in_schema=False)
 async def dashboard_page(request: Request) -> Response:
     source = _source(request)
-    page = HTMLResponse(render_page(source.scripts.keys.cell, await source.snapshot()))
+    snapshot = await _bounded(source.snapshot())
+    if isinstance(snapshot, Response):
+        return snapshot
+    page = HTMLResponse(render_page(source.scripts.keys.cell, snapshot))
     key = request.query_params.get(DASHBOARD_KEY_PARAM)
     if key:  # the guard accepted it: keep it for the page's own requests
         page.set_cookie(DASHBOARD_COOKIE, key, httponly=True, samesite="strict", path="/dashboard")
@@ -52,15 +69,17 @@ async def dashboard_page(request: Request) -> Response:
 
 
 @router.get("/data", include_in_schema=False)
-async def dashboard_data(request: Request) -> JSONResponse:
-    return JSONResponse(await _source(request).snapshot())
+async def dashboard_data(request: Request) -> Response:
+    snapshot = await _bounded(_source(request).snapshot())
+    return snapshot if isinstance(snapshot, Response) else JSONResponse(snapshot)
 
 
 @router.post("/replay/{entry_id}", include_in_schema=False)
 async def dashboard_replay(entry_id: str, request: Request) -> Response:
     if not ENTRY_ID.fullmatch(entry_id):
         return error_response(400, f"not a dead-letter entry id: {entry_id[:64]!r}", param="entry_id")
-    return JSONResponse(await _source(request).replay(entry_id))
+    outcome = await _bounded(_source(request).replay(entry_id))
+    return outcome if isinstance(outcome, Response) else JSONResponse(outcome)
 
 
 def create_dashboard_app(config: CellConfig, settings: GatewaySettings | None = None) -> FastAPI:
