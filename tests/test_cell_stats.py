@@ -60,3 +60,16 @@ async def test_workers_publish_step_summaries_and_reapers_failovers(
     assert any(f.worker_id == first.id and f.moved == 1 for f in failovers)
 
 
+
+
+@pytest.mark.asyncio
+async def test_a_damaged_entry_counts_as_nothing_and_the_window_still_reads(scripts: Scripts) -> None:
+    keys = scripts.keys
+    await scripts.redis.xadd(keys.stats, {"kind": "steps", "worker": "w1", "committed": "lots", "hist": "a,,-1"})
+    await scripts.redis.xadd(keys.stats, {"kind": "steps", "worker": "w2", "committed": "3", "failed": "1",
+                                          "hist": "0,3", "interval_ms": "500"})
+    await scripts.redis.xadd(keys.stats, {"kind": "failover", "worker": b"\xff\xfe", "moved": "2"})
+    window = await read_window(scripts.redis, keys, 60)
+    assert (window.committed, window.failed, window.reporting_workers) == (3, 1, 2)
+    assert window.histogram[:2] == [0, 3] and sum(window.histogram) == 3
+    assert [(f.worker_id, f.moved) for f in window.failovers] == [("", 2)]

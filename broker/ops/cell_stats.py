@@ -20,6 +20,7 @@ from typing import Any
 from redis.asyncio import Redis
 
 from broker.redis.keys import CellKeys
+from broker.redis.layouts import Fields, LayoutError, integer, text
 
 # Upper bounds (ms) of the latency buckets; the last bucket holds everything above 60 s.
 BUCKETS_MS: tuple[float, ...] = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 30000, 60000,
@@ -123,19 +124,21 @@ def _rounded(value: float | None) -> float | None:
     return None if value is None else round(value, 2)
 
 
-def _text(fields: dict[Any, Any], name: str) -> str:
-    raw = fields.get(name.encode(), fields.get(name, b""))
-    return raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
-
-
-def _integer(fields: dict[Any, Any], name: str) -> int:
+def _text(fields: Fields, name: str) -> str:
     try:
-        return int(_text(fields, name) or 0)
-    except ValueError:  # a damaged or hand-written entry counts as nothing, never stops the read
+        return text(fields, name, "")
+    except LayoutError:  # not UTF-8: a damaged or hand-written entry never stops the read
+        return ""
+
+
+def _integer(fields: Fields, name: str) -> int:
+    try:
+        return integer(fields, name, 0)
+    except LayoutError:
         return 0
 
 
-def _add_entry(window: StatsWindow, entry_id: str, fields: dict[Any, Any], workers: set[str],
+def _add_entry(window: StatsWindow, entry_id: str, fields: Fields, workers: set[str],
                recent_from_ms: int) -> None:
     kind = _text(fields, "kind")
     if kind == "steps":
@@ -151,7 +154,7 @@ def _add_entry(window: StatsWindow, entry_id: str, fields: dict[Any, Any], worke
                                          _integer(fields, "moved"), _integer(fields, "jobs"), _text(fields, "reason")))
 
 
-def summarize(entries: Iterable[tuple[Any, dict[Any, Any]]], window_s: float, now_ms: int) -> StatsWindow:
+def summarize(entries: Iterable[tuple[Any, Fields]], window_s: float, now_ms: int) -> StatsWindow:
     window = StatsWindow(window_s)
     workers: set[str] = set()
     recent_from_ms = now_ms - int(min(window_s, RATE_WINDOW_S) * 1000)
