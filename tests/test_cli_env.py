@@ -13,7 +13,7 @@ import pytest
 
 from broker.redis.config import ENV_VARS
 from workers.cli import parse_invocation
-from workers.cli_args import build_parser, gateway_settings
+from workers.cli_args import build_parser, dashboard_settings, gateway_settings
 from workers.cli_env import env_map
 
 # verb -> option -> (the flag's values on the command line, the same as the variable's value).
@@ -40,6 +40,8 @@ OPTIONS: dict[str, dict[str, tuple[list[str], str]]] = {
     "gateway": {**_CELL, "--host": (["0.0.0.0"], "0.0.0.0"), "--port": (["8081"], "8081"),
                 "--api-key": (["k1", "--api-key", "k2"], "k1,k2"), "--max-sessions-per-key": (["4"], "4"),
                 "--step-timeout": (["9.5"], "9.5"), "--max-body-bytes": (["1024"], "1024")},
+    "dashboard": {**_CELL, "--host": (["0.0.0.0"], "0.0.0.0"), "--port": (["8082"], "8082"),
+                  "--api-key": (["k1", "--api-key", "k2"], "k1,k2")},
     "update-weights": {**_NO_LEASE, "--model": (["lm"], "lm"), "--version": (["4"], "4"),
                        "--path": (["/w/4"], "/w/4"), "--wait": (["1.5"], "1.5"), "--abort-in-flight": ([], "on")},
     "replay": {**_NO_LEASE, "--session": (["s1"], "s1"), "--code": (["timeout"], "timeout"),
@@ -65,7 +67,8 @@ def _value(verb: str, flag: str, argv: list[str], environ: dict[str, str]) -> An
     if action.dest in ENV_VARS:
         return getattr(run.cell, action.dest)
     if action.dest == "api_keys":
-        return gateway_settings(run.args).api_keys
+        settings = dashboard_settings if verb == "dashboard" else gateway_settings
+        return settings(run.args).api_keys
     return getattr(run.args, action.dest)
 
 

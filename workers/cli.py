@@ -163,6 +163,18 @@ def _cmd_gateway(run: Invocation) -> int:
     return 0
 
 
+def _cmd_dashboard(run: Invocation) -> int:
+    from workers.cli_args import dashboard_settings
+
+    try:
+        from broker.gateway.dashboard import serve_dashboard
+    except ModuleNotFoundError as exc:  # the web server is an extra
+        print(f"dashboard: {exc.name} is missing: install rollout-fleet[gateway]", file=sys.stderr)
+        return 2
+    serve_dashboard(run.cell, run.args.host, run.args.port, settings=dashboard_settings(run.args))
+    return 0
+
+
 def _cmd_bench(run: Invocation) -> int:
     # bench/ sits above workers/ (it drives worker processes): run it as its own program rather
     # than import it, so that imports between the packages run one way.
@@ -174,7 +186,7 @@ def _cmd_bench(run: Invocation) -> int:
 COMMANDS: dict[str, Callable[[Invocation], int]] = {
     "worker": _cmd_worker, "demo": _cmd_demo, "redis": _cmd_redis, "status": _cmd_status,
     "supervisor": _cmd_supervisor, "replay": _cmd_replay, "gateway": _cmd_gateway,
-    "bench": _cmd_bench, "update-weights": _cmd_update_weights,
+    "bench": _cmd_bench, "update-weights": _cmd_update_weights, "dashboard": _cmd_dashboard,
 }
 
 

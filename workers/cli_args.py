@@ -171,6 +171,22 @@ def _gateway(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
              "largest request body read (then 413)", type=_positive(int))
 
 
+def _dashboard(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
+    add_cell_flags(p, environ, lease=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080)
+    source = f"default: the keys in ${API_KEY_ENV}" if environ.get(API_KEY_ENV) else f"${API_KEY_ENV} sets it"
+    p.add_argument("--api-key", dest="api_keys", action="append", default=None, metavar="KEY",
+                   help=f"API key the page needs ('Authorization: Bearer KEY', or ?key=KEY once in a browser); "
+                        f"repeatable, or comma-separated ({source}; without keys the page is open)")
+    p.set_defaults(api_keys_env=environ.get(API_KEY_ENV, ""))
+
+
+def dashboard_settings(args: argparse.Namespace) -> GatewaySettings:
+    """The dashboard verb's keys (flags, else the environment), in the gateway's settings type."""
+    return GatewaySettings(api_keys=parse_api_keys(args.api_keys if args.api_keys else [args.api_keys_env]))
+
+
 def gateway_settings(args: argparse.Namespace) -> GatewaySettings:
     """The gateway verb's settings: keys from the flags, else from the environment."""
     keys = parse_api_keys(args.api_keys if args.api_keys else [args.api_keys_env])
@@ -212,6 +228,7 @@ VERBS: dict[str, tuple[str, _Builder]] = {
     "gateway": ("vLLM-Omni-compatible HTTP rollout API in front of the fleet", _gateway),
     "update-weights": ("tell the workers of a model to load new weights", _update_weights),
     "replay": ("list, show and re-enqueue dead-lettered jobs", _replay),
+    "dashboard": ("the live web dashboard alone, without a gateway", _dashboard),
 }
 
 

@@ -33,6 +33,7 @@ from workers.job_scripts import JobScripts
 from workers.jobs import BadJob, Job
 from workers.rebuild import rebuild_context, records_kept, step_record
 from workers.settings import WorkerSettings
+from workers.stats_publisher import StepStats
 from workers.weights_gate import VersionWaitEnded, WeightGate
 from workers.worker_metrics import WorkerMetrics
 
@@ -62,6 +63,7 @@ class StepExecutor:
         self.batchers = batchers
         self.committed_steps = 0
         self.failed_steps = 0
+        self.stats = StepStats(settings.heartbeat_ms)  # the dashboard's rates and latencies
         self.rebuilt_steps = 0
         self.aborted_steps = 0  # runs stopped by an aborting weight update (each ran again)
         self.rebuild_ms: list[float] = []
@@ -94,6 +96,7 @@ class StepExecutor:
         self.failed_steps += 1
         if job.kind == "step":
             self.metrics.failed(job.model, failure.code.value, dead_letter=failure.dead_letter)
+        self.stats.failed()
         result = StepResult.failure(
             job.session_id, job.step_id, failure.code, failure.message,
             committed_step_id=state.committed if state else -1, worker_id=self.worker_id,
@@ -293,6 +296,7 @@ class StepExecutor:
             state.committed = job.step_id
             state.engine_ready = True
             self.committed_steps += 1
+            self.stats.committed(time.time() * 1000.0 - job.enqueued_ms)
             return True
         # The engine ran a step that did not commit: its context is no longer the committed one.
         state.engine_ready = False

@@ -196,16 +196,16 @@ class Worker:
         }
 
     async def _heartbeat_loop(self) -> None:
-        interval = self.settings.heartbeat_ms / 1000.0
         while True:
             try:
                 beat = await self._scripts_or_fail().heartbeat(
                     self.id, ttl_ms=3 * self.settings.cell_config.lease_ms, fields=self._describe(self.state))
                 if not beat.registered and not self._stop.is_set():
                     await self._reincarnate()
+                await self.executor.stats.tick(self._redis_or_fail(), self.keys, self.id)
             except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
                 log.warning("heartbeat failed: %s", exc)
-            await asyncio.sleep(interval)
+            await asyncio.sleep(self.settings.heartbeat_ms / 1000.0)
 
     async def _reincarnate(self) -> None:
         """We were declared dead (paused or cut off past the lease) and our sessions moved on. Drop

@@ -42,6 +42,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from broker.client import FleetClient, Session
 from broker.gateway.convert import fleet_action, fleet_observation, http_status, step_response
+from broker.gateway.dashboard import router as dashboard_router
 from broker.gateway.errors import error_response
 from broker.gateway.guards import CALLER_STATE, BearerAuth, BodyLimit
 from broker.gateway.health import health_problem
@@ -295,6 +296,7 @@ def create_app(redis_url: str | None = None, prefix: str | None = None, cell: st
     app = FastAPI(title="Rollout Fleet gateway", version="1", lifespan=lifespan,
                   description="The vLLM-Omni RL rollout API (world_model_env) served by the fleet.")
     app.include_router(router)
+    app.include_router(dashboard_router)  # /dashboard: broker/gateway/dashboard.py
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(Exception, _internal_error)

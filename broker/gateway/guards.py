@@ -8,12 +8,19 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from http.cookies import CookieError, SimpleCookie
+from urllib.parse import parse_qs
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from broker.gateway.errors import error_response
 
 OPEN_PATHS = frozenset({"/health"})  # answered without a key: load balancers probe it
+# A browser cannot send a bearer header when it opens a page: on the dashboard's paths the key may
+# also come as ?key= (the page then sets it as this cookie and drops it from the address bar).
+DASHBOARD_PATH = "/dashboard"
+DASHBOARD_KEY_PARAM = "key"
+DASHBOARD_COOKIE = "rollout_fleet_key"
 CALLER_STATE = "api_key_digest"  # scope["state"] entry: the caller's key digest (None: open gateway)
 
 
@@ -51,11 +58,31 @@ class BearerAuth:
     def _caller(self, scope: Scope) -> str | None:
         scheme, _, token = (_header(scope, b"authorization") or "").partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
+            token = _browser_key(scope) if _is_dashboard(scope["path"]) else ""
+        if not token.strip():
             return None
         digest = key_digest(token.strip())
         # Compare every digest in constant time, so timing does not tell which key came close.
         matches = [hmac.compare_digest(digest, known) for known in self.digests]
         return digest if any(matches) else None
+
+
+def _is_dashboard(path: str) -> bool:
+    return path == DASHBOARD_PATH or path.startswith(DASHBOARD_PATH + "/")
+
+
+def _browser_key(scope: Scope) -> str:
+    """The key a browser sends the dashboard: ``?key=`` first, else the cookie."""
+    query = parse_qs(bytes(scope.get("query_string", b"")).decode("latin-1"))
+    if query.get(DASHBOARD_KEY_PARAM):
+        return query[DASHBOARD_KEY_PARAM][0]
+    cookies = SimpleCookie()
+    try:
+        cookies.load(_header(scope, b"cookie") or "")
+    except CookieError:  # a malformed Cookie header is no key, not a 500
+        return ""
+    morsel = cookies.get(DASHBOARD_COOKIE)
+    return morsel.value if morsel is not None else ""
 
 
 class BodyLimit:

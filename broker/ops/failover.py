@@ -12,6 +12,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from broker.ops.cell_stats import record_failover
 from broker.redis.aio import resolve
 from broker.redis.layouts import SessionHash
 from broker.redis.script_replies import Alive, FailedOver, Gone, Retired, Skipped
@@ -116,8 +117,14 @@ async def fail_over(scripts: Scripts, worker_id: str, *, lease_ms: int, reason: 
 
 
 async def reap(scripts: Scripts, *, lease_ms: int) -> list[FailoverReport]:
-    """One pass: fail over every worker whose lease expired."""
-    return [await fail_over(scripts, wid, lease_ms=lease_ms) for wid in await expired_workers(scripts, lease_ms)]
+    """One pass: fail over every worker whose lease expired; each one that moved sessions or was
+    retired is noted in the cell's stats stream (the dashboard's failovers)."""
+    reports = [await fail_over(scripts, wid, lease_ms=lease_ms) for wid in await expired_workers(scripts, lease_ms)]
+    for report in reports:
+        if report.moved or report.retired:
+            await record_failover(scripts.redis, scripts.keys, report.worker_id, moved=len(report.moved),
+                                  jobs=report.jobs_moved, reason=report.reason)
+    return reports
 
 
 async def reap_exclusively(scripts: Scripts, *, lease_ms: int) -> list[FailoverReport] | None:

@@ -108,6 +108,12 @@ class CellKeys:
         return f"{self.base}:dead"
 
     @property
+    def stats(self) -> str:
+        """STREAM of per-interval step summaries from every worker and of failovers, capped
+        (XADD MAXLEN ~): the dashboard reads its last minutes (broker.ops.cell_stats)."""
+        return f"{self.base}:stats"
+
+    @property
     def supervisor_lock(self) -> str:
         """STRING lock so that one supervisor at a time runs a reaping pass."""
         return f"{self.base}:lock:reap"
