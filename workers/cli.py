@@ -88,11 +88,9 @@ def _cmd_redis(run: Invocation) -> int:
 
 
 def _cmd_status(run: Invocation) -> int:
-    from broker.ops.status import cell_status, format_status
+    from broker.ops.status_cli import run_status_command
 
-    report = asyncio.run(cell_status(config=run.cell))
-    print(format_status(report, lease_ms=run.cell.lease_ms))
-    return 0
+    return run_status_command(run.cell, run.args)
 
 
 def _cmd_supervisor(run: Invocation) -> int:

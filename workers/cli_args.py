@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from broker.gateway.settings import API_KEY_ENV, GatewaySettings, parse_api_keys
+from broker.ops.status import DEFAULT_CHECK_WINDOW_S
 from broker.ops.supervisor import SupervisorSettings
 from broker.redis.config import ENV_VARS, CellConfig, ConfigError
 from workers.demo import DemoConfig
@@ -114,6 +115,14 @@ def _redis(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
 
 def _status(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
     add_cell_flags(p, environ, lease=True)
+    p.add_argument("--json", action="store_true", help="the whole report as one JSON object")
+    p.add_argument("--watch", nargs="?", type=_positive(float), const=2.0, default=None, metavar="SECONDS",
+                   help="redraw every SECONDS (default 2) until Ctrl-C")
+    p.add_argument("--check", action="store_true",
+                   help="one line; exit 1 when no worker is live, a live worker's engine is not ready, "
+                        "or a dead letter arrived within --window")
+    p.add_argument("--window", type=_positive(float), default=DEFAULT_CHECK_WINDOW_S, metavar="SECONDS",
+                   help="--check: dead letters newer than this fail the check (default: %(default)s)")
 
 
 def _supervisor(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
