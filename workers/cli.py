@@ -1,4 +1,5 @@
-"""``rollout-fleet``: worker, demo, redis, status, supervisor, gateway, replay, update-weights and bench.
+"""``rollout-fleet``: worker, demo, redis, status, supervisor, gateway, replay, sessions, update-weights
+and bench.
 
 The verbs' arguments are in :mod:`workers.cli_args`; this module runs them."""
 
@@ -106,6 +107,12 @@ def _cmd_replay(run: Invocation) -> int:
     return asyncio.run(run_replay_command(run.cell, run.args))
 
 
+def _cmd_sessions(run: Invocation) -> int:
+    from broker.ops.sessions_cli import run_sessions_command
+
+    return asyncio.run(run_sessions_command(run.cell, run.args))
+
+
 def _cmd_update_weights(run: Invocation) -> int:
     from redis.asyncio import Redis
     from redis.exceptions import RedisError
@@ -157,7 +164,7 @@ def _cmd_bench(run: Invocation) -> int:
 COMMANDS: dict[str, Callable[[Invocation], int]] = {
     "worker": _cmd_worker, "demo": _cmd_demo, "redis": _cmd_redis, "status": _cmd_status,
     "supervisor": _cmd_supervisor, "replay": _cmd_replay, "gateway": _cmd_gateway,
-    "bench": _cmd_bench, "update-weights": _cmd_update_weights,
+    "bench": _cmd_bench, "update-weights": _cmd_update_weights, "sessions": _cmd_sessions,
 }
 
 

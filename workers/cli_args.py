@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from broker.gateway.settings import API_KEY_ENV, GatewaySettings, parse_api_keys
+from broker.ops.sessions import STATES as SESSION_STATES
 from broker.ops.status import DEFAULT_CHECK_WINDOW_S
 from broker.ops.supervisor import SupervisorSettings
 from broker.redis.config import ENV_VARS, CellConfig, ConfigError
@@ -175,6 +176,17 @@ def _update_weights(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> N
                    help="abort running steps (they run again on the new weights) instead of letting them finish")
 
 
+def _sessions(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
+    add_cell_flags(p, environ, lease=False)
+    p.add_argument("action", choices=("list", "show", "close"))
+    p.add_argument("session_id", nargs="?", default=None, metavar="SESSION_ID", help="show/close: the session")
+    p.add_argument("--model", default=None, help="list: only this model's sessions")
+    p.add_argument("--owner", default=None, help="list: only sessions this worker owns")
+    p.add_argument("--state", default=None, choices=SESSION_STATES, help="list: only sessions in this state")
+    p.add_argument("--limit", type=_positive(int), default=1000, help="list: at most this many (default: %(default)s)")
+    p.add_argument("--json", action="store_true", help="JSON (list: one object per line)")
+
+
 def _replay(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
     add_cell_flags(p, environ, lease=False)
     p.add_argument("action", choices=("list", "show", "run"))
@@ -199,6 +211,7 @@ VERBS: dict[str, tuple[str, _Builder]] = {
     "gateway": ("vLLM-Omni-compatible HTTP rollout API in front of the fleet", _gateway),
     "update-weights": ("tell the workers of a model to load new weights", _update_weights),
     "replay": ("list, show and re-enqueue dead-lettered jobs", _replay),
+    "sessions": ("list, show and close the sessions of a cell", _sessions),
 }
 
 
