@@ -69,6 +69,7 @@ async def test_json_reports_each_worker_with_its_registry_fields(
     assert worker["engine"] == "null" and worker["models"] == ["null-world", "null-lm"]
     assert worker["capacity"] == 7 and worker["load"] == 1 and worker["policy_version"] == 0
     assert worker["weights_error"] == "" and worker["inbox_pending"] == 0
+    assert worker["policy_versions"] == {"null-world": 0, "null-lm": 0}
     assert worker["registry"]["committed_steps"] == "1"  # every registry field, as published
 
 
@@ -82,7 +83,7 @@ async def test_table_shows_engine_models_version_and_weights_error(
                                  *_cell(redis_server.url, prefix))
     assert code == 0
     row = next(line for line in out.splitlines() if line.startswith(w.id))
-    assert "null" in row and "null-world,null-lm" in row and " 0 " in row
+    assert "null" in row and row.endswith(" 0 null-world@0,null-lm@0")
     assert "weights error: version 3: OSError: no such file" in out
 
 

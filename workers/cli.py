@@ -117,7 +117,7 @@ def _cmd_update_weights(run: Invocation) -> int:
     from redis.asyncio import Redis
     from redis.exceptions import RedisError
 
-    from broker.ops.weights import update_weights, workers_at_version
+    from broker.ops.weights import WeightUpdateFailed, live_models, update_weights, workers_at_version
 
     args = run.args
 
@@ -125,6 +125,10 @@ def _cmd_update_weights(run: Invocation) -> int:
         redis = Redis.from_url(run.cell.redis_url)
         keys = run.cell.keys
         try:
+            served = await live_models(redis, keys, lease_ms=run.cell.lease_ms)
+            if args.model not in served and not args.allow_unserved:
+                raise ValueError(f"no live worker serves model {args.model!r} (live workers serve: "
+                                 f"{', '.join(sorted(served)) or 'nothing'}; --allow-unserved announces it anyway)")
             entry = await update_weights(redis, keys, model=args.model, version=args.version, path=args.path,
                                          in_flight="abort" if args.abort_in_flight else "finish")
             print(f"announced {args.model} version {args.version} ({entry})")
@@ -137,6 +141,9 @@ def _cmd_update_weights(run: Invocation) -> int:
 
     try:
         asyncio.run(go())
+    except WeightUpdateFailed as exc:  # a worker stored why it could not load them: no use waiting
+        print(f"update-weights: failed: {exc}", file=sys.stderr)
+        return 1
     except (ValueError, TimeoutError, RedisError, OSError) as exc:  # bad input, no Redis, --wait ran out
         print(f"update-weights: {exc}", file=sys.stderr)
         return 2

@@ -167,13 +167,15 @@ def gateway_settings(args: argparse.Namespace) -> GatewaySettings:
 
 
 def _update_weights(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
-    add_cell_flags(p, environ, lease=False)
+    add_cell_flags(p, environ, lease=True)  # the lease tells the live workers (the model must be served)
     p.add_argument("--model", required=True)
     p.add_argument("--version", type=int, required=True, help="policy version (>= 1, increasing)")
     p.add_argument("--path", required=True, help="weights path as the workers see it")
     p.add_argument("--wait", type=float, default=0.0, help="seconds to wait until every worker reports it")
     p.add_argument("--abort-in-flight", action="store_true",
                    help="abort running steps (they run again on the new weights) instead of letting them finish")
+    p.add_argument("--allow-unserved", action="store_true",
+                   help="announce even when no live worker serves --model (workers that start later load it)")
 
 
 def _sessions(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:

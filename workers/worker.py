@@ -10,6 +10,7 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import json
 import logging
 from typing import Any
 
@@ -182,6 +183,7 @@ class Worker:
             "capacity": str(self.settings.capacity),
             "load": str(len(self._sessions)),
             "policy_version": str(self.engine.policy_version),
+            "policy_versions": json.dumps(self.engine.policy_versions(), sort_keys=True),  # per model
             "weights_error": self.weights.error if self.weights else "",
             "committed_steps": str(ex.committed_steps if ex else 0),
             "idle_closed": str(self._idle_sweeper.closed if self._idle_sweeper else 0),

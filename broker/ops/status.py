@@ -11,6 +11,7 @@ a few checks in a row.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +38,20 @@ class WorkerInfo:
         """Heartbeat younger than the lease, and not stopped."""
         return self.heartbeat_age_ms <= lease_ms and self.fields.get("state") != "stopped"
 
+    def policy_versions(self) -> dict[str, int]:
+        """Each model's version (the registry's per-model field; {} from workers without it)."""
+        try:
+            versions = json.loads(self.fields.get("policy_versions", "{}"))
+        except ValueError:
+            return {}
+        return {str(k): v for k, v in versions.items() if isinstance(v, int)} if isinstance(versions, dict) else {}
+
+    def models_text(self) -> str:
+        """``model@version,...`` where the worker publishes per-model versions, else its models."""
+        versions = self.policy_versions()
+        models = [m for m in self.fields.get("models", "").split(",") if m]
+        return ",".join(f"{m}@{versions[m]}" if m in versions else m for m in models)
+
     def as_json(self, lease_ms: int) -> dict[str, Any]:
         f = self.fields
         return {
@@ -44,7 +59,8 @@ class WorkerInfo:
             "heartbeat_age_ms": self.heartbeat_age_ms, "engine": f.get("engine", ""),
             "models": [m for m in f.get("models", "").split(",") if m],
             "load": _int(f.get("load")), "capacity": _int(f.get("capacity")),
-            "policy_version": _int(f.get("policy_version")), "weights_error": f.get("weights_error", ""),
+            "policy_version": _int(f.get("policy_version")), "policy_versions": self.policy_versions(),
+            "weights_error": f.get("weights_error", ""),
             "inbox_length": self.inbox_length, "inbox_pending": self.inbox_pending,
             "idle_closed": _int(f.get("idle_closed")),
             "registry": dict(f),  # every field the worker publishes (engine_ready, per-model versions...)
@@ -135,14 +151,14 @@ def format_status(report: CellReport, lease_ms: int | None = None) -> str:
     (default: the cell's default lease). A worker's last weights error follows on its own line."""
     lease_ms = CellConfig().lease_ms if lease_ms is None else lease_ms
     lines = [f"{'worker':<40} {'state':<9} {'alive':<6} {'beat_ms':>8} {'load':>5} {'inbox':>6} {'pending':>7} "
-             f"{'idle_closed':>11} {'engine':<10} {'version':>7} models"]
+             f"{'idle_closed':>11} {'engine':<10} {'version':>7} models@version"]
     for w in report.workers:
         f = w.fields
         alive = "yes" if w.live(lease_ms) else "NO"
         lines.append(f"{w.worker_id:<40} {f.get('state', '?'):<9} {alive:<6} {w.heartbeat_age_ms:>8} "
                      f"{f.get('load', '?'):>5} {w.inbox_length:>6} {w.inbox_pending:>7} "
                      f"{f.get('idle_closed', '0'):>11} {f.get('engine', '?'):<10} "
-                     f"{f.get('policy_version', '?'):>7} {f.get('models', '')}")
+                     f"{f.get('policy_version', '?'):>7} {w.models_text()}")
         if f.get("weights_error"):
             lines.append(f"  weights error: {f['weights_error']}")
     lines.append(f"sessions={report.live_sessions} dead_letters={report.dead_letters} "
