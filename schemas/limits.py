@@ -4,10 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# Step ids are integers in [0, MAX_STEP_ID] end to end. Lua 5.1 numbers are doubles, and the
-# scripts compare and add step ids as numbers: every integer up to 2**53 is exact there, so the
-# client refuses larger ids and the worker dead-letters an inbox entry that carries one.
-MAX_STEP_ID = 2**53 - 1
+# Step ids are integers in [0, MAX_STEP_ID] = [0, 2**63) end to end. They reach Lua as decimal
+# text and the scripts write the id a client sent back as that same text, so every id in range
+# round-trips exactly (a stateless step's id is only a label). Lua 5.1 numbers are doubles: the
+# scripts' own arithmetic (next_step_id + 1, the retention window) is exact up to
+# LUA_EXACT_STEPS, which a session counting from 0 never reaches (2**53 steps); a contextual id
+# above the session's next_step_id is refused as out of order, compared as a number, which a
+# rounded double still does correctly.
+MAX_STEP_ID = 2**63 - 1
+LUA_EXACT_STEPS = 2**53 - 1
 
 # numpy dtype names allowed on the wire; "bfloat16" is carried as its raw 16-bit pattern.
 DEFAULT_DTYPES: frozenset[str] = frozenset(

@@ -16,7 +16,7 @@ from broker.redis.script_replies import Committed, Created, Queued, Refused, Sto
 from broker.redis.scripts import Scripts
 from schemas.codec import encode
 from schemas.errors import ErrorCode, InvalidRequestError
-from schemas.limits import MAX_STEP_ID, Limits
+from schemas.limits import LUA_EXACT_STEPS, MAX_STEP_ID, Limits
 from tests.support import WorkerPool, world_step
 from workers.engines.null import NullEngine
 
@@ -202,7 +202,7 @@ async def test_create_session_accepts_last_n_retention_and_runs_its_steps(fleet:
     assert (await s.status()).retention == "last:2"
 
 
-@pytest.mark.parametrize("step_id", [2**53, 2**53 + 1, 10**17, 2**63, -1, 1.0, True, "3"])
+@pytest.mark.parametrize("step_id", [2**63, 2**64, 10**30, -1, 1.0, True, "3"])
 async def test_step_ids_out_of_range_are_refused_before_sending(fleet: FleetClient, workers: WorkerPool,
                                                                 step_id: object) -> None:
     await workers.add(NullEngine())
@@ -217,20 +217,35 @@ async def test_step_ids_out_of_range_are_refused_before_sending(fleet: FleetClie
     assert (await s.status()).next_step_id == 0
 
 
-async def test_the_largest_stateless_step_id_comes_back_exact(fleet: FleetClient, workers: WorkerPool) -> None:
+@pytest.mark.parametrize("step_id", [2**53 + 1, 10**17, MAX_STEP_ID])
+async def test_large_stateless_step_ids_come_back_exact(fleet: FleetClient, workers: WorkerPool,
+                                                       step_id: int) -> None:
     await workers.add(NullEngine())
     s = await fleet.create_session(model="null-world", mode="world_model_env")
-    r = await s.step(MAX_STEP_ID, use_session_context=False, **world_step(0))
-    assert r.ok and r.step_id == MAX_STEP_ID, r
+    r = await s.step(step_id, use_session_context=False, **world_step(0))
+    assert r.ok and r.step_id == step_id, r
+    assert await fleet.redis.xlen(fleet.keys.dead) == 0
+
+
+@pytest.mark.parametrize("step_id", [2**53 + 1, 10**17, MAX_STEP_ID])
+async def test_a_large_contextual_step_id_is_out_of_order_with_its_exact_text(
+        fleet: FleetClient, workers: WorkerPool, step_id: int) -> None:
+    await workers.add(NullEngine())
+    s = await fleet.create_session(model="null-world", mode="world_model_env")
+    r = await s.step(step_id, **world_step(0))
+    assert r.error and r.error.code is ErrorCode.STEP_OUT_OF_ORDER, r
+    assert r.error.message == f"expected step_id 0, got {step_id}"
+    assert (await s.status()).next_step_id == 0
 
 
 async def test_large_contextual_step_ids_keep_exact_log_fields(scripts: Scripts) -> None:
     """Lua prints a number with 14 digits when it joins it to a string: the inbox entry, the log's
-    field names and the messages must still carry the exact step id up to MAX_STEP_ID."""
+    field names and the messages must still carry the exact step id up to LUA_EXACT_STEPS (the
+    most a session's counters can reach exactly)."""
     await scripts.register("w1", capacity=4, pools=[scripts.keys.pool("tokens", "m")], ttl_ms=15000,
                            fields={"state": "active"})
     assert await scripts.create("s1", "tokens", "m", lease_ms=5000, retention="full", result_window=2) == Created("w1")
-    for start in (10**15 + 3, MAX_STEP_ID - 1):
+    for start in (10**15 + 3, LUA_EXACT_STEPS - 1):
         await scripts.redis.hset(scripts.keys.session("s1"),
                                  mapping={"committed_step_id": start - 1, "next_step_id": start})
         for step in (start, start + 1):

@@ -24,7 +24,7 @@ ALLOWED: dict[str, set[str]] = {
     "broker.ops": {"broker.redis", "broker.client", "schemas"},
     "broker.rollouts": {"broker.client", "schemas"},
     "broker.integrations": {"broker.client", "broker.rollouts", "schemas"},
-    "broker.gateway": {"broker.client", "broker.redis", "schemas"},
+    "broker.gateway": {"broker.client", "broker.redis", "broker.ops", "schemas"},  # broker.ops.metrics
     "broker": {"broker.client"},
     "workers.engines": {"schemas"},
     "workers": {"broker", "broker.redis", "broker.client", "broker.ops", "broker.gateway", "schemas",

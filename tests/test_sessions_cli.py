@@ -112,3 +112,13 @@ def test_a_bad_state_filter_is_refused() -> None:
     out = subprocess.run([*CLI, "sessions", "list", "--state", "sleeping"], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 2 and "invalid choice: 'sleeping'" in out.stderr
+
+
+def test_sessions_without_redis_is_one_line_without_the_password() -> None:
+    url = "redis://fleet:hunter2@127.0.0.1:1/0"
+    for argv in (["list"], ["show", "s-1"], ["close", "s-1"]):
+        out = subprocess.run([*CLI, "sessions", *argv, "--redis-url", url], capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 2, out.stderr
+        assert out.stderr.startswith("rollout-fleet sessions: error: Redis at redis://fleet:***@127.0.0.1:1/0")
+        assert "hunter2" not in out.stderr and len(out.stderr.strip().splitlines()) == 1

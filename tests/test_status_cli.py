@@ -83,7 +83,7 @@ async def test_table_shows_engine_models_version_and_weights_error(
                                  *_cell(redis_server.url, prefix))
     assert code == 0
     row = next(line for line in out.splitlines() if line.startswith(w.id))
-    assert "null" in row and row.endswith(" 0 null-world@0,null-lm@0")
+    assert "null" in row and " 0 null-world@0,null-lm@0 " in row and row.endswith(" yes")
     assert "weights error: version 3: OSError: no such file" in out
 
 
@@ -123,22 +123,37 @@ async def test_check_passes_when_healthy_and_fails_after_a_dead_letter(
     assert code == 0 and out.startswith("ok: 1 live worker(s), 1 session(s)"), out
 
 
+class UnreadyEngine(NullEngine):
+    """An engine whose server is down: its readiness probe says why."""
+
+    async def ready(self) -> bool:
+        raise ConnectionError("vLLM server at 127.0.0.1:1 refused the connection")
+
+
 @pytest.mark.asyncio
 async def test_check_fails_when_a_live_worker_says_its_engine_is_not_ready(
         workers: WorkerPool, redis_server: RedisServer, prefix: str, capsys: pytest.CaptureFixture[str]) -> None:
-    w = await workers.add(NullEngine())
-    # engine_ready is the registry field the engine-readiness part publishes; set it as a worker would.
-    await w.worker._redis_or_fail().hset(w.worker.settings.cell_config.keys.worker(w.id), "engine_ready", "0")
-    code, out = await _cli(capsys, "status", *_cell(redis_server.url, prefix), "--check")
-    assert code == 1 and out.strip() == f"unhealthy: engine not ready on 1 live worker(s): {w.id}"
+    w = await workers.add(UnreadyEngine(), heartbeat_ms=100)
+    argv = ["status", "--redis-url", redis_server.url, "--prefix", prefix]
+    code, out = await _cli_until(capsys, lambda out: "unhealthy: engine" in out, *argv, "--check")
+    assert code == 1 and out.strip() == (f"unhealthy: engine not ready on 1 live worker(s): {w.id} "
+                                         "(ConnectionError: vLLM server at 127.0.0.1:1 refused the connection)")
+    code, out = await _cli(capsys, *argv)
+    assert code == 0 and "NO (ConnectionError: vLLM server at 127.0.0.1:1 refused the connection)" in out
+    code, out = await _cli(capsys, *argv, "--json")
+    assert json.loads(out)["workers"][0]["registry"]["engine_ready"] == "0"
 
 
 def test_status_without_redis_is_one_line_and_exit_2() -> None:
-    out = subprocess.run([*CLI, "status", "--redis-url", "redis://127.0.0.1:1"], capture_output=True,
-                         text=True, timeout=60)
-    assert out.returncode == 2
-    assert out.stderr.startswith("status: Redis at redis://127.0.0.1:1 did not answer")
-    assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    url = "redis://fleet:hunter2@127.0.0.1:1/0"
+    for flags in ([], ["--json"], ["--check"]):
+        out = subprocess.run([*CLI, "status", "--redis-url", url, *flags], capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 2
+        assert out.stderr.startswith("rollout-fleet status: error: Redis at redis://fleet:***@127.0.0.1:1/0 "
+                                     "did not answer"), out.stderr
+        assert "Traceback" not in out.stderr and "hunter2" not in out.stderr
+        assert len(out.stderr.strip().splitlines()) == 1
 
 
 def test_watch_redraws_until_interrupted(redis_server: RedisServer) -> None:

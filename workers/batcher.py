@@ -7,6 +7,7 @@ import contextlib
 import logging
 
 from workers.engines.base import Engine, EngineOutput, EngineRequest
+from workers.worker_metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -14,8 +15,10 @@ _Item = tuple[EngineRequest, "asyncio.Future[EngineOutput]"]
 
 
 class Batcher:
-    def __init__(self, engine: Engine, model: str, *, max_batch: int, wait_ms: float = 0.0) -> None:
+    def __init__(self, engine: Engine, model: str, *, max_batch: int, wait_ms: float = 0.0,
+                 metrics: WorkerMetrics | None = None) -> None:
         self.engine = engine
+        self.metrics = metrics
         self.model = model
         self.max_batch = max_batch
         self.wait_s = wait_ms / 1000.0
@@ -62,6 +65,8 @@ class Batcher:
                 outs = [exc] * len(live)
             self.batches += 1
             self.items += len(live)
+            if self.metrics is not None:
+                self.metrics.batch(self.model, len(live))
             for (_, fut), out in zip(live, outs, strict=True):
                 if fut.done():
                     continue

@@ -18,6 +18,10 @@ from typing import Any
 
 from broker.redis.config import ConfigError
 from workers.cli_args import WORKER_SETTINGS, Invocation, build_parser, gateway_settings, resolve
+from workers.cli_checks import check_invocation
+from workers.cli_env import EnvError, apply_env, subparsers
+from workers.cli_errors import UsageError, one_line
+from workers.logs import configure_logging
 
 
 def _shape(text: str | None) -> tuple[int, ...] | None:
@@ -51,13 +55,18 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _cmd_worker(run: Invocation) -> int:
+    from broker.ops.metrics import MetricsPortError
     from workers.runner import run_worker
     from workers.settings import WorkerSettings
 
     args = run.args
     own = {name: getattr(args, name) for name in WORKER_SETTINGS}
     settings = WorkerSettings.from_mapping({**dataclasses.asdict(run.cell), **own})
-    run_worker(args.engine, settings, _engine_options(args))
+    try:
+        run_worker(args.engine, settings, _engine_options(args))
+    except MetricsPortError as exc:
+        print(f"worker: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -95,9 +104,15 @@ def _cmd_status(run: Invocation) -> int:
 
 
 def _cmd_supervisor(run: Invocation) -> int:
+    from broker.ops.metrics import MetricsPortError
     from broker.ops.supervisor import SupervisorSettings, run_supervisor
 
-    run_supervisor(SupervisorSettings(cell_config=run.cell, interval_s=run.args.interval_s))
+    try:
+        run_supervisor(SupervisorSettings(cell_config=run.cell, interval_s=run.args.interval_s,
+                                          metrics_port=run.args.metrics_port))
+    except MetricsPortError as exc:
+        print(f"supervisor: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -175,21 +190,33 @@ COMMANDS: dict[str, Callable[[Invocation], int]] = {
 }
 
 
-def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
-    """Run one verb. ``environ`` (default: ``os.environ``) gives the cell flags their defaults:
-    the one place the fleet reads its environment."""
-    env = os.environ if environ is None else environ
-    parser = build_parser(env)
+def parse_invocation(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Invocation:
+    """The verb's options from the command line, else the environment, else the defaults. A
+    mistake exits 2 with one line naming the option or the variable."""
+    parser = build_parser(environ)
     args, extra = parser.parse_known_args(argv)
     if extra and args.command != "bench":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.passthrough = extra
+    verb_parser = subparsers(parser)[args.command]
     try:
-        run = resolve(args, env)
-    except ConfigError as exc:
-        parser.error(str(exc))
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return COMMANDS[args.command](run)
+        apply_env(parser, args)
+        apply_env(verb_parser, args)
+        run = resolve(args, environ)
+        check_invocation(run)
+    except (ConfigError, EnvError, UsageError) as exc:
+        verb_parser.error(str(exc))
+    return run
+
+
+def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
+    """Run one verb. ``environ`` (default: ``os.environ``) gives every option its default
+    (:mod:`workers.cli_env`): the one place the fleet reads its environment."""
+    run = parse_invocation(argv, os.environ if environ is None else environ)
+    args = run.args
+    configure_logging(args.log_level, args.log_format)
+    redis_url = run.cell.redis_url if hasattr(args, "redis_url") else None
+    return one_line(args.command, redis_url, lambda: COMMANDS[args.command](run))
 
 
 if __name__ == "__main__":

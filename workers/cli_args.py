@@ -12,22 +12,28 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.metadata
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from broker.gateway.settings import API_KEY_ENV, GatewaySettings, parse_api_keys
+from broker.ops.metrics import metrics_port
 from broker.ops.sessions import STATES as SESSION_STATES
 from broker.ops.status import DEFAULT_CHECK_WINDOW_S
 from broker.ops.supervisor import SupervisorSettings
 from broker.redis.config import ENV_VARS, CellConfig, ConfigError
+from workers.cli_env import attach_env
+from workers.cli_errors import redact
 from workers.demo import DemoConfig
 from workers.engines.registry import ENGINE_HELP, engine_name
+from workers.logs import FORMATS, LEVELS
 from workers.settings import WorkerSettings
 
 DESCRIPTION = "rollout-fleet: worker, demo, redis (embedded, foreground) and status commands."
 # The worker's own settings the CLI sets (flag dests are these field names).
-WORKER_SETTINGS = ("worker_id", "capacity", "heartbeat_ms", "max_attempts", "drain_timeout_s", "version_wait_s")
+WORKER_SETTINGS = ("worker_id", "capacity", "heartbeat_ms", "max_attempts", "drain_timeout_s", "version_wait_s",
+                   "metrics_port")
 _CELL_HELP = {"redis_url": "Redis URL", "prefix": "key prefix", "cell": "cell hash tag",
               "lease_ms": "lease in ms: a worker silent this long is failed over (one value per cell)"}
 
@@ -53,8 +59,8 @@ def setting_default(cls: type[Any], name: str) -> Any:
 
 def _cell_default_text(name: str, environ: Mapping[str, str], fallback: str | None) -> str:
     var = ENV_VARS[name]
-    if var in environ:
-        return f"default: {environ[var]}, from ${var}"
+    if var in environ:  # a URL's password is not shown
+        return f"default: {redact(environ[var])}, from ${var}"
     value = fallback if fallback is not None else setting_default(CellConfig, name)
     return f"default: {value}; ${var} sets it"
 
@@ -77,6 +83,20 @@ def _setting(p: argparse.ArgumentParser, flag: str, cls: type[Any], name: str, t
     p.add_argument(flag, dest=name, default=setting_default(cls, name), help=f"{text} (default: %(default)s)", **kw)
 
 
+def _port(text: str) -> int:
+    try:
+        return metrics_port(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_metrics_port(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
+    """--metrics-port: off unless given (its $ROLLOUT_FLEET_METRICS_PORT comes from workers.cli_env,
+    like every option's variable, and is checked by the same ``_port``)."""
+    p.add_argument("--metrics-port", dest="metrics_port", type=_port, default=None, metavar="PORT",
+                   help="serve Prometheus metrics at http://0.0.0.0:PORT/metrics (default: off)")
+
+
 def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--latent-shape", default=None, help="reference world latent shape, e.g. 1,16,2,44,80")
     p.add_argument("--engine-opt", action="append", default=[], metavar="KEY=VALUE",
@@ -95,6 +115,7 @@ def _worker(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
     _setting(p, "--drain-timeout", WorkerSettings, "drain_timeout_s", "seconds to finish in-flight jobs")
     _setting(p, "--version-wait", WorkerSettings, "version_wait_s",
              "seconds a step waits for its min_policy_version before it fails with timeout")
+    add_metrics_port(p, environ)
 
 
 def _demo(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
@@ -129,6 +150,7 @@ def _status(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
 def _supervisor(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
     add_cell_flags(p, environ, lease=True)
     _setting(p, "--interval", SupervisorSettings, "interval_s", "seconds between reaping passes")
+    add_metrics_port(p, environ)
 
 
 def _positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:
@@ -217,16 +239,45 @@ VERBS: dict[str, tuple[str, _Builder]] = {
 }
 
 
+class Parser(argparse.ArgumentParser):
+    """A mistake on the command line is one line on stderr and exit 2 (not the whole usage)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def package_version() -> str:
+    try:
+        return importlib.metadata.version("rollout-fleet")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout that is not installed
+        return "unknown (not installed)"
+
+
+def _log_flags(p: argparse.ArgumentParser, *, after_verb: bool) -> None:
+    """--log-level and --log-format: before the verb (with the defaults) and after it (SUPPRESS:
+    only a value given there replaces the global one)."""
+    p.add_argument("--log-level", type=str.upper, choices=LEVELS,
+                   default=argparse.SUPPRESS if after_verb else "INFO", help="log level (default: INFO)")
+    p.add_argument("--log-format", choices=FORMATS, default=argparse.SUPPRESS if after_verb else "text",
+                   help="text (default), or json: one JSON object a line (ts, level, logger, message, exc_info)")
+
+
 def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
-    """The parser; ``environ`` supplies the cell flags' defaults (and their help)."""
-    parser = argparse.ArgumentParser(prog="rollout-fleet", description=DESCRIPTION)
-    parser.add_argument("--log-level", default="INFO")
+    """The parser; ``environ`` supplies the defaults of every option (:mod:`workers.cli_env`)."""
+    parser = Parser(prog="rollout-fleet", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"rollout-fleet {package_version()}")
+    _log_flags(parser, after_verb=False)
     sub = parser.add_subparsers(dest="command", required=True)
     for verb, (text, build) in VERBS.items():
-        build(sub.add_parser(verb, help=text), environ)
+        verb_parser = sub.add_parser(verb, help=text)
+        build(verb_parser, environ)
+        _log_flags(verb_parser, after_verb=True)
     # Its options are bench.run_all's own (--size, --only, --plot, ...): passed through untouched.
     sub.add_parser("bench", help="benchmarks beside their anchors (arq, streaq, HTTP); prints a table",
                    add_help=False)
+    attach_env(parser, environ)
+    for verb_parser in sub.choices.values():
+        attach_env(verb_parser, environ)
     return parser
 
 

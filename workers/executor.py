@@ -34,6 +34,7 @@ from workers.jobs import BadJob, Job
 from workers.rebuild import rebuild_context, records_kept, step_record
 from workers.settings import WorkerSettings
 from workers.weights_gate import VersionWaitEnded, WeightGate
+from workers.worker_metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 EngineRun = tuple[EngineOutput, int, float, int]  # output, attempt, engine ms, policy version
@@ -46,12 +47,14 @@ class SessionState:
     committed: int
     epoch: int
     engine_ready: bool = False  # the engine holds the context of every committed step
+    model: str = ""  # the session's model (the sessions gauge counts by model)
 
 
 class StepExecutor:
     def __init__(self, settings: WorkerSettings, scripts: Scripts, engine: Engine,
-                 batchers: dict[str, Batcher], gate: WeightGate) -> None:
+                 batchers: dict[str, Batcher], gate: WeightGate, metrics: WorkerMetrics | None = None) -> None:
         self.settings = settings
+        self.metrics = metrics if metrics is not None else WorkerMetrics(None, batchers)
         self.gate = gate
         self.scripts = scripts
         self.jobs = JobScripts(scripts, settings)
@@ -86,8 +89,11 @@ class StepExecutor:
         """Answer a failed job: its error result, the fallback and the dead letter it asks for."""
         if isinstance(job, BadJob):  # one attempt, as its pipeline is not safe to repeat
             await finish_before_cancel(self.jobs.reject_malformed(job, failure))
+            self.metrics.fleet.dead_letters.inc()
             return
         self.failed_steps += 1
+        if job.kind == "step":
+            self.metrics.failed(job.model, failure.code.value, dead_letter=failure.dead_letter)
         result = StepResult.failure(
             job.session_id, job.step_id, failure.code, failure.message,
             committed_step_id=state.committed if state else -1, worker_id=self.worker_id,
@@ -121,7 +127,10 @@ class StepExecutor:
         if state is None:
             await self.publish(job, result, fallback=False)
             return
-        await self._commit(job, result, state)
+        commit_started = time.perf_counter()
+        if await self._commit(job, result, state):
+            self.metrics.committed(job.model, queue_ms=result.latency.queue_ms, engine_ms=engine_ms,
+                                   commit_s=time.perf_counter() - commit_started, enqueued_ms=job.enqueued_ms)
 
     def _parse(self, job: Job) -> StepInput:
         try:
@@ -255,6 +264,7 @@ class StepExecutor:
             self.rebuild_ms.append(await rebuild_context(
                 self.scripts.redis, self.scripts.keys, batcher, session_id=job.session_id, model=job.model,
                 mode=job.mode, committed=state.committed, version=self.engine.policy_version_of(job.model)))
+            self.metrics.rebuilt(self.rebuild_ms[-1] / 1000.0)
             self.rebuilt_steps += state.committed + 1
         except ContextLost as exc:
             self.engine.drop_session(job.session_id)
@@ -263,32 +273,34 @@ class StepExecutor:
 
     # ------------------------------------------------------------------ commits
 
-    async def _commit(self, job: Job, result: StepResult, state: SessionState) -> None:
+    async def _commit(self, job: Job, result: StepResult, state: SessionState) -> bool:
+        """Commit the step; False when it was committed before (the stored result went out again)."""
         assert result.output is not None
         payload = encode(result.to_wire())
         record = step_record(job.payload, result.output, version=result.policy_version,
                              context_length=result.context_length, mode=job.mode)
 
-        async def commit_once() -> None:
+        async def commit_once() -> bool:
             answer = await self.jobs.commit(job, payload, context_length=result.context_length, record=record,
                                             keep_records=records_kept(job.mode, job.retention))
-            self._apply_commit(job, state, answer)
+            return self._apply_commit(job, state, answer)
 
-        await settled(commit_once, f"commit {job.session_id}/{job.step_id}")
+        return await settled(commit_once, f"commit {job.session_id}/{job.step_id}")
 
     def _apply_commit(self, job: Job, state: SessionState,
-                      answer: Committed | Duplicate | DuplicateUnstored | OutOfOrder) -> None:
+                      answer: Committed | Duplicate | DuplicateUnstored | OutOfOrder) -> bool:
         if isinstance(answer, Committed):
             state.committed = job.step_id
             state.engine_ready = True
             self.committed_steps += 1
-            return
+            return True
         # The engine ran a step that did not commit: its context is no longer the committed one.
         state.engine_ready = False
         self.engine.drop_session(job.session_id)
         if isinstance(answer, Duplicate):  # committed earlier; the stored result went out again
             state.committed = max(state.committed, job.step_id)
-            return
+            self.metrics.duplicate(job.model)
+            return False
         state.committed = answer.committed_step_id
         raise StepFailed(ErrorCode.STEP_OUT_OF_ORDER, f"step {job.step_id} could not commit "
                          f"(committed step is {state.committed})", fallback=False)
@@ -301,3 +313,4 @@ class StepExecutor:
             raise StepFailed(ErrorCode.STEP_ALREADY_COMMITTED,
                              f"step {job.step_id} is already committed and its result is no longer stored",
                              fallback=False)
+        self.metrics.duplicate(job.model)

@@ -13,6 +13,7 @@ import logging
 import random
 
 from broker.ops.failover import FailoverReport, reap_exclusively
+from broker.ops.metrics import FleetMetrics
 from broker.redis.backoff import REDIS_ERRORS
 from broker.redis.scripts import Scripts
 
@@ -25,8 +26,9 @@ def reap_interval_s(lease_ms: int) -> float:
     return lease_ms / 2000.0
 
 
-async def reap_loop(scripts: Scripts, *, lease_ms: int) -> None:
-    """Reap until cancelled; a Redis outage only skips passes."""
+async def reap_loop(scripts: Scripts, *, lease_ms: int, metrics: FleetMetrics | None = None) -> None:
+    """Reap until cancelled; a Redis outage only skips passes. Sessions moved count in
+    ``rollout_fleet_failovers_total``."""
     interval = reap_interval_s(lease_ms)
     while True:
         await asyncio.sleep(interval * (1.0 + JITTER * (random.random() - 0.5)))
@@ -41,6 +43,8 @@ async def reap_loop(scripts: Scripts, *, lease_ms: int) -> None:
             continue
         for report in reports or []:
             _log_report(report)
+            if metrics is not None:
+                metrics.failovers.inc(len(report.moved))
 
 
 def _log_report(report: FailoverReport) -> None:

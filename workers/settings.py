@@ -41,6 +41,7 @@ class WorkerSettings:
     idle_sweep_s: float = 5.0  # how often the worker closes its sessions idle past their timeout
     version_wait_s: float = 300.0  # the longest a step waits at the weight gate for its min_policy_version
     handover_on_stop: bool = True  # on SIGTERM hand sessions to live workers (no lease wait)
+    metrics_port: int | None = None  # serve /metrics here (0: a free port); None: no metrics server
     reap: bool = True  # take part in failing over dead workers (workers/reaper.py), no supervisor needed
     limits: Limits = DEFAULT_LIMITS
 

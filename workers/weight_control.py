@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from typing import Any
 
@@ -27,6 +28,11 @@ class WeightControl:
         self.gate = WeightGate(engine)
         self.error = ""  # why the last update failed (reported in the heartbeat)
         self._cursor = "0-0"
+
+    def fields(self) -> dict[str, str]:
+        """The registry hash's view: each model's version (JSON) and the last failure."""
+        return {"policy_versions": json.dumps(self.engine.policy_versions(), sort_keys=True),
+                "weights_error": self.error}
 
     async def apply(self, update: WeightUpdate) -> None:
         model = update.model

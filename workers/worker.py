@@ -10,7 +10,6 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
-import json
 import logging
 from typing import Any
 
@@ -35,9 +34,11 @@ from workers.idle import IdleSweeper
 from workers.inbox_repair import recreate_inbox
 from workers.jobs import BadJob, Job, parse_job
 from workers.rate_limit import WarningLimiter
+from workers.readiness import Readiness
 from workers.reaper import reap_loop
 from workers.settings import WorkerSettings, new_worker_id
 from workers.weight_control import WeightControl
+from workers.worker_metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,9 @@ class Worker:
         self._fenced: FencedEntries | None = None
         self._idle_sweeper: IdleSweeper | None = None
         self._bad_entries = WarningLimiter(log)  # forged or broken entries can come by the thousand
+        self.metrics = WorkerMetrics(settings.metrics_port, engine.models())
+        self.readiness = Readiness(engine, capacity=settings.capacity, metrics=self.metrics.fleet)
+        self.metrics.watch(engine, self._sessions, self._running)  # gauges read at each scrape
         self._pools = [self.keys.pool(mode.value, model) for model, mode in engine.models().items()]
 
     # ------------------------------------------------------------------ lifecycle
@@ -84,31 +88,33 @@ class Worker:
         return self._executor
 
     async def start(self) -> None:
+        self.metrics.start()  # first: a taken port fails the start before anything else is open
         self._redis = Redis.from_url(self.settings.cell_config.redis_url, decode_responses=False)
         self._scripts = Scripts(self._redis, self.keys)
         await self.engine.start()
         self._batchers = {
             model: Batcher(self.engine, model, max_batch=self.engine.max_batch_size(model),
-                           wait_ms=self.settings.batch_wait_ms)
+                           wait_ms=self.settings.batch_wait_ms, metrics=self.metrics)
             for model in self.engine.models()
         }
         self.weights = WeightControl(self.engine, self._redis, self.keys, block_ms=self.settings.block_ms)
         self._executor = StepExecutor(self.settings, self._scripts, self.engine, self._batchers,
-                                      self.weights.gate)
+                                      self.weights.gate, self.metrics)
         self._fenced = FencedEntries(self._executor.jobs)
         self._idle_sweeper = IdleSweeper(self._scripts, lambda: self.id, interval_s=self.settings.idle_sweep_s)
         await self.weights.apply_latest()
-        await self._scripts.register(
-            self.id, capacity=self.settings.capacity, pools=self._pools, ttl_ms=3 * self.settings.cell_config.lease_ms,
-            fields=self._describe("active"),
-        )
+        await self.readiness.probe()  # a worker whose engine is not ready registers with no capacity
+        await self._scripts.register(self.id, capacity=self.readiness.offered_capacity, pools=self._pools,
+                                     ttl_ms=3 * self.settings.cell_config.lease_ms, fields=self._describe("active"))
         self.state = "active"
         self._idle.set()
         self._spawn(self._heartbeat_loop(), "heartbeat")
+        self._spawn(self.readiness.follow(self._scripts, lambda: self.id, self.settings.heartbeat_ms), "readiness")
         self._spawn(self.weights.follow(), "control")
         self._spawn(self._idle_sweeper.run(), "idle-sweep")
         if self.settings.reap:
-            self._spawn(reap_loop(self._scripts, lease_ms=self.settings.cell_config.lease_ms), "reaper")
+            self._spawn(reap_loop(self._scripts, lease_ms=self.settings.cell_config.lease_ms,
+                                  metrics=self.metrics.fleet), "reaper")
         log.info("worker %s serving %s", self.id, ", ".join(self.engine.models()))
 
     def request_stop(self) -> None:
@@ -154,6 +160,7 @@ class Worker:
             await self._redis.aclose()
             self._redis = None
         await self.engine.close()
+        self.metrics.close()
         self.state = "stopped"
 
     # ------------------------------------------------------------------ plumbing
@@ -174,7 +181,6 @@ class Worker:
 
     def _describe(self, state: str) -> dict[str, str]:
         models = self.engine.models()
-        ex = self._executor
         return {
             "state": state,
             "engine": self.engine.kind,
@@ -183,10 +189,10 @@ class Worker:
             "capacity": str(self.settings.capacity),
             "load": str(len(self._sessions)),
             "policy_version": str(self.engine.policy_version),
-            "policy_versions": json.dumps(self.engine.policy_versions(), sort_keys=True),  # per model
-            "weights_error": self.weights.error if self.weights else "",
-            "committed_steps": str(ex.committed_steps if ex else 0),
+            **(self.weights.fields() if self.weights else {"weights_error": ""}),  # per-model versions
+            "committed_steps": str(self._executor.committed_steps if self._executor else 0),
             "idle_closed": str(self._idle_sweeper.closed if self._idle_sweeper else 0),
+            **self.readiness.fields(),
         }
 
     async def _heartbeat_loop(self) -> None:
@@ -212,8 +218,8 @@ class Worker:
         self.settings = dataclasses.replace(self.settings, worker_id=self.id)
         self.executor.worker_id = self.id
         await self._scripts_or_fail().register(
-            self.id, capacity=self.settings.capacity, pools=self._pools, ttl_ms=3 * self.settings.cell_config.lease_ms,
-            fields=self._describe(self.state))
+            self.id, capacity=self.readiness.offered_capacity, pools=self._pools,
+            ttl_ms=3 * self.settings.cell_config.lease_ms, fields=self._describe(self.state))
         log.warning("worker %s was declared dead; re-registered as %s", old, self.id)
 
     async def _hand_over(self) -> None:
@@ -357,7 +363,7 @@ class Worker:
             raise Fenced(job.session_id)
         # A new epoch means the engine's context (if any) may be stale: rebuild before the next step.
         self.engine.drop_session(job.session_id)
-        state = SessionState(committed=session.committed_step_id, epoch=job.epoch)
+        state = SessionState(committed=session.committed_step_id, epoch=job.epoch, model=session.model)
         self._sessions[job.session_id] = state
         return state
 

@@ -57,6 +57,7 @@ from broker.gateway.models import (
     SessionStatusResponse,
 )
 from broker.gateway.settings import GatewaySettings
+from broker.gateway.step_metrics import GatewayMetrics
 from broker.gateway.tenancy import Tenancy
 from broker.redis.config import CellConfig
 from schemas.codec import encode
@@ -92,6 +93,7 @@ class Gateway:
         self.max_handles = max_handles
         self._handles: OrderedDict[str, Session] = OrderedDict()
         self._decodes = asyncio.Semaphore(settings.decode_threads)
+        self.metrics = GatewayMetrics()
 
     def remember(self, session: Session) -> Session:
         self._handles[session.session_id] = session
@@ -124,8 +126,10 @@ class Gateway:
             action = fleet_action(body.action)
         except FleetError as exc:
             return StepResult.failure(session_id, body.step_id, exc.code, exc.message)
-        return await session.step(body.step_id, observation=observation, action=action,
-                                  use_session_context=body.use_session_context, timeout=self.step_timeout)
+        with self.metrics.step(session.model) as answered:
+            answered(await session.step(body.step_id, observation=observation, action=action,
+                                        use_session_context=body.use_session_context, timeout=self.step_timeout))
+        return answered.result
 
 
 def _gateway(request: Request) -> Gateway:
@@ -240,6 +244,13 @@ async def health(request: Request) -> Response:
     if problem is not None:
         return error_response(503, problem)
     return JSONResponse(HealthResponse(status="ok", model=gateway.model_default, live_workers=live).model_dump())
+
+
+@router.get("/metrics", include_in_schema=False)
+async def metrics(request: Request) -> Response:
+    """Prometheus metrics of this gateway; like every route but /health, it needs the API key."""
+    body, content_type = _gateway(request).metrics.fleet.exposition()
+    return Response(body, headers={"Content-Type": content_type})
 
 
 # --------------------------------------------------------------------------- errors, app

@@ -135,7 +135,8 @@ def check_report(report: CellReport, lease_ms: int) -> tuple[bool, str]:
     live = [w for w in report.workers if w.live(lease_ms)]
     if not live:
         return False, f"no live worker ({len(report.workers)} registered, lease {lease_ms} ms)"
-    not_ready = [w.worker_id for w in live if w.fields.get("engine_ready") == "0"]
+    not_ready = [f"{w.worker_id} ({w.fields.get('engine_reason', '')})" for w in live
+                 if w.fields.get("engine_ready") == "0"]
     if not_ready:
         return False, f"engine not ready on {len(not_ready)} live worker(s): {', '.join(not_ready)}"
     if report.newest_dead_letter_age_ms is not None:
@@ -151,16 +152,24 @@ def format_status(report: CellReport, lease_ms: int | None = None) -> str:
     (default: the cell's default lease). A worker's last weights error follows on its own line."""
     lease_ms = CellConfig().lease_ms if lease_ms is None else lease_ms
     lines = [f"{'worker':<40} {'state':<9} {'alive':<6} {'beat_ms':>8} {'load':>5} {'inbox':>6} {'pending':>7} "
-             f"{'idle_closed':>11} {'engine':<10} {'version':>7} models@version"]
+             f"{'idle_closed':>11} {'engine':<10} {'version':>7} {'models@version':<40} engine_ready"]
     for w in report.workers:
         f = w.fields
         alive = "yes" if w.live(lease_ms) else "NO"
         lines.append(f"{w.worker_id:<40} {f.get('state', '?'):<9} {alive:<6} {w.heartbeat_age_ms:>8} "
                      f"{f.get('load', '?'):>5} {w.inbox_length:>6} {w.inbox_pending:>7} "
                      f"{f.get('idle_closed', '0'):>11} {f.get('engine', '?'):<10} "
-                     f"{f.get('policy_version', '?'):>7} {w.models_text()}")
+                     f"{f.get('policy_version', '?'):>7} {w.models_text():<40} {_engine_ready(f)}")
         if f.get("weights_error"):
             lines.append(f"  weights error: {f['weights_error']}")
     lines.append(f"sessions={report.live_sessions} dead_letters={report.dead_letters} "
                  f"checked_at={time.strftime('%H:%M:%S')}")
     return "\n".join(lines)
+
+
+def _engine_ready(fields: dict[str, str]) -> str:
+    """yes, or NO with the worker's reason (a worker from before readiness checks says nothing: ?)."""
+    ready = fields.get("engine_ready")
+    if ready is None:
+        return "?"
+    return "yes" if ready == "1" else f"NO ({fields.get('engine_reason', '')})"

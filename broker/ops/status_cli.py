@@ -33,8 +33,8 @@ def _watch(config: CellConfig, args: argparse.Namespace) -> int:
         while True:
             try:
                 text = _render(_report(config, args.window), config, args.json)
-            except (RedisError, OSError) as exc:
-                text = f"status: Redis at {config.redis_url} did not answer: {exc}"
+            except (RedisError, OSError) as exc:  # the URL is not printed: it may hold a password
+                text = f"status: Redis did not answer: {exc}"
             print((CLEAR if tty and not args.json else "") + text, flush=True)
             time.sleep(args.watch)
     except KeyboardInterrupt:
@@ -42,15 +42,11 @@ def _watch(config: CellConfig, args: argparse.Namespace) -> int:
 
 
 def run_status_command(config: CellConfig, args: argparse.Namespace) -> int:
-    """0 when shown (or healthy with --check); 1 when --check finds a problem; 2 when Redis does
-    not answer. Every outcome is one line or a table, never a traceback."""
+    """0 when shown (or healthy with --check); 1 when --check finds a problem. A Redis error goes
+    up to the CLI, which says it in one line (the password left out) with exit 2."""
     if args.watch is not None:
         return _watch(config, args)
-    try:
-        report = _report(config, args.window)
-    except (RedisError, OSError) as exc:
-        print(f"status: Redis at {config.redis_url} did not answer: {exc}", file=sys.stderr)
-        return 2
+    report = _report(config, args.window)
     if args.check:
         healthy, why = check_report(report, config.lease_ms)
         print(why if healthy else f"unhealthy: {why}")

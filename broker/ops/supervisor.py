@@ -26,6 +26,7 @@ from redis.asyncio import Redis
 
 from broker.ops.arq_queue import arq_pool, pack_arq, unpack_arq
 from broker.ops.failover import reap_exclusively
+from broker.ops.metrics import FleetMetrics, serve_metrics
 from broker.ops.replay import list_dead, replay
 from broker.redis.aio import resolve
 from broker.redis.backoff import REDIS_ERRORS
@@ -41,12 +42,14 @@ RESTART_PAUSE_S = 1.0  # between a Redis error that ended arq's loop and the nex
 class SupervisorSettings:
     cell_config: CellConfig = field(default_factory=CellConfig)  # lease_ms must match the workers'
     interval_s: int = 1
+    metrics_port: int | None = None  # serve /metrics here; None: no metrics server
 
 
 async def _startup(ctx: dict[str, Any]) -> None:
     settings: SupervisorSettings = ctx["settings"]
     ctx["fleet_redis"] = Redis.from_url(settings.cell_config.redis_url)
     ctx["scripts"] = Scripts(ctx["fleet_redis"], settings.cell_config.keys)
+    ctx.setdefault("metrics", FleetMetrics())
 
 
 async def _shutdown(ctx: dict[str, Any]) -> None:
@@ -59,19 +62,47 @@ async def reap_job(ctx: dict[str, Any]) -> dict[str, Any]:
     reports = await reap_exclusively(scripts, lease_ms=settings.cell_config.lease_ms)
     if reports is None:
         return {"skipped": "another process is reaping"}
+    metrics: FleetMetrics = ctx["metrics"]
     for r in reports:
         log.warning("worker %s lease expired: %d sessions moved (%d jobs), %d waiting, retired=%s",
                     r.worker_id, len(r.moved), r.jobs_moved, len(r.stuck), r.retired)
+        metrics.failovers.inc(len(r.moved))
+    await _count_dead_letters(ctx)
     return {"workers": [asdict(r) for r in reports]}
 
 
+async def _count_dead_letters(ctx: dict[str, Any]) -> None:
+    """``rollout_fleet_dead_letters_total`` grows by the entries added to the cell's dead-letter
+    stream since the last pass (XINFO's entries-added: trimming does not lower it, XLEN would)."""
+    scripts: Scripts = ctx["scripts"]
+    added = 0
+    if await scripts.redis.exists(scripts.keys.dead):
+        info: Any = await scripts.redis.xinfo_stream(scripts.keys.dead)
+        added = int(info.get("entries-added", info.get(b"entries-added", 0)))
+    seen = ctx.get("dead_letters_seen")
+    if seen is not None and added != seen:
+        # Fewer than seen: the stream was deleted and made again, and all it holds is new.
+        ctx["metrics"].dead_letters.inc(added - seen if added > seen else added)
+    ctx["dead_letters_seen"] = added  # the first pass only sets the baseline: earlier ones are history
+
+
 async def trim_job(ctx: dict[str, Any]) -> dict[str, int]:
+    """Forget expired sessions, bound the dead letters; the sessions gauge counts what is left."""
     scripts: Scripts = ctx["scripts"]
     redis, keys = scripts.redis, scripts.keys
     forgotten = 0
+    by_model: dict[str, int] = {}
     async for sid, _owner in redis.hscan_iter(keys.sessions):
-        if not await redis.exists(keys.session(sid.decode())):
+        model: Any = await resolve(redis.hget(keys.session(sid.decode()), "model"))
+        if model is None:
             forgotten += await resolve(redis.hdel(keys.sessions, sid))
+        else:
+            name = model.decode() if isinstance(model, bytes) else str(model)
+            by_model[name] = by_model.get(name, 0) + 1
+    metrics: FleetMetrics = ctx["metrics"]
+    for name in set(by_model) | set(ctx.get("models_seen", ())):
+        metrics.sessions.labels(name).set(by_model.get(name, 0))
+    ctx["models_seen"] = set(by_model) | set(ctx.get("models_seen", ()))
     trimmed = await redis.xtrim(keys.dead, maxlen=DEAD_LETTER_MAXLEN, approximate=True)
     return {"sessions_forgotten": forgotten, "dead_letters_trimmed": int(trimmed)}
 
@@ -82,7 +113,8 @@ async def replay_dead(ctx: dict[str, Any], filters: dict[str, Any], dry_run: boo
     return [asdict(o) for o in await replay(scripts, jobs, dry_run=dry_run)]
 
 
-def build_worker(settings: SupervisorSettings, *, handle_signals: bool = True) -> ArqWorker:
+def build_worker(settings: SupervisorSettings, *, handle_signals: bool = True,
+                 metrics: FleetMetrics | None = None) -> ArqWorker:
     keys = settings.cell_config.keys
     every = set(range(0, 60, max(1, settings.interval_s)))
     return ArqWorker(
@@ -97,7 +129,7 @@ def build_worker(settings: SupervisorSettings, *, handle_signals: bool = True) -
         job_deserializer=unpack_arq,
         on_startup=_startup,
         on_shutdown=_shutdown,
-        ctx={"settings": settings},
+        ctx={"settings": settings, "metrics": metrics or FleetMetrics()},
         handle_signals=handle_signals,
         poll_delay=0.1,
         keep_result=60,
@@ -108,8 +140,18 @@ def run_supervisor(settings: SupervisorSettings) -> None:
     """Run until SIGINT/SIGTERM. arq's loop ends on the first Redis error (a restart, a network
     cut): start it again after a pause instead of exiting, so the cell keeps its trimming."""
     stop = asyncio.Event()
+    metrics = FleetMetrics()  # one registry for the process: counters survive arq restarts
+    server = serve_metrics(settings.metrics_port, metrics.registry) if settings.metrics_port is not None else None
+    try:
+        _supervise(settings, stop, metrics)
+    finally:
+        if server is not None:
+            server.close()
+
+
+def _supervise(settings: SupervisorSettings, stop: asyncio.Event, metrics: FleetMetrics) -> None:
     while not stop.is_set():
-        worker = build_worker(settings)
+        worker = build_worker(settings, metrics=metrics)
         worker.on_stop = lambda _sig: stop.set()
         try:
             worker.run()

@@ -82,6 +82,7 @@ class Scripts:
     NAMES = (
         "create", "enqueue", "control", "commit", "report", "apply_control",
         "register", "heartbeat", "leave_pools", "failover", "retire", "ack_result", "close_idle",
+        "set_capacity",
     )
 
     def __init__(self, redis: Redis, keys: CellKeys, *, coalesce: bool = True) -> None:
@@ -279,6 +280,14 @@ class Scripts:
         raw = await self._call("close_idle", [self.keys.session(session_id), self.keys.inbox(worker_id)],
                                [worker_id, session_id])
         return decode_close_idle(raw)
+
+    async def set_capacity(self, worker_id: str, capacity: int, *, fields: dict[str, str]) -> bool:
+        """A registered worker's capacity (0: no new sessions) and the fields that say why; False
+        when it is not registered."""
+        flat = [item for pair in fields.items() for item in pair]
+        raw = await self._call("set_capacity", [self.keys.capacity, self.keys.worker(worker_id)],
+                               [worker_id, capacity, *flat])
+        return decode_integer("set_capacity", raw) == 1
 
     async def leave_pools(self, worker_id: str, *, pools: list[str], state: str) -> None:
         await self._call("leave_pools", [self.keys.worker(worker_id), *pools], [worker_id, state])

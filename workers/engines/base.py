@@ -122,6 +122,12 @@ class Engine(abc.ABC):
     async def close(self) -> None:
         """Free everything. Called once on shutdown."""
 
+    async def ready(self) -> bool:
+        """Whether the engine can run steps now (an engine in front of a server: the server answers
+        its health check). False, or an exception whose message says why, means not ready: the
+        worker then takes no new sessions. The worker bounds the call; keep it short."""
+        return True
+
     @abc.abstractmethod
     async def run_batch(
         self, model: str, requests: Sequence[EngineRequest]

@@ -15,6 +15,7 @@ from schemas.messages import Mode
 from workers.engines.base import Engine
 
 _TRANSIENT_STATUS = {408, 425, 429}
+HEALTH_TIMEOUT_S = 2.0  # a readiness probe: a server slower than this to say "healthy" is not ready
 DEV_MODE_HINT = "start the server with VLLM_SERVER_DEV_MODE=1 (weight reloads use its development routes)"
 
 
@@ -148,6 +149,14 @@ class ServerEngine(Engine):
         client, self._client = self._client, None
         if client is not None:
             await client.aclose()
+
+    async def ready(self) -> bool:
+        """The server's ``GET /health`` answers 2xx (vLLM and vLLM-Omni answer 200 once the model is
+        loaded); a refused connection or another status raises with the reason."""
+        response = await self._http().get("/health", timeout=HEALTH_TIMEOUT_S)
+        if response.status_code // 100 != 2:
+            raise RuntimeError(f"{self.server_config.base_url}/health answered HTTP {response.status_code}")
+        return True
 
     async def load_weights(self, path: str, version: int) -> None:
         """The server engine's own in-place reload (``reload_over_http``); the worker calls it only

@@ -17,7 +17,8 @@ local refusal = session_refusal(owner, s[6], committed, ctx, ARGV[1], ARGV[7])
 if refusal then
   return refusal
 end
-local step = tonumber(ARGV[2])  -- an integer in [0, 2^53 - 1]: exact as a double
+local step = tonumber(ARGV[2])  -- for comparisons only: above 2^53 the double is rounded
+local step_id = ARGV[2]  -- the id exactly as the client sent it (decimal text), written back as is
 if ARGV[3] == '1' then
   local nxt = tonumber(s[4])
   if step ~= nxt then
@@ -27,21 +28,21 @@ if ARGV[3] == '1' then
         return {'stored', stored, committed}
       end
       return {'error', 'step_already_committed',
-              'step ' .. step_text(step) .. ' is already committed; highest committed step is ' .. step_text(committed),
+              'step ' .. step_id .. ' is already committed; highest committed step is ' .. step_text(committed),
               committed, ctx}
     end
     if step < nxt then
       return {'error', 'step_out_of_order',
-              'step ' .. step_text(step) .. ' is already queued; expected step_id ' .. step_text(nxt), committed, ctx, 'in_flight'}
+              'step ' .. step_id .. ' is already queued; expected step_id ' .. step_text(nxt), committed, ctx, 'in_flight'}
     end
-    return {'error', 'step_out_of_order', 'expected step_id ' .. step_text(nxt) .. ', got ' .. step_text(step), committed, ctx}
+    return {'error', 'step_out_of_order', 'expected step_id ' .. step_text(nxt) .. ', got ' .. step_id, committed, ctx}
   end
   redis.call('HSET', KEYS[1], 'next_step_id', nxt + 1)
 end
 local now = now_ms()
 redis.call('HSET', KEYS[1], 'updated_ms', now)
 local id = redis.call('XADD', KEYS[2], '*',
-  'kind', 'step', 'job_id', ARGV[4], 'session_id', ARGV[7], 'step_id', step_text(step),
+  'kind', 'step', 'job_id', ARGV[4], 'session_id', ARGV[7], 'step_id', step_id,
   'contextual', ARGV[3], 'epoch', s[2], 'gen', s[7], 'mode', s[9], 'model', s[10],
   'reply_to', ARGV[5], 'enqueued_ms', now, 'attempt', ARGV[8], 'retention', s[11] or 'full',
   'min_version', ARGV[9] or '0',

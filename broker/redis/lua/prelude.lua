@@ -8,9 +8,9 @@ local function now_ms()
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
--- A step id as exact decimal text. Step ids are at most 2^53 - 1 (schemas.limits.MAX_STEP_ID),
--- so the double Lua holds is exact, but `..` prints a number with 14 significant digits
--- ('1e+14'): a step id joined to text (a log field name, a message) goes through this instead.
+-- A step id the scripts computed or read (committed, next) as exact decimal text. Those stay
+-- below 2^53 (schemas.limits.LUA_EXACT_STEPS), so the double Lua holds is exact, but `..`
+-- prints a number with 14 significant digits ('1e+14'): a step id joined to text (a log field name, a message) goes through this instead.
 local function step_text(step)
   return string.format('%d', step)
 end

@@ -1,0 +1,106 @@
+"""The fleet's Prometheus metrics, defined once: names, labels and buckets.
+
+Workers, the gateway and the supervisor each own one :class:`FleetMetrics` (its own
+``CollectorRegistry``, so two workers in one test process never share a counter) and expose it
+with :func:`serve_metrics` or, in the gateway, a ``/metrics`` route. Labels are bounded: a model
+name, an outcome (``committed``, ``duplicate`` or an error code) and a phase, never a session or a
+worker id, so a fleet with a million sessions still has a few dozen series.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    start_http_server,
+)
+
+# Seconds: a step runs in about a millisecond on the reference engine and seconds on a big model.
+STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+                60.0, 300.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+REBUILD_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 120.0)
+PHASES = ("queue", "engine", "commit", "total")
+ENV_PORT = "ROLLOUT_FLEET_METRICS_PORT"
+
+
+class FleetMetrics:
+    """Every metric of the fleet on one registry; a process fills the ones its role knows."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.steps = Counter("rollout_fleet_steps", "Steps answered, by outcome: committed, duplicate, "
+                             "or the error code of a failure", ["model", "outcome"], registry=r)
+        self.step_seconds = Histogram("rollout_fleet_step_seconds", "Step latency by phase: queue (enqueued "
+                                      "to picked), engine, commit, total (enqueued to committed)",
+                                      ["model", "phase"], buckets=STEP_BUCKETS, registry=r)
+        self.batch_size = Histogram("rollout_fleet_batch_size", "Requests per engine batch", ["model"],
+                                    buckets=BATCH_BUCKETS, registry=r)
+        self.sessions = Gauge("rollout_fleet_sessions", "Sessions owned (worker) or open (supervisor), "
+                              "by model", ["model"], registry=r)
+        self.inbox_pending = Gauge("rollout_fleet_inbox_pending", "Inbox entries read and not yet "
+                                   "acknowledged", registry=r)
+        self.failovers = Counter("rollout_fleet_failovers", "Sessions moved off a dead worker by this "
+                                 "process's reaping passes", registry=r)
+        self.context_rebuild_seconds = Histogram("rollout_fleet_context_rebuild_seconds", "Time to rebuild "
+                                                 "a session's context on a new owner",
+                                                 buckets=REBUILD_BUCKETS, registry=r)
+        self.dead_letters = Counter("rollout_fleet_dead_letters", "Jobs dead-lettered (worker: by this "
+                                    "worker; supervisor: growth of the cell's dead-letter stream)", registry=r)
+        self.policy_version = Gauge("rollout_fleet_policy_version", "Weight version serving each model",
+                                    ["model"], registry=r)
+        self.engine_ready = Gauge("rollout_fleet_engine_ready", "1 when the engine answers its readiness "
+                                  "check, 0 when it does not (the worker then takes no new sessions)",
+                                  registry=r)
+
+    def exposition(self) -> tuple[bytes, str]:
+        """The text format and its content type, for a handler that serves ``/metrics`` itself."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+@dataclass
+class MetricsServer:
+    """prometheus-client's HTTP server in a daemon thread; :meth:`close` stops it."""
+
+    server: WSGIServer
+    thread: threading.Thread
+
+    @property
+    def port(self) -> int:
+        return int(self.server.server_port)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout_s)
+
+
+class MetricsPortError(Exception):
+    """The metrics port cannot be listened on (taken, or not allowed): said in one line."""
+
+
+def serve_metrics(port: int, registry: CollectorRegistry, host: str = "0.0.0.0") -> MetricsServer:
+    """Serve ``registry`` at ``http://host:port/metrics`` (port 0: a free port, see ``.port``).
+    The listen address is all interfaces by default, as Prometheus scrapes from another host."""
+    try:
+        server, thread = start_http_server(port, addr=host, registry=registry)
+    except OSError as exc:
+        raise MetricsPortError(f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}") from exc
+    return MetricsServer(server, thread)
+
+
+def metrics_port(text: str) -> int:
+    """A ``--metrics-port`` value: 0..65535 (0 picks a free port)."""
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise ValueError(f"port must be 0..65535, got {text}")
+    return port

@@ -1,0 +1,119 @@
+"""Expected mistakes answer with one line on stderr and exit 2, never a traceback; logging as the
+CLI configures it (--log-format json, a quiet idle supervisor)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import redis
+
+from broker.redis.embedded import RedisServer, free_port
+from workers.cli import main
+
+CLI = [sys.executable, "-m", "workers.cli"]
+ENV = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUT_FLEET_")}
+
+
+def _one_line_exit_2(out: subprocess.CompletedProcess[str], says: str) -> None:
+    assert out.returncode == 2, out.stderr
+    assert "Traceback" not in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert says in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["status"], "rollout-fleet status: error: Redis at redis://fleet:***@127.0.0.1:{port}/0 did not answer"),
+    (["replay", "list"], "rollout-fleet replay: error: Redis at"),
+    (["update-weights", "--model", "m", "--version", "2", "--path", "/w"], "update-weights: Error"),
+])
+def test_redis_down_is_one_line(argv: list[str], says: str) -> None:
+    port = free_port()  # nothing listens there
+    url = f"redis://fleet:hunter2@127.0.0.1:{port}/0"
+    out = subprocess.run([*CLI, *argv], env={**ENV, "ROLLOUT_FLEET_REDIS_URL": url}, capture_output=True, text=True,
+                         timeout=60)
+    _one_line_exit_2(out, says.format(port=port))
+    assert "hunter2" not in out.stderr
+
+
+def test_a_missing_extra_names_it() -> None:
+    # fastapi absent as in a plain `pip install rollout-fleet` (None in sys.modules makes its import fail)
+    code = ("import sys; sys.modules['fastapi'] = None\n"
+            "from workers.cli import main; sys.exit(main(['gateway', '--redis-url', 'redis://127.0.0.1:1/0']))")
+    out = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True, timeout=60)
+    _one_line_exit_2(out, "rollout-fleet gateway: error: the gateway verb needs fastapi: "
+                          "install rollout-fleet[gateway]")
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--log-level", "loud", "status"], "rollout-fleet: error: argument --log-level: invalid choice: 'LOUD'"),
+    (["status", "--log-level", "loud"], "rollout-fleet status: error: argument --log-level: invalid choice"),
+    (["worker", "--heartbeat-ms", "5000"], "rollout-fleet worker: error: heartbeat 5000 ms"),
+    (["worker", "--heartbeat-ms", "900", "--lease-ms", "600"], "shorter than the lease, 600 ms"),
+    (["demo", "--engine", "vllm"], "rollout-fleet demo: error: --engine vllm: the demo runs the reference and null"),
+    (["status", "--lease-ms", "soon"], "rollout-fleet status: error: argument --lease-ms: invalid int value"),
+    (["frobnicate"], "rollout-fleet: error: argument command: invalid choice"),
+])
+def test_usage_mistakes_are_one_line(argv: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(argv, environ={})
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and says in err, err
+
+
+def test_heartbeat_from_the_environment_is_checked_too(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["worker"], environ={"ROLLOUT_FLEET_HEARTBEAT_MS": "6000"})
+    assert "$ROLLOUT_FLEET_HEARTBEAT_MS" in capsys.readouterr().err
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"], environ={})
+    assert exited.value.code == 0
+    assert capsys.readouterr().out.strip() == f"rollout-fleet {importlib.metadata.version('rollout-fleet')}"
+
+
+def _reap_passes(client: redis.Redis) -> set[bytes]:
+    # arq marks each cron run in progress under this key (kept a while): a count of passes run.
+    return set(client.keys("arq:in-progress:reap:*"))
+
+
+def test_idle_supervisor_logs_no_info_lines_and_json_lines(redis_server: RedisServer, prefix: str) -> None:
+    client = redis.Redis.from_url(redis_server.url)
+    before = _reap_passes(client)
+    proc = subprocess.Popen([*CLI, "supervisor", "--log-format", "json", "--interval", "1"],
+                            env={**ENV, "ROLLOUT_FLEET_REDIS_URL": redis_server.url, "ROLLOUT_FLEET_PREFIX": prefix},
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30  # bounded: three passes at one a second
+        while len(_reap_passes(client) - before) < 3 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        assert len(_reap_passes(client) - before) >= 3, "the supervisor ran no reaping passes"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+        client.close()
+    records = [json.loads(line) for line in err.splitlines() if line.strip()]
+    for record in records:
+        assert set(record) >= {"ts", "level", "logger", "message"}, record
+    assert [r for r in records if r["level"] in ("INFO", "DEBUG")] == []
+
+
+def test_json_log_lines_carry_the_exception() -> None:
+    code = ("import logging, sys, json\n"
+            "from workers.logs import configure_logging\n"
+            "configure_logging('INFO', 'json')\n"
+            "try:\n    1 / 0\nexcept ZeroDivisionError:\n    logging.getLogger('x.y').exception('boom %d', 7)\n")
+    out = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True, timeout=60)
+    (line,) = out.stderr.strip().splitlines()
+    record = json.loads(line)
+    assert (record["level"], record["logger"], record["message"]) == ("ERROR", "x.y", "boom 7")
+    assert "ZeroDivisionError" in record["exc_info"]

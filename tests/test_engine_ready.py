@@ -1,0 +1,131 @@
+"""Engine readiness: a worker whose engine is not ready says so (registry hash, status, the
+rollout_fleet_engine_ready gauge), takes no new session, keeps the ones it has, and takes new
+ones again once ready; the HTTP engines probe their server's /health."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from broker import FleetClient
+from broker.ops.status import cell_status, format_status
+from broker.redis.embedded import RedisServer
+from broker.redis.scripts import Scripts
+from schemas.errors import CapacityExhaustedError
+from tests.support import FAST, WorkerPool, world_step
+from workers.engines.null import NullEngine
+from workers.engines.vllm_http import VLLMHTTPConfig, VLLMHTTPEngine
+from workers.engines.vllm_omni_http import VLLMOmniHTTPConfig, VLLMOmniHTTPEngine
+
+WORLD = "null-world"
+
+
+class SwitchedEngine(NullEngine):
+    """The null engine with a readiness switch: False, or an exception to raise, means not ready."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.answer: bool | Exception = True
+
+    async def ready(self) -> bool:
+        if isinstance(self.answer, Exception):
+            raise self.answer
+        return self.answer
+
+
+async def until(check: Any, what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not await check():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.05)
+
+
+async def worker_field(scripts: Scripts, worker_id: str, name: str) -> str:
+    raw = await scripts.redis.hget(scripts.keys.worker(worker_id), name)
+    return raw.decode() if raw is not None else ""
+
+
+async def test_a_worker_whose_engine_is_not_ready_takes_no_new_session(
+        fleet: FleetClient, workers: WorkerPool, scripts: Scripts, redis_server: RedisServer, prefix: str) -> None:
+    switched = SwitchedEngine()
+    flaky = await workers.add(switched, heartbeat_ms=FAST["heartbeat_ms"], metrics_port=0)
+    kept = await fleet.create_session(model=WORLD, mode="world_model_env")
+    assert (await kept.step(0, **world_step(0))).ok
+    steady = await workers.add(NullEngine(), heartbeat_ms=FAST["heartbeat_ms"])
+
+    switched.answer = ConnectionError("vLLM server at :8001 refused the connection")
+
+    async def says_not_ready() -> bool:
+        return await worker_field(scripts, flaky.id, "engine_ready") == "0"
+    await until(says_not_ready, "the worker never said its engine is not ready")
+    assert "refused the connection" in await worker_field(scripts, flaky.id, "engine_reason")
+    assert flaky.worker.metrics.fleet.registry.get_sample_value("rollout_fleet_engine_ready") == 0
+    table = format_status(await cell_status(redis_server.url, prefix=prefix))
+    assert "NO (ConnectionError: vLLM server at :8001 refused the connection)" in table
+
+    # New sessions all go to the ready worker, though the other one is the less loaded.
+    owners = {(await fleet.create_session(model=WORLD, mode="world_model_env")).owner for _ in range(4)}
+    assert owners == {steady.id}
+    assert (await kept.step(1, **world_step(1))).ok  # its sessions stay and keep running
+
+    await workers.stop(steady)  # alone and not ready: no capacity anywhere
+    with pytest.raises(CapacityExhaustedError):
+        await fleet.create_session(model=WORLD, mode="world_model_env")
+
+    switched.answer = True
+
+    async def takes_sessions() -> bool:
+        try:
+            return (await fleet.create_session(model=WORLD, mode="world_model_env")).owner == flaky.id
+        except CapacityExhaustedError:
+            return False
+    await until(takes_sessions, "the worker did not take sessions again once ready")
+    assert await worker_field(scripts, flaky.id, "engine_ready") == "1"
+    assert flaky.worker.metrics.fleet.registry.get_sample_value("rollout_fleet_engine_ready") == 1
+
+
+async def test_a_worker_not_ready_at_start_registers_without_capacity(
+        fleet: FleetClient, workers: WorkerPool, scripts: Scripts) -> None:
+    switched = SwitchedEngine()
+    switched.answer = False
+    w = await workers.add(switched, heartbeat_ms=FAST["heartbeat_ms"])
+    assert await worker_field(scripts, w.id, "engine_ready") == "0"
+    assert await worker_field(scripts, w.id, "engine_reason") == "the engine reports it is not ready"
+    with pytest.raises(CapacityExhaustedError):
+        await fleet.create_session(model=WORLD, mode="world_model_env")
+
+
+@pytest.mark.parametrize("make", [
+    lambda t: VLLMHTTPEngine(VLLMHTTPConfig(base_url="http://vllm", model="m"), transport=t),
+    lambda t: VLLMOmniHTTPEngine(VLLMOmniHTTPConfig(base_url="http://vllm", model="m"), transport=t),
+], ids=["vllm-http", "vllm-omni-http"])
+async def test_the_http_engines_probe_their_servers_health(make: Any) -> None:
+    status = {"code": 503}
+    seen: list[str] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append(request.url.path)
+        return httpx.Response(status["code"])
+
+    engine = make(httpx.MockTransport(answer))
+    try:
+        with pytest.raises(RuntimeError, match=r"http://vllm/health answered HTTP 503"):
+            await engine.ready()
+        status["code"] = 200
+        assert await engine.ready() is True
+        assert seen == ["/health", "/health"]
+    finally:
+        await engine.close()
+
+
+async def test_an_http_engine_without_its_server_is_not_ready() -> None:
+    engine = VLLMHTTPEngine(VLLMHTTPConfig(base_url="http://127.0.0.1:9", model="m", connect_timeout_s=1.0))
+    try:
+        with pytest.raises(httpx.ConnectError):
+            await engine.ready()
+    finally:
+        await engine.close()

@@ -1,0 +1,24 @@
+"""Checks of an invocation that need more than one option (argparse checks one at a time)."""
+
+from __future__ import annotations
+
+from workers.cli_args import Invocation
+from workers.cli_errors import UsageError
+from workers.demo import MODELS
+
+
+def check_invocation(run: Invocation) -> None:
+    """Raise UsageError for a combination of options that cannot work."""
+    args = run.args
+    heartbeat = getattr(args, "heartbeat_ms", None)
+    if heartbeat is not None and heartbeat >= run.cell.lease_ms:
+        # A worker that beats once per lease (or slower) is failed over between two beats.
+        raise UsageError(f"heartbeat {heartbeat} ms (--heartbeat-ms, $ROLLOUT_FLEET_HEARTBEAT_MS) must be "
+                         f"shorter than the lease, {run.cell.lease_ms} ms (--lease-ms, $ROLLOUT_FLEET_LEASE_MS); "
+                         "a third of it is usual")
+    if args.command == "demo" and args.engine not in MODELS:
+        # The demo's trainer knows the model names of the reference and null engines only; a real
+        # engine needs its model, weights and GPU options, which a worker takes with --engine-opt.
+        raise UsageError(f"--engine {args.engine}: the demo runs the {' and '.join(MODELS)} engines only; "
+                         f"start real-engine workers with `rollout-fleet worker --engine {args.engine} "
+                         "--engine-opt model=...` (see README, Engines) and drive them with your trainer")

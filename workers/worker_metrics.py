@@ -1,0 +1,92 @@
+"""A worker's metrics: what the step path records, the gauges each heartbeat refreshes, and the
+``/metrics`` server on ``--metrics-port`` (none when the port is not given).
+
+The executor calls :meth:`committed`, :meth:`duplicate` and :meth:`failed` once per answered step;
+the model label is one the engine serves (anything else counts as ``other``), so a client naming
+models at random cannot grow the label set.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Collection, Iterable, Mapping
+from typing import Protocol
+
+from broker.ops.metrics import FleetMetrics, MetricsServer, serve_metrics
+from workers.engines.base import Engine
+
+log = logging.getLogger(__name__)
+OTHER_MODEL = "other"
+
+
+class SessionModel(Protocol):
+    """What the sessions gauge reads of a session's state (workers.executor.SessionState)."""
+
+    model: str
+
+
+class WorkerMetrics:
+    def __init__(self, port: int | None, models: Iterable[str] = ()) -> None:
+        self.port = port
+        self.fleet = FleetMetrics()
+        self.models = frozenset(models)
+        self._server: MetricsServer | None = None
+
+    def start(self) -> None:
+        if self.port is not None and self._server is None:
+            self._server = serve_metrics(self.port, self.fleet.registry)
+            log.info("metrics at http://0.0.0.0:%d/metrics", self._server.port)
+
+    @property
+    def bound_port(self) -> int | None:
+        """The port serving /metrics (differs from ``port`` when that was 0)."""
+        return self._server.port if self._server is not None else None
+
+    def close(self) -> None:
+        server, self._server = self._server, None
+        if server is not None:
+            server.close()
+
+    def model(self, model: str) -> str:
+        return model if model in self.models else OTHER_MODEL
+
+    # ------------------------------------------------------------------ the step path
+
+    def committed(self, model: str, *, queue_ms: float, engine_ms: float, commit_s: float,
+                  enqueued_ms: float) -> None:
+        label = self.model(model)
+        self.fleet.steps.labels(label, "committed").inc()
+        seconds = self.fleet.step_seconds
+        seconds.labels(label, "queue").observe(queue_ms / 1000.0)
+        seconds.labels(label, "engine").observe(engine_ms / 1000.0)
+        seconds.labels(label, "commit").observe(commit_s)
+        # enqueued_ms is the client's wall clock: a skewed clock must not make a negative latency.
+        seconds.labels(label, "total").observe(max(0.0, time.time() - enqueued_ms / 1000.0))
+
+    def duplicate(self, model: str) -> None:
+        self.fleet.steps.labels(self.model(model), "duplicate").inc()
+
+    def failed(self, model: str, code: str, *, dead_letter: bool) -> None:
+        self.fleet.steps.labels(self.model(model), code).inc()
+        if dead_letter:
+            self.fleet.dead_letters.inc()
+
+    def rebuilt(self, seconds: float) -> None:
+        self.fleet.context_rebuild_seconds.observe(seconds)
+
+    def batch(self, model: str, size: int) -> None:
+        self.fleet.batch_size.labels(self.model(model)).observe(size)
+
+    # ------------------------------------------------------------------ gauges (read at each scrape)
+
+    def watch(self, engine: Engine, sessions: Mapping[str, SessionModel], running: Collection[str]) -> None:
+        """Gauges computed when Prometheus scrapes (in the server's thread): the worker's own dict
+        and set, copied by one C-level call each, so the loop's changes cannot break the read."""
+        def owned(model: str) -> Callable[[], float]:
+            return lambda: sum(1 for s in list(sessions.values()) if s.model == model)
+
+        for model in self.models:
+            self.fleet.sessions.labels(model).set_function(owned(model))
+            self.fleet.policy_version.labels(model).set_function(lambda: engine.policy_version)
+        self.fleet.inbox_pending.set_function(lambda: len(running))
