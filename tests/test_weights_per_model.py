@@ -14,6 +14,7 @@ from broker import FleetClient
 from broker.ops.weights import update_weights, workers_at_version
 from broker.redis.embedded import RedisServer
 from tests.support import WorkerPool, world_step
+from tests.test_metrics import scrape, value
 from tests.test_weights import TOKENS, direct, engine
 from workers.cli import main
 from workers.engines.null import NullEngine
@@ -56,11 +57,17 @@ async def test_updating_the_lm_leaves_the_world_model_weights_and_version(
 
 
 async def test_a_minimum_version_waits_for_its_own_model(fleet: FleetClient, workers: WorkerPool) -> None:
-    """null-lm at version 2 does not let a null-world step that needs version 2 through."""
-    await workers.add(NullEngine(), version_wait_s=0.3)
+    """null-lm at version 2 does not let a null-world step that needs version 2 through; the
+    policy_version gauge is per model too."""
+    w = await workers.add(NullEngine(), version_wait_s=0.3, metrics_port=0)
     world = await fleet.create_session(model="null-world", mode="world_model_env")
     await update_weights(fleet.redis, fleet.keys, model="null-lm", version=2, path="-")
     await workers_at_version(fleet.redis, fleet.keys, model="null-lm", version=2, timeout=30)
+    port = w.worker.metrics.bound_port
+    assert port is not None
+    samples = await scrape(port)
+    assert value(samples, "rollout_fleet_policy_version", model="null-lm") == 2
+    assert value(samples, "rollout_fleet_policy_version", model="null-world") == 0
     r = await world.step(0, min_policy_version=2, **world_step(0))
     assert r.error and "policy version 2" in r.error.message and "version 0" in r.error.message
     await update_weights(fleet.redis, fleet.keys, model="null-world", version=2, path="-")
