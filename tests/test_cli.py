@@ -65,7 +65,8 @@ def test_bench_passes_its_options_through() -> None:
 def test_update_weights_announces_on_the_control_stream(redis_server: RedisServer) -> None:
     url = redis_server.url
     prefix = "cliw"
-    base = [*CLI, "update-weights", "--redis-url", url, "--prefix", prefix, "--model", "reference-lm"]
+    base = [*CLI, "update-weights", "--redis-url", url, "--prefix", prefix, "--model", "reference-lm",
+            "--allow-unserved"]  # no worker in this cell
     out = subprocess.run([*base, "--version", "2", "--path", "/ckpt/v2", "--abort-in-flight"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "version 2" in out.stdout, out.stderr[-2000:]

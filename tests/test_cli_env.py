@@ -35,7 +35,10 @@ OPTIONS: dict[str, dict[str, tuple[list[str], str]]] = {
              "--mode": (["tokens"], "tokens"), "--engine": (["null"], "null"),
              "--latent-shape": (["1,4,2,8,10"], "1,4,2,8,10"), "--no-progress": ([], "yes")},
     "redis": {"--port": (["7002"], "7002"), "--dir": (["/tmp/rd"], "/tmp/rd"), "--appendonly": ([], "true")},
-    "status": {**_CELL},
+    "status": {**_CELL, "--json": ([], "1"), "--watch": (["5"], "5"), "--check": ([], "yes"),
+               "--window": (["60"], "60")},
+    "sessions": {**_NO_LEASE, "--model": (["lm"], "lm"), "--owner": (["w-1"], "w-1"),
+                 "--state": (["closed"], "closed"), "--limit": (["10"], "10"), "--json": ([], "1")},
     "supervisor": {**_CELL, "--interval": (["3"], "3"), "--metrics-port": (["9401"], "9401")},
     "gateway": {**_CELL, "--host": (["0.0.0.0"], "0.0.0.0"), "--port": (["8081"], "8081"),
                 "--api-key": (["k1", "--api-key", "k2"], "k1,k2"), "--max-sessions-per-key": (["4"], "4"),
@@ -43,7 +46,8 @@ OPTIONS: dict[str, dict[str, tuple[list[str], str]]] = {
     "dashboard": {**_CELL, "--host": (["0.0.0.0"], "0.0.0.0"), "--port": (["8082"], "8082"),
                   "--api-key": (["k1", "--api-key", "k2"], "k1,k2")},
     "update-weights": {**_NO_LEASE, "--model": (["lm"], "lm"), "--version": (["4"], "4"),
-                       "--path": (["/w/4"], "/w/4"), "--wait": (["1.5"], "1.5"), "--abort-in-flight": ([], "on")},
+                       "--path": (["/w/4"], "/w/4"), "--wait": (["1.5"], "1.5"), "--abort-in-flight": ([], "on"),
+                       "--allow-unserved": ([], "on"), "--lease-ms": (["7000"], "7000")},
     "replay": {**_NO_LEASE, "--session": (["s1"], "s1"), "--code": (["timeout"], "timeout"),
                "--older-than": (["60"], "60"), "--newer-than": (["5"], "5"), "--limit": (["10"], "10"),
                "--dry-run": ([], "1"), "--json": ([], "1")},
@@ -51,7 +55,7 @@ OPTIONS: dict[str, dict[str, tuple[list[str], str]]] = {
 }
 # What a verb needs besides the option under test: positionals, and required options (from their
 # variables, so that the row's flag or variable replaces them).
-BASE_ARGV = {"replay": ["list"]}
+BASE_ARGV = {"replay": ["list"], "sessions": ["list"]}
 BASE_ENV = {"update-weights": {"ROLLOUT_FLEET_MODEL": "m", "ROLLOUT_FLEET_VERSION": "1", "ROLLOUT_FLEET_PATH": "/p"}}
 
 

@@ -148,6 +148,7 @@ async def test_a_big_decode_does_not_stall_other_clients(roomy: GatewayServer, w
         sid = await create(http, model="null-world")
         wrong = body(0, images={"cam": png})
         wrong["action"]["joint_positions"] = [0.0]  # refused after the decode: nothing is enqueued
+        began = time.perf_counter()
         heavy = [asyncio.create_task(http.post(f"{SESSIONS}/{sid}/step", json=wrong)) for _ in range(2)]
         waits: list[float] = []
         while not all(task.done() for task in heavy):
@@ -155,9 +156,13 @@ async def test_a_big_decode_does_not_stall_other_clients(roomy: GatewayServer, w
             assert (await http.get(f"{SESSIONS}/{sid}/status")).status_code == 200
             waits.append(time.perf_counter() - started)
             await asyncio.sleep(0.02)
+        total = time.perf_counter() - began
         for task in heavy:
             step_error(task.result(), 400, "invalid_request")
-    assert len(waits) > 5 and max(waits) < 0.5, f"status waited up to {max(waits):.2f}s behind a decode"
+    # Relative to the decodes' own time, so a loaded machine does not decide it: decoded on the event
+    # loop, the two would run one after the other and one status call would wait about half of it.
+    assert len(waits) > 5 and max(waits) < total / 3, \
+        f"status waited up to {max(waits):.2f}s of {total:.2f}s behind a decode"
 
 
 async def test_a_step_the_fleet_never_answers_is_a_504(redis_server: RedisServer, prefix: str,

@@ -240,8 +240,9 @@ async def test_failover_after_a_weight_update_rebuilds_token_sessions_by_their_t
     for i in range(2):
         results.append(await t.step(i, **TURNS[i]))
         assert (await w.step(i, **world_step(i))).policy_version == 0
-    await update_weights(fleet.redis, fleet.keys, model="reference-lm", version=1, path=path)
-    await workers_at_version(fleet.redis, fleet.keys, model="reference-lm", version=1)
+    for model in ("reference-lm", "reference-world"):  # versions are per model: move both
+        await update_weights(fleet.redis, fleet.keys, model=model, version=1, path=path)
+        await workers_at_version(fleet.redis, fleet.keys, model=model, version=1)
     results.append(await t.step(2, **TURNS[2]))
     assert (await w.step(2, **world_step(2))).policy_version == 1
     assert [r.policy_version for r in results] == [0, 0, 1]

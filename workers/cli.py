@@ -1,4 +1,5 @@
-"""``rollout-fleet``: worker, demo, redis, status, supervisor, gateway, replay, update-weights and bench.
+"""``rollout-fleet``: worker, demo, redis, status, supervisor, gateway, replay, sessions, update-weights
+and bench.
 
 The verbs' arguments are in :mod:`workers.cli_args`; this module runs them."""
 
@@ -97,11 +98,9 @@ def _cmd_redis(run: Invocation) -> int:
 
 
 def _cmd_status(run: Invocation) -> int:
-    from broker.ops.status import cell_status, format_status
+    from broker.ops.status_cli import run_status_command
 
-    report = asyncio.run(cell_status(config=run.cell))
-    print(format_status(report, lease_ms=run.cell.lease_ms))
-    return 0
+    return run_status_command(run.cell, run.args)
 
 
 def _cmd_supervisor(run: Invocation) -> int:
@@ -123,11 +122,17 @@ def _cmd_replay(run: Invocation) -> int:
     return asyncio.run(run_replay_command(run.cell, run.args))
 
 
+def _cmd_sessions(run: Invocation) -> int:
+    from broker.ops.sessions_cli import run_sessions_command
+
+    return asyncio.run(run_sessions_command(run.cell, run.args))
+
+
 def _cmd_update_weights(run: Invocation) -> int:
     from redis.asyncio import Redis
     from redis.exceptions import RedisError
 
-    from broker.ops.weights import update_weights, workers_at_version
+    from broker.ops.weights import WeightUpdateFailed, live_models, update_weights, workers_at_version
 
     args = run.args
 
@@ -135,6 +140,10 @@ def _cmd_update_weights(run: Invocation) -> int:
         redis = Redis.from_url(run.cell.redis_url)
         keys = run.cell.keys
         try:
+            served = await live_models(redis, keys, lease_ms=run.cell.lease_ms)
+            if args.model not in served and not args.allow_unserved:
+                raise ValueError(f"no live worker serves model {args.model!r} (live workers serve: "
+                                 f"{', '.join(sorted(served)) or 'nothing'}; --allow-unserved announces it anyway)")
             entry = await update_weights(redis, keys, model=args.model, version=args.version, path=args.path,
                                          in_flight="abort" if args.abort_in_flight else "finish")
             print(f"announced {args.model} version {args.version} ({entry})")
@@ -147,6 +156,9 @@ def _cmd_update_weights(run: Invocation) -> int:
 
     try:
         asyncio.run(go())
+    except WeightUpdateFailed as exc:  # a worker stored why it could not load them: no use waiting
+        print(f"update-weights: failed: {exc}", file=sys.stderr)
+        return 1
     except (ValueError, TimeoutError, RedisError, OSError) as exc:  # bad input, no Redis, --wait ran out
         print(f"update-weights: {exc}", file=sys.stderr)
         return 2
@@ -187,6 +199,7 @@ COMMANDS: dict[str, Callable[[Invocation], int]] = {
     "worker": _cmd_worker, "demo": _cmd_demo, "redis": _cmd_redis, "status": _cmd_status,
     "supervisor": _cmd_supervisor, "replay": _cmd_replay, "gateway": _cmd_gateway,
     "bench": _cmd_bench, "update-weights": _cmd_update_weights, "dashboard": _cmd_dashboard,
+    "sessions": _cmd_sessions,
 }
 
 

@@ -19,6 +19,8 @@ from typing import Any, NoReturn
 
 from broker.gateway.settings import API_KEY_ENV, GatewaySettings, parse_api_keys
 from broker.ops.metrics import metrics_port
+from broker.ops.sessions import STATES as SESSION_STATES
+from broker.ops.status import DEFAULT_CHECK_WINDOW_S
 from broker.ops.supervisor import SupervisorSettings
 from broker.redis.config import ENV_VARS, CellConfig, ConfigError
 from workers.cli_env import attach_env
@@ -135,6 +137,14 @@ def _redis(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
 
 def _status(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
     add_cell_flags(p, environ, lease=True)
+    p.add_argument("--json", action="store_true", help="the whole report as one JSON object")
+    p.add_argument("--watch", nargs="?", type=_positive(float), const=2.0, default=None, metavar="SECONDS",
+                   help="redraw every SECONDS (default 2) until Ctrl-C")
+    p.add_argument("--check", action="store_true",
+                   help="one line; exit 1 when no worker is live, a live worker's engine is not ready, "
+                        "or a dead letter arrived within --window")
+    p.add_argument("--window", type=_positive(float), default=DEFAULT_CHECK_WINDOW_S, metavar="SECONDS",
+                   help="--check: dead letters newer than this fail the check (default: %(default)s)")
 
 
 def _supervisor(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
@@ -195,13 +205,26 @@ def gateway_settings(args: argparse.Namespace) -> GatewaySettings:
 
 
 def _update_weights(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
-    add_cell_flags(p, environ, lease=False)
+    add_cell_flags(p, environ, lease=True)  # the lease tells the live workers (the model must be served)
     p.add_argument("--model", required=True)
     p.add_argument("--version", type=int, required=True, help="policy version (>= 1, increasing)")
     p.add_argument("--path", required=True, help="weights path as the workers see it")
     p.add_argument("--wait", type=float, default=0.0, help="seconds to wait until every worker reports it")
     p.add_argument("--abort-in-flight", action="store_true",
                    help="abort running steps (they run again on the new weights) instead of letting them finish")
+    p.add_argument("--allow-unserved", action="store_true",
+                   help="announce even when no live worker serves --model (workers that start later load it)")
+
+
+def _sessions(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
+    add_cell_flags(p, environ, lease=False)
+    p.add_argument("action", choices=("list", "show", "close"))
+    p.add_argument("session_id", nargs="?", default=None, metavar="SESSION_ID", help="show/close: the session")
+    p.add_argument("--model", default=None, help="list: only this model's sessions")
+    p.add_argument("--owner", default=None, help="list: only sessions this worker owns")
+    p.add_argument("--state", default=None, choices=SESSION_STATES, help="list: only sessions in this state")
+    p.add_argument("--limit", type=_positive(int), default=1000, help="list: at most this many (default: %(default)s)")
+    p.add_argument("--json", action="store_true", help="JSON (list: one object per line)")
 
 
 def _replay(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
@@ -229,6 +252,7 @@ VERBS: dict[str, tuple[str, _Builder]] = {
     "update-weights": ("tell the workers of a model to load new weights", _update_weights),
     "replay": ("list, show and re-enqueue dead-lettered jobs", _replay),
     "dashboard": ("the live web dashboard alone, without a gateway", _dashboard),
+    "sessions": ("list, show and close the sessions of a cell", _sessions),
 }
 
 

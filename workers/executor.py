@@ -100,7 +100,7 @@ class StepExecutor:
         result = StepResult.failure(
             job.session_id, job.step_id, failure.code, failure.message,
             committed_step_id=state.committed if state else -1, worker_id=self.worker_id,
-            attempt=failure.attempt, policy_version=self.engine.policy_version,
+            attempt=failure.attempt, policy_version=self.engine.policy_version_of(job.model),
         )
         fields = (job.dead_letter_fields(f"{failure.code.value}: {failure.message}", failure.attempt,
                                          self.worker_id, int(time.time() * 1000))
@@ -181,7 +181,7 @@ class StepExecutor:
         waiting = self._gate_waits.setdefault(job.session_id, set())
         waiting.add(stop)
         try:
-            async with self.gate.step(job.min_version, wait_s=self.settings.version_wait_s,
+            async with self.gate.step(job.min_version, model=job.model, wait_s=self.settings.version_wait_s,
                                       stop=stop) as version:
                 yield version
         except VersionWaitEnded as exc:
@@ -266,7 +266,7 @@ class StepExecutor:
                 raise ContextLost(f"this worker does not serve model {job.model!r}")
             self.rebuild_ms.append(await rebuild_context(
                 self.scripts.redis, self.scripts.keys, batcher, session_id=job.session_id, model=job.model,
-                mode=job.mode, committed=state.committed, version=self.engine.policy_version))
+                mode=job.mode, committed=state.committed, version=self.engine.policy_version_of(job.model)))
             self.metrics.rebuilt(self.rebuild_ms[-1] / 1000.0)
             self.rebuilt_steps += state.committed + 1
         except ContextLost as exc:

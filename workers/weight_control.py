@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from typing import Any
 
@@ -10,7 +11,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from broker.ops.weights import WeightUpdate
+from broker.ops.weights import WeightUpdate, weights_error_prefix
 from broker.redis.keys import CellKeys
 from workers.engines.base import Engine
 from workers.weights_gate import WeightGate
@@ -28,17 +29,24 @@ class WeightControl:
         self.error = ""  # why the last update failed (reported in the heartbeat)
         self._cursor = "0-0"
 
+    def fields(self) -> dict[str, str]:
+        """The registry hash's view: each model's version (JSON) and the last failure."""
+        return {"policy_versions": json.dumps(self.engine.policy_versions(), sort_keys=True),
+                "weights_error": self.error}
+
     async def apply(self, update: WeightUpdate) -> None:
-        if update.model not in self.engine.models() or update.version <= self.engine.policy_version:
+        model = update.model
+        if model not in self.engine.models() or update.version <= self.engine.policy_version_of(model):
             return
-        log.info("updating %s weights to version %d from %s (in-flight steps: %s)", update.model,
+        log.info("updating %s weights to version %d from %s (in-flight steps: %s)", model,
                  update.version, update.path, update.in_flight)
         try:
-            await self.gate.update(update.path, update.version, abort=update.abort)
+            await self.gate.update(update.path, update.version, abort=update.abort, model=model)
             self.error = ""
         except Exception as exc:  # keep serving the old version; say why in the heartbeat
-            self.error = f"version {update.version}: {type(exc).__name__}: {exc}"[:300]
-            log.exception("weight update to version %d failed", update.version)
+            # "<model> version <n>: ..." is what workers_at_version looks for (broker/ops/weights.py).
+            self.error = f"{weights_error_prefix(model, update.version)} {type(exc).__name__}: {exc}"[:300]
+            log.exception("%s weight update to version %d failed", model, update.version)
 
     async def apply_latest(self) -> None:
         """A worker that starts after updates were announced loads the latest one first."""

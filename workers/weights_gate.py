@@ -38,27 +38,32 @@ class WeightGate:
         self._aborting = False
 
     @contextlib.asynccontextmanager
-    async def step(self, min_version: int = 0, *, wait_s: float | None = None,
+    async def step(self, min_version: int = 0, *, model: str | None = None, wait_s: float | None = None,
                    stop: asyncio.Event | None = None) -> AsyncIterator[int]:
-        """Hold the engine for one step; yields the policy version the step runs with. A step that
-        needs a version the engine does not have waits at most ``wait_s`` for it, and no longer
-        than until ``stop`` is set: then VersionWaitEnded."""
+        """Hold the engine for one step of ``model``; yields the policy version the step runs with
+        (``model``'s own; None: the engine-wide one). A step that needs a version the engine does
+        not have waits at most ``wait_s`` for it, and no longer than until ``stop`` is set: then
+        VersionWaitEnded."""
         deadline = None if wait_s is None else asyncio.get_running_loop().time() + wait_s
         while True:
             await self._open.wait()
-            if self.engine.policy_version >= min_version:
+            if self._version(model) >= min_version:
                 break
-            await self._wait_for_change(min_version, deadline, stop)
+            await self._wait_for_change(min_version, model, deadline, stop)
         self._running += 1
         self._idle.clear()
         try:
-            yield self.engine.policy_version
+            yield self._version(model)
         finally:
             self._running -= 1
             if self._running == 0:
                 self._idle.set()
 
-    async def _wait_for_change(self, min_version: int, deadline: float | None, stop: asyncio.Event | None) -> None:
+    def _version(self, model: str | None) -> int:
+        return self.engine.policy_version if model is None else self.engine.policy_version_of(model)
+
+    async def _wait_for_change(self, min_version: int, model: str | None, deadline: float | None,
+                               stop: asyncio.Event | None) -> None:
         """Wait until the weights change; VersionWaitEnded at the deadline or when ``stop`` is set."""
         changed = self._changed  # an update sets this one, then puts a fresh one in its place
         waits = {asyncio.ensure_future(changed.wait())}
@@ -74,7 +79,7 @@ class WeightGate:
             return
         if (stop is not None and stop.is_set()) or (deadline is not None
                                                     and asyncio.get_running_loop().time() >= deadline):
-            raise VersionWaitEnded(min_version, self.engine.policy_version,
+            raise VersionWaitEnded(min_version, self._version(model),
                                    stopped=stop is not None and stop.is_set())
 
     @property
@@ -86,15 +91,19 @@ class WeightGate:
         """An update is aborting the steps inside the gate (a StepAborted now is ours)."""
         return self._aborting
 
-    async def update(self, path: str, version: int, *, abort: bool = False) -> None:
-        """Pause intake, let running steps finish (``abort``: abort them), load, resume."""
+    async def update(self, path: str, version: int, *, abort: bool = False, model: str | None = None) -> None:
+        """Pause intake, let running steps finish (``abort``: abort them), load (``model``'s weights
+        only; None: the whole engine's), resume."""
         self._open.clear()
         try:
             if abort:
                 self._aborting = True
                 await self._abort_until_idle()
             await self._idle.wait()
-            await self.engine.load_weights(path, version)
+            if model is None:
+                await self.engine.load_weights(path, version)
+            else:
+                await self.engine.load_model_weights(model, path, version)
         finally:
             self._aborting = False
             self._open.set()

@@ -189,7 +189,7 @@ class Worker:
             "capacity": str(self.settings.capacity),
             "load": str(len(self._sessions)),
             "policy_version": str(self.engine.policy_version),
-            "weights_error": self.weights.error if self.weights else "",
+            **(self.weights.fields() if self.weights else {"weights_error": ""}),  # per-model versions
             "committed_steps": str(self._executor.committed_steps if self._executor else 0),
             "idle_closed": str(self._idle_sweeper.closed if self._idle_sweeper else 0),
             **self.readiness.fields(),

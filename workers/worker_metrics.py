@@ -86,7 +86,10 @@ class WorkerMetrics:
         def owned(model: str) -> Callable[[], float]:
             return lambda: sum(1 for s in list(sessions.values()) if s.model == model)
 
+        def version(model: str) -> Callable[[], float]:  # each model's own (Engine.policy_version_of)
+            return lambda: engine.policy_version_of(model)
+
         for model in self.models:
             self.fleet.sessions.labels(model).set_function(owned(model))
-            self.fleet.policy_version.labels(model).set_function(lambda: engine.policy_version)
+            self.fleet.policy_version.labels(model).set_function(version(model))
         self.fleet.inbox_pending.set_function(lambda: len(running))

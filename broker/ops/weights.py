@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -64,18 +65,64 @@ async def update_weights(redis: Redis, keys: CellKeys, *, model: str, version: i
     return entry.decode() if isinstance(entry, bytes) else str(entry)
 
 
+class WeightUpdateFailed(RuntimeError):
+    """A worker serving the model says the update to the awaited version failed."""
+
+
+def weights_error_prefix(model: str, version: int) -> str:
+    """How a worker's ``weights_error`` registry field starts for a failed update."""
+    return f"{model} version {version}:"
+
+
+def model_version(fields: list[bytes | None], model: str) -> int:
+    """A worker's version of ``model`` from its (policy_versions, policy_version) registry fields:
+    the per-model one where the worker publishes it, else the engine-wide one (older workers)."""
+    per_model, overall = fields
+    if per_model:
+        try:
+            versions = json.loads(per_model)
+            if isinstance(versions, dict) and isinstance(versions.get(model), int):
+                return int(versions[model])
+        except ValueError:
+            pass
+    return int(overall or 0)
+
+
+async def live_models(redis: Redis, keys: CellKeys, *, lease_ms: int) -> dict[str, list[str]]:
+    """The models of the workers whose heartbeat is younger than ``lease_ms``: model -> worker ids."""
+    now_s, now_us = await redis.time()
+    since = int(now_s) * 1000 + int(now_us) // 1000 - lease_ms
+    ids: Any = await redis.zrangebyscore(keys.workers, since, "+inf")
+    served: dict[str, list[str]] = {}
+    for raw in ids:
+        wid = raw.decode()
+        models: Any = await resolve(redis.hget(keys.worker(wid), "models"))
+        for model in (models or b"").decode().split(","):
+            if model:
+                served.setdefault(model, []).append(wid)
+    return served
+
+
 async def workers_at_version(redis: Redis, keys: CellKeys, *, model: str, version: int,
                              timeout: float = 60.0) -> list[str]:
-    """Wait until every registered worker serving ``model`` reports ``version``; their ids."""
+    """Wait until every registered worker serving ``model`` reports ``version`` of it; their ids.
+    WeightUpdateFailed at once when one of them says the update to ``version`` failed."""
     deadline = time.monotonic() + timeout
+    failed_prefix = weights_error_prefix(model, version)
     while True:
         ids: Any = await redis.zrange(keys.workers, 0, -1)
         serving = []
         for raw in ids:
             wid = raw.decode()
-            fields: Any = await resolve(redis.hmget(keys.worker(wid), ["models", "policy_version"]))
-            if fields[0] is not None and model in fields[0].decode().split(","):
-                serving.append((wid, int(fields[1] or 0)))
+            fields: Any = await resolve(redis.hmget(keys.worker(wid), ["models", "policy_versions",
+                                                                      "policy_version", "weights_error"]))
+            if fields[0] is None or model not in fields[0].decode().split(","):
+                continue
+            current = model_version(fields[1:3], model)
+            error = (fields[3] or b"").decode(errors="replace")
+            if current < version and error.startswith(failed_prefix):
+                raise WeightUpdateFailed(f"worker {wid}: {error}")
+            serving.append((wid, current))
         if serving and all(v >= version for _, v in serving):
             return [w for w, _ in serving]
         if time.monotonic() > deadline:

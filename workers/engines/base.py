@@ -88,6 +88,9 @@ class Engine(abc.ABC):
     config_type: ClassVar[Callable[..., Any] | None] = None
     # The weight version that produces results now: 0 until ``load_weights`` records a new one.
     _version: int = 0
+    # Engines whose models have weights of their own (load_model_weights) keep each model's
+    # version here; None: one set of weights, ``_version`` for every model.
+    _model_versions: dict[str, int] | None = None
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> Engine:
@@ -148,10 +151,34 @@ class Engine(abc.ABC):
         """The weight version that produces results now."""
         return self._version
 
+    def policy_version_of(self, model: str) -> int:
+        """The weight version that produces ``model``'s results now."""
+        versions = self._model_versions
+        return versions.get(model, 0) if versions is not None else self._version
+
+    def policy_versions(self) -> dict[str, int]:
+        """Every served model's version (the worker publishes it in its registry entry)."""
+        return {model: self.policy_version_of(model) for model in self.models()}
+
+    def _record_model_version(self, model: str, version: int) -> None:
+        """For engines with per-model weights: ``model`` now runs ``version`` (``policy_version``
+        stays the highest, for readers of the engine-wide number)."""
+        if self._model_versions is None:
+            self._model_versions = {name: self._version for name in self.models()}
+        self._model_versions[model] = version
+        self._version = max(self._model_versions.values())
+
     async def load_weights(self, path: str, version: int) -> None:
         """Load weight ``version`` from ``path`` through the engine's own mechanism. The worker calls
         this only while no step of this engine is running."""
         raise NotImplementedError(f"the {self.kind} engine cannot load weights")
+
+    async def load_model_weights(self, model: str, path: str, version: int) -> None:
+        """Load ``model``'s weight ``version`` from ``path``, leaving the engine's other models as they
+        are. Default: the engine has one set of weights for all its models (``load_weights``),
+        which is right for an engine serving one model; engines with several models whose weights
+        are separate override this."""
+        await self.load_weights(path, version)
 
     async def abort_running(self) -> bool:
         """Stop the steps running now as soon as the engine can: each raises (or returns)

@@ -75,7 +75,12 @@ class NullEngine(Engine):
 
     async def load_weights(self, path: str, version: int) -> None:
         """The null engine has no weights; an update only changes the reported version."""
-        self._version = version
+        for model in self.models():
+            self._record_model_version(model, version)
+
+    async def load_model_weights(self, model: str, path: str, version: int) -> None:
+        """Per model: an update of one model leaves the other's version as it is."""
+        self._record_model_version(model, version)
 
     def drop_session(self, session_key: str) -> None:
         self._contexts.pop(session_key, None)

@@ -123,24 +123,37 @@ class ReferenceEngine(Engine):
     async def load_weights(self, path: str, version: int) -> None:
         """Reload both models' weights from a saved state dict (under the batch lock, so no batch
         ever runs on half-loaded weights)."""
+        await self._load_models((WORLD_MODEL, LM_MODEL), path, version)
+
+    async def load_model_weights(self, model: str, path: str, version: int) -> None:
+        """Reload one model's part of a saved state dict; the other model keeps its weights and
+        its version."""
+        await self._load_models((model,), path, version)
+
+    async def _load_models(self, models: tuple[str, ...], path: str, version: int) -> None:
         state = await asyncio.to_thread(torch.load, path, map_location="cpu", weights_only=True)
         async with self._async_lock:
-            await asyncio.to_thread(self._load, state)
-            self._version = version
+            await asyncio.to_thread(self._load, state, models)
+            for model in models:
+                self._record_model_version(model, version)
 
-    def _load(self, state: dict[str, torch.Tensor]) -> None:
+    def _load(self, state: dict[str, torch.Tensor], models: tuple[str, ...]) -> None:
         self._build()
-        assert self._world is not None
-        world = {k[len("world."):]: v for k, v in state.items() if k.startswith("world.")}
-        lm = {k[len("lm."):]: v for k, v in state.items() if k.startswith("lm.")}
-        if "world_seed" not in state:
-            raise ValueError("weights file has no world_seed")
+        assert self._world is not None and self._lm is not None
+        parts: list[tuple[Any, dict[str, torch.Tensor]]] = []
+        if WORLD_MODEL in models:
+            if "world_seed" not in state:
+                raise ValueError("weights file has no world_seed")
+            parts.append((self._world, {k[len("world."):]: v for k, v in state.items() if k.startswith("world.")}))
+        if LM_MODEL in models:
+            parts.append((self._lm, {k[len("lm."):]: v for k, v in state.items() if k.startswith("lm.")}))
         with self._lock:
-            check_state(self._world, world)  # both checked before anything changes
-            check_state(self._lm, lm)
-            copy_state(self._world, world)
-            copy_state(self._lm, lm)
-            self._world.reseed_projections(int(state["world_seed"]))
+            for target, weights in parts:  # all checked before anything changes
+                check_state(target, weights)
+            for target, weights in parts:
+                copy_state(target, weights)
+            if WORLD_MODEL in models:
+                self._world.reseed_projections(int(state["world_seed"]))
 
     def drop_session(self, session_key: str) -> None:
         """Called on the worker's event loop, so it never waits for a running batch (that would
