@@ -26,6 +26,20 @@ def test_demo_runs_both_modes_and_reports_no_loss() -> None:
     assert m.groups() == ("24", "0", "0")
 
 
+def test_demo_heals_a_killed_worker_and_exposes_its_metrics() -> None:
+    port = free_port()
+    out = subprocess.run([*CLI, "demo", "--sessions", "6", "--steps", "30", "--no-progress", "--kill-one",
+                          "--metrics-port", str(port), "--latent-shape", "1,4,2,8,10"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.strip().splitlines()
+    assert lines[-1].startswith("committed=180 failed=0 lost=0 "), lines[-1]
+    assert any(line.startswith("killed worker process") for line in lines), lines
+    [survivor] = [line for line in lines if line.startswith("metrics of worker 1 ")]
+    m = re.search(r"committed\}=(\d+) rollout_fleet_failovers_total=(\d+)", survivor)
+    assert m and int(m.group(1)) > 0 and int(m.group(2)) >= 1, survivor  # it took the dead worker's sessions
+
+
 def test_demo_exits_non_zero_when_steps_fail() -> None:
     # a capacity of 1 session per worker cannot place 4 sessions: the demo must not report success
     out = subprocess.run([*CLI, "demo", "--engine", "null", "--workers", "1", "--sessions", "3", "--steps", "2",

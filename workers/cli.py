@@ -76,7 +76,8 @@ def _cmd_demo(run: Invocation) -> int:
     args = run.args
     config = DemoConfig(cell_config=run.cell, embedded_redis=not run.redis_url_given, workers=args.workers,
                         sessions=args.sessions, steps=args.steps, mode=args.mode, engine=args.engine,
-                        engine_options=_engine_options(args), progress=not args.no_progress)
+                        engine_options=_engine_options(args), progress=not args.no_progress,
+                        kill_one=args.kill_one, metrics_port=args.metrics_port)
     return run_demo(config)
 
 

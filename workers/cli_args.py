@@ -127,6 +127,10 @@ def _demo(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
     _setting(p, "--engine", DemoConfig, "engine", f"engine of the workers: {ENGINE_HELP}", type=engine_name)
     p.add_argument("--latent-shape", default=None, help="world latent shape (default 1,16,2,44,80)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--kill-one", action="store_true",
+                   help="SIGKILL one worker a third of the way through: its sessions move, nothing is lost")
+    p.add_argument("--metrics-port", dest="metrics_port", type=_port, default=None, metavar="PORT",
+                   help="worker i serves Prometheus metrics on PORT+i (default: off)")
 
 
 def _redis(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:

@@ -38,6 +38,10 @@ class DemoConfig:
     engine: str = "reference"
     engine_options: dict[str, Any] = field(default_factory=dict)
     progress: bool = True
+    # SIGKILL one worker once a third of the steps committed: its sessions must move (the workers
+    # reap each other; no supervisor runs) and the run must still end with nothing lost.
+    kill_one: bool = False
+    metrics_port: int | None = None  # worker i serves Prometheus metrics on metrics_port + i
 
 
 @dataclass
@@ -102,7 +106,15 @@ def _modes(config: DemoConfig) -> list[tuple[str, str]]:
     return [(world, "world_model_env"), (lm, "tokens")]
 
 
-async def _trainer(config: DemoConfig, cell: CellConfig) -> tuple[Tally, int, float]:
+async def _kill_one_at_a_third(config: DemoConfig, tally: Tally, procs: list[Process]) -> None:
+    """SIGKILL the first worker once a third of the run committed (no drain, no handover)."""
+    while tally.committed < config.sessions * config.steps // 3:
+        await asyncio.sleep(0.05)
+    procs[0].kill()
+    print(f"\nkilled worker process {procs[0].pid} (SIGKILL) after {tally.committed} steps", flush=True)
+
+
+async def _trainer(config: DemoConfig, cell: CellConfig, procs: list[Process]) -> tuple[Tally, int, float]:
     tally = Tally()
     async with FleetClient(config=cell) as fleet:
         kinds = _modes(config)
@@ -111,7 +123,10 @@ async def _trainer(config: DemoConfig, cell: CellConfig) -> tuple[Tally, int, fl
         bar = tqdm(total=config.sessions * config.steps, desc="steps", unit="step",
                    disable=not config.progress, file=sys.stderr)
         started = time.perf_counter()
+        killer = asyncio.create_task(_kill_one_at_a_third(config, tally, procs)) if config.kill_one else None
         await asyncio.gather(*[_drive(s, i, config.steps, tally, bar) for i, s in enumerate(sessions)])
+        if killer is not None:
+            killer.cancel()
         elapsed = time.perf_counter() - started
         bar.close()
         in_redis = 0
@@ -139,9 +154,45 @@ async def _wait_for_workers(cell: CellConfig, count: int, procs: list[Process],
 def _spawn_workers(config: DemoConfig, cell: CellConfig) -> list[Process]:
     options = config.engine_options
     device = options.get("device")
+    def metrics(i: int) -> list[str]:
+        return [] if config.metrics_port is None else ["--metrics-port", str(config.metrics_port + i)]
+
     return [spawn_worker(cell.redis_url, cell.prefix, cell=cell.cell, lease_ms=cell.lease_ms, engine=config.engine,
-                         latent_shape=options.get("latent_shape") or None, device=str(device) if device else None)
-            for _ in range(config.workers)]
+                         latent_shape=options.get("latent_shape") or None, device=str(device) if device else None,
+                         extra=metrics(i))
+            for i in range(config.workers)]
+
+
+def scrape_totals(port: int) -> dict[str, float]:
+    """Committed steps and failovers as one worker's /metrics shows them (a 2 s bound)."""
+    from urllib.request import urlopen
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2.0) as response:
+        text = response.read().decode()
+    totals = {"committed": 0.0, "failovers": 0.0}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "rollout_fleet_steps_total" and sample.labels.get("outcome") == "committed":
+                totals["committed"] += sample.value
+            elif sample.name == "rollout_fleet_failovers_total":
+                totals["failovers"] += sample.value
+    return totals
+
+
+def _print_metrics(config: DemoConfig, procs: list[Process]) -> None:
+    assert config.metrics_port is not None
+    for i, proc in enumerate(procs):
+        if proc.poll() is not None:
+            continue
+        try:
+            totals = scrape_totals(config.metrics_port + i)
+        except OSError as exc:
+            print(f"metrics of worker {i}: unreachable ({exc})", flush=True)
+            continue
+        print(f"metrics of worker {i} (:{config.metrics_port + i}): rollout_fleet_steps_total{{outcome=committed}}="
+              f"{totals['committed']:.0f} rollout_fleet_failovers_total={totals['failovers']:.0f}", flush=True)
 
 
 def summarize(tally: Tally, expected: int, in_redis: int, elapsed: float) -> tuple[str, bool]:
@@ -159,12 +210,20 @@ def run_demo(config: DemoConfig) -> int:
     try:
         print(f"rollout-fleet demo: redis {cell.redis_url}, {config.workers} workers ({config.engine}), "
               f"{config.sessions} sessions x {config.steps} steps, mode {config.mode}", flush=True)
+        if config.kill_one and config.workers < 2:
+            print("demo: --kill-one needs --workers 2 or more (a survivor to take the sessions)", file=sys.stderr)
+            return 2
         procs = _spawn_workers(config, cell)
+        if config.metrics_port is not None:
+            print("metrics: " + " ".join(f"http://127.0.0.1:{config.metrics_port + i}/metrics"
+                                         for i in range(config.workers)), flush=True)
         asyncio.run(_wait_for_workers(cell, max(1, config.workers), procs))
-        tally, in_redis, elapsed = asyncio.run(_trainer(config, cell))
+        tally, in_redis, elapsed = asyncio.run(_trainer(config, cell, procs))
         line, ok = summarize(tally, config.sessions * config.steps, in_redis, elapsed)
         if tally.errors:
             print("errors: " + json.dumps(tally.errors), flush=True)
+        if config.metrics_port is not None:
+            _print_metrics(config, procs)
         print(line, flush=True)
         return 0 if ok else 1
     finally:
