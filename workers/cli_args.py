@@ -167,16 +167,22 @@ def _positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:
     return parse
 
 
-def _gateway(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
+def _listen_and_keys(p: argparse.ArgumentParser, environ: Mapping[str, str], *, port: int, what: str,
+                     key_use: str) -> None:
+    """The flags an HTTP verb shares (gateway, dashboard): the cell, where it listens, its API keys."""
     add_cell_flags(p, environ, lease=True)
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=port)
     # The keys' values never appear in --help (unlike the cell flags' defaults).
     source = f"default: the keys in ${API_KEY_ENV}" if environ.get(API_KEY_ENV) else f"${API_KEY_ENV} sets it"
     p.add_argument("--api-key", dest="api_keys", action="append", default=None, metavar="KEY",
-                   help="API key a client must send as 'Authorization: Bearer KEY'; repeatable, or "
-                        f"comma-separated ({source}; without keys the gateway is open)")
+                   help=f"API key {key_use}; repeatable, or comma-separated ({source}; without keys {what} is open)")
     p.set_defaults(api_keys_env=environ.get(API_KEY_ENV, ""))
+
+
+def _gateway(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
+    _listen_and_keys(p, environ, port=8000, what="the gateway",
+                     key_use="a client must send as 'Authorization: Bearer KEY'")
     _setting(p, "--max-sessions-per-key", GatewaySettings, "max_sessions_per_key",
              "open sessions one API key may hold", type=_positive(int))
     _setting(p, "--step-timeout", GatewaySettings, "step_timeout_s",
@@ -186,14 +192,8 @@ def _gateway(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
 
 
 def _dashboard(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
-    add_cell_flags(p, environ, lease=True)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8080)
-    source = f"default: the keys in ${API_KEY_ENV}" if environ.get(API_KEY_ENV) else f"${API_KEY_ENV} sets it"
-    p.add_argument("--api-key", dest="api_keys", action="append", default=None, metavar="KEY",
-                   help=f"API key the page needs ('Authorization: Bearer KEY', or ?key=KEY once in a browser); "
-                        f"repeatable, or comma-separated ({source}; without keys the page is open)")
-    p.set_defaults(api_keys_env=environ.get(API_KEY_ENV, ""))
+    _listen_and_keys(p, environ, port=8080, what="the page",
+                     key_use="the page needs ('Authorization: Bearer KEY', or ?key=KEY once in a browser)")
 
 
 def dashboard_settings(args: argparse.Namespace) -> GatewaySettings:
