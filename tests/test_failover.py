@@ -147,3 +147,20 @@ async def test_an_engine_that_lost_a_context_gets_it_rebuilt_from_the_log(
     r = await s.step(4, **world_step(4))
     assert r.ok and r.output["context"] == 4 and r.attempt == 2
     assert w.worker.executor.rebuilt_steps == 4
+
+
+async def test_a_close_applied_after_a_worker_left_its_pools_does_not_put_it_back(
+        fleet: FleetClient, workers: WorkerPool) -> None:
+    """A draining (or not ready) worker has left the placement pools; a close it then applies must
+    not re-add it with a score of -1, where it would look like the least-loaded worker."""
+    w = await workers.add(NullEngine())
+    s = await fleet.create_session(model="null-world", mode="world_model_env")
+    assert (await s.step(0, **world_step(0))).ok
+    pool = fleet.keys.pool("world_model_env", "null-world")
+    await fleet.scripts.leave_pools(w.id, pools=[pool], state="draining")
+    await s.close()
+    deadline = asyncio.get_running_loop().time() + 10
+    while await fleet.redis.hexists(fleet.keys.sessions, s.session_id):
+        assert asyncio.get_running_loop().time() < deadline, "the close was not applied"
+        await asyncio.sleep(0.05)
+    assert await fleet.redis.zscore(pool, w.id) is None

@@ -33,7 +33,11 @@ if s[1] then
     if pending < 0 then pending = 0 end
     redis.call('HSET', KEYS[1], 'committed_step_id', -1, 'context_length', 0, 'reset_pending', pending)
   else
-    redis.call('ZINCRBY', KEYS[5], -1, ARGV[1])
+    -- Only while the worker is in the pool: a draining or not-ready worker left it, and ZINCRBY
+    -- would add it back at -1, the least-loaded place of all.
+    if redis.call('ZSCORE', KEYS[5], ARGV[1]) then
+      redis.call('ZINCRBY', KEYS[5], -1, ARGV[1])
+    end
     redis.call('HDEL', KEYS[6], ARGV[9])
     redis.call('PEXPIRE', KEYS[1], ARGV[6])
     redis.call('PEXPIRE', KEYS[2], ARGV[6])
