@@ -101,6 +101,11 @@ class ReferenceWorldClient:
         self._paused = False
         self._running = 0
 
+    async def check_health(self) -> None:
+        """What vLLM-Omni's ``GET /health`` awaits on the engine client (raises when the engine died);
+        this model runs in process, so it is healthy while the server answers."""
+        return None
+
     def session_ids(self) -> list[str]:
         return sorted(self._sessions)
 

@@ -154,7 +154,8 @@ class Engine(abc.ABC):
     def policy_version_of(self, model: str) -> int:
         """The weight version that produces ``model``'s results now."""
         versions = self._model_versions
-        return versions.get(model, 0) if versions is not None else self._version
+        # The property, not _version: an engine that delegates (a wrapper) overrides the property.
+        return versions.get(model, 0) if versions is not None else self.policy_version
 
     def policy_versions(self) -> dict[str, int]:
         """Every served model's version (the worker publishes it in its registry entry)."""
