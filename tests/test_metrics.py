@@ -6,6 +6,7 @@ a CLI worker process serves /metrics on --metrics-port or $ROLLOUT_FLEET_METRICS
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
 import subprocess
 import time
@@ -39,7 +40,8 @@ async def scrape(port: int, headers: dict[str, str] | None = None) -> list[Sampl
     async with httpx.AsyncClient(timeout=10.0) as http:
         r = await http.get(f"http://127.0.0.1:{port}/metrics", headers=headers)
     assert r.status_code == 200, r.text
-    assert r.headers["content-type"].startswith("text/plain; version=0.0.4")
+    # Prometheus's text exposition: version 0.0.4 or 1.0.0 depending on prometheus-client's release.
+    assert re.match(r"text/plain; version=(0\.0\.4|1\.0\.0)", r.headers["content-type"]), r.headers["content-type"]
     return [s for family in text_string_to_metric_families(r.text) for s in family.samples]
 
 
