@@ -83,7 +83,7 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
 
 def _reap_passes(client: redis.Redis) -> set[bytes]:
     # arq marks each cron run in progress under this key (kept a while): a count of passes run.
-    return set(client.keys("arq:in-progress:reap:*"))
+    return set(client.keys("arq:in-progress:*:reap:*"))  # the job name carries the cell's queue
 
 
 def test_idle_supervisor_logs_no_info_lines_and_json_lines(redis_server: RedisServer, prefix: str) -> None:

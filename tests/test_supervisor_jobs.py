@@ -13,7 +13,7 @@ from pathlib import Path
 
 import msgpack
 import pytest
-from arq.constants import job_key_prefix, result_key_prefix
+from arq.constants import in_progress_key_prefix, job_key_prefix, result_key_prefix
 from arq.worker import Worker as ArqWorker
 from redis.asyncio import Redis
 
@@ -150,3 +150,26 @@ async def test_a_supervisor_started_before_redis_answers_waits_for_it() -> None:
         await asyncio.gather(task, return_exceptions=True)
         if server is not None:
             server.cleanup()
+
+
+async def test_two_cells_supervisors_on_one_redis_both_run_every_tick(redis_server: RedisServer, prefix: str,
+                                                                       redis: Redis) -> None:
+    """arq's job keys are shared by every cell on a Redis: a cron tick of one cell must not be taken
+    for the other's (both would be "reap:<tick>" and the second enqueue is skipped)."""
+    cells = [CellConfig(redis_url=redis_server.url, prefix=prefix, cell=c) for c in ("a", "b")]
+    supervisors = [build_worker(SupervisorSettings(c), handle_signals=False) for c in cells]
+
+    async def ticks(config: CellConfig) -> set[str]:
+        pattern = f"{in_progress_key_prefix}{config.keys.arq_queue}:reap:*"  # a tick's claim
+        return {key.decode().rsplit(":", 1)[1] async for key in redis.scan_iter(match=pattern)}
+
+    async def both_reaped_one_tick() -> bool:
+        return bool(await ticks(cells[0]) & await ticks(cells[1]))
+
+    other = asyncio.create_task(supervisors[1].async_run())
+    try:
+        await _run_until(supervisors[0], both_reaped_one_tick, timeout=15.0)
+    finally:
+        await supervisors[1].close()
+        other.cancel()
+        await asyncio.gather(other, return_exceptions=True)

@@ -120,8 +120,12 @@ def build_worker(settings: SupervisorSettings, *, handle_signals: bool = True,
     return ArqWorker(
         functions=[replay_dead],
         cron_jobs=[
-            cron(reap_job, name="reap", second=every, run_at_startup=True, unique=True, timeout=60),
-            cron(trim_job, name="trim", second={0, 30}, unique=True, timeout=60),
+            # arq's cron job ids are "<name>:<tick>" under its fixed arq:job: / arq:in-progress:
+            # keys, shared by every cell on this Redis: the cell's queue in the name keeps one
+            # cell's tick from being taken for another's (which then skipped its pass).
+            cron(reap_job, name=f"{keys.arq_queue}:reap", second=every, run_at_startup=True, unique=True,
+                 timeout=60),
+            cron(trim_job, name=f"{keys.arq_queue}:trim", second={0, 30}, unique=True, timeout=60),
         ],
         queue_name=keys.arq_queue,
         redis_pool=arq_pool(settings.cell_config),  # msgpack jobs, the full URL (TLS, ACL user)
