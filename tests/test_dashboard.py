@@ -11,15 +11,12 @@ import shutil
 import socket
 import subprocess
 import sys
-import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
-from fastapi import FastAPI
 
 from broker import FleetClient
 from broker.gateway.dashboard import create_dashboard_app
@@ -30,7 +27,7 @@ from broker.redis.embedded import RedisServer
 from broker.redis.scripts import Scripts
 from tests.support import FAST, WorkerPool, reap_until_moved, world_step
 from tests.test_cell_stats import until
-from tests.test_gateway import GatewayServer
+from tests.test_gateway import AppServer, GatewayServer
 from workers.cli_args import build_parser, dashboard_settings
 from workers.engines.base import EngineOutput, EngineRequest
 from workers.engines.null import NullEngine
@@ -51,30 +48,6 @@ class PoisonEngine(NullEngine):
         outputs = await super().run_batch(model, requests)
         return [RuntimeError("device lost") if req.session_key in self.poisoned else out
                 for req, out in zip(requests, outputs, strict=True)]
-
-
-class AppServer:
-    """uvicorn serving any app on a free port in a thread (as tests.test_gateway.GatewayServer)."""
-
-    def __init__(self, app: FastAPI) -> None:
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", ws="none", lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    async def __aenter__(self) -> AppServer:
-        self.thread.start()
-        for _ in range(500):
-            if self.server.started:
-                return self
-            await asyncio.sleep(0.01)
-        raise RuntimeError("the dashboard did not start")
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        await asyncio.to_thread(self.thread.join, 10)
-        self.sock.close()
 
 
 async def _dead_letter(fleet: FleetClient, engine: PoisonEngine) -> Any:

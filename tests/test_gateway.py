@@ -8,7 +8,7 @@ import io
 import socket
 import threading
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Self
 
 import httpx
 import numpy as np
@@ -28,31 +28,36 @@ SESSIONS = "/v1/realtime/sessions"
 SHAPE = [1, 4, 2, 8, 10]
 
 
-class GatewayServer:
-    """uvicorn serving the app on a free port in a background thread (its own event loop)."""
+class AppServer:
+    """uvicorn serving an app on a free port in a background thread (its own event loop)."""
 
-    def __init__(self, redis_url: str, prefix: str, **app_options: Any) -> None:
+    def __init__(self, app: Any) -> None:
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        app_options.setdefault("step_timeout", 30.0)
-        config = uvicorn.Config(create_app(redis_url, prefix=prefix, **app_options), log_level="warning",
-                                ws="none", lifespan="on")
-        self.server = uvicorn.Server(config)
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", ws="none", lifespan="on"))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
-    async def __aenter__(self) -> GatewayServer:
+    async def __aenter__(self) -> Self:
         self.thread.start()
         for _ in range(500):
             if self.server.started:
                 return self
             await asyncio.sleep(0.01)
-        raise RuntimeError("the gateway did not start")
+        raise RuntimeError("the server did not start")
 
     async def __aexit__(self, *exc: object) -> None:
         self.server.should_exit = True
         await asyncio.to_thread(self.thread.join, 10)
         self.sock.close()
+
+
+class GatewayServer(AppServer):
+    """The gateway's app on a free port."""
+
+    def __init__(self, redis_url: str, prefix: str, **app_options: Any) -> None:
+        app_options.setdefault("step_timeout", 30.0)
+        super().__init__(create_app(redis_url, prefix=prefix, **app_options))
 
 
 @pytest.fixture
