@@ -42,5 +42,7 @@ async def workers(redis_server: RedisServer, prefix: str) -> AsyncIterator[Worke
 async def scripts(redis_server: RedisServer, prefix: str) -> AsyncIterator[Scripts]:
     """The cell's Lua scripts on their own connection, for tests that call them directly."""
     redis = Redis.from_url(redis_server.url)
-    yield Scripts(redis, CellKeys(prefix))
+    scripts = Scripts(redis, CellKeys(prefix))
+    yield scripts
+    await scripts.cancel_pending()  # coalesced calls still in flight would reopen a connection
     await redis.aclose()

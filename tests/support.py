@@ -18,6 +18,17 @@ from workers.settings import WorkerSettings
 from workers.worker import Worker
 
 FAST = {"heartbeat_ms": 100, "lease_ms": 500}  # worker settings for quick failover in tests
+STOP_TIMEOUT_S = 60.0  # drain (30 s at most) plus handover, with room for a loaded machine
+
+
+def task_stacks() -> str:
+    """Where every asyncio task of this loop is waiting (for a hang's failure message)."""
+    lines: list[str] = []
+    for task in asyncio.all_tasks():
+        frames = task.get_stack(limit=8)
+        where = " <- ".join(f"{f.f_code.co_name}:{f.f_lineno}" for f in reversed(frames)) or "(no frames)"
+        lines.append(f"  {task.get_name()}: {where}")
+    return "\n".join(sorted(lines))
 
 
 async def reap_until_moved(scripts: Scripts, dead: str, timeout: float = 5.0, lease_ms: int = FAST["lease_ms"]) -> None:
@@ -59,10 +70,17 @@ class WorkerPool:
         self.running.append(running)
         return running
 
-    async def stop(self, running: RunningWorker) -> None:
+    async def stop(self, running: RunningWorker, timeout_s: float = STOP_TIMEOUT_S) -> None:
+        """SIGTERM path, bounded: a worker that does not stop in time is killed and the test fails
+        with every task's stack, so a hang names itself instead of eating the run's timeout."""
         running.worker.request_stop()
-        await running.task
-        await running.worker.shutdown()
+        try:
+            await asyncio.wait_for(asyncio.shield(running.task), timeout_s)
+            await asyncio.wait_for(running.worker.shutdown(), timeout_s)
+        except TimeoutError:
+            stacks = task_stacks()
+            await self.kill(running)
+            raise AssertionError(f"worker {running.id} did not stop within {timeout_s}s; tasks:\n{stacks}") from None
         self.running.remove(running)
 
     async def kill(self, running: RunningWorker) -> None:
@@ -80,9 +98,16 @@ class WorkerPool:
         self.running.remove(running)
 
     async def stop_all(self) -> None:
+        failures: list[AssertionError] = []
         for running in list(self.running):
-            with contextlib.suppress(Exception):
+            try:
                 await self.stop(running)
+            except AssertionError as exc:
+                failures.append(exc)
+            except Exception:  # a worker that failed on its own is stopped all the same
+                continue
+        if failures:
+            raise failures[0]
 
 
 @contextlib.asynccontextmanager
