@@ -17,8 +17,8 @@ from dataclasses import asdict, dataclass, field
 from typing import IO, Any
 
 import numpy as np
-from redis.asyncio import Redis
 
+from broker.redis.connect import open_redis
 from broker.redis.embedded import RedisServer
 from broker.redis.keys import CellKeys
 from workers import processes
@@ -216,7 +216,7 @@ async def wait_for(check: Callable[[], Awaitable[bool]], children: Children, wha
 
 
 async def wait_fleet_workers(url: str, prefix: str, count: int, children: Children) -> None:
-    redis = Redis.from_url(url)
+    redis = open_redis(url)
     try:
         key = CellKeys(prefix).workers
 

@@ -29,6 +29,7 @@ from bench.common import (
     world_inputs,
 )
 from broker import FleetClient
+from broker.redis.connect import open_redis
 
 NAME = "memory"
 RESULT_WINDOW = 4  # FleetClient.create_session's default
@@ -65,7 +66,7 @@ async def key_bytes(redis: Redis, keys: list[str]) -> float:
 
 
 async def measure_mode(url: str, fleet: FleetClient, mode: str, size: Size) -> Row:
-    redis = Redis.from_url(url)
+    redis = open_redis(url)
     try:
         model, wire_mode = MODES[mode]
         m0 = await used_memory(redis)

@@ -36,6 +36,7 @@ from bench.common import (
 )
 from bench.http_anchor import HttpRollout
 from broker import FleetClient
+from broker.redis.connect import open_redis
 from broker.redis.embedded import free_port
 
 NAME = "round_trip"
@@ -86,7 +87,7 @@ async def measure(system: str, shape_name: str, handles: Sequence[Any], size: Si
 
 
 async def ping_floor(url: str, size: Size) -> list[Row]:
-    redis = Redis.from_url(url, max_connections=max(CONCURRENCY))
+    redis = open_redis(url, max_connections=max(CONCURRENCY))
     try:
         async def ping(_: Any, __: int) -> None:
             await redis.ping()

@@ -26,6 +26,7 @@ import numpy as np
 from redis.asyncio import Redis
 
 from bench.common import Row, module_main, private_redis
+from broker.redis.connect import open_redis
 from schemas.codec import decode, encode
 from schemas.latent_json import decode_latent_json, encode_latent_json
 
@@ -171,7 +172,7 @@ async def lua_argv_row(redis: Redis, shape: tuple[int, ...], data: bytes, size: 
 async def redis_rows(url: str, shape: tuple[int, ...], size: Size) -> list[Row]:
     latent = np.random.default_rng(1).standard_normal(shape, dtype=np.float32)
     payloads = {"raw bytes": latent.tobytes(), **{name: enc(latent) for name, (enc, _) in ENCODINGS.items()}}
-    redis = Redis.from_url(url)
+    redis = open_redis(url)
     rows: list[Row] = []
     try:
         for name, data in payloads.items():

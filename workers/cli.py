@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from broker.redis.config import ConfigError
+from broker.redis.connect import open_redis
 from workers.cli_args import WORKER_SETTINGS, Invocation, build_parser, gateway_settings, resolve
 from workers.cli_checks import check_invocation
 from workers.cli_env import EnvError, apply_env, subparsers
@@ -130,7 +131,6 @@ def _cmd_sessions(run: Invocation) -> int:
 
 
 def _cmd_update_weights(run: Invocation) -> int:
-    from redis.asyncio import Redis
     from redis.exceptions import RedisError
 
     from broker.ops.weights import WeightUpdateFailed, live_models, update_weights, workers_at_version
@@ -138,7 +138,7 @@ def _cmd_update_weights(run: Invocation) -> int:
     args = run.args
 
     async def go() -> None:
-        redis = Redis.from_url(run.cell.redis_url)
+        redis = open_redis(run.cell.redis_url)
         keys = run.cell.keys
         try:
             served = await live_models(redis, keys, lease_ms=run.cell.lease_ms)

@@ -4,6 +4,7 @@ or raises ``Fenced``. Callers retry and shield them through ``workers.failure.se
 
 from __future__ import annotations
 
+from broker.redis.connect import atomic_pipeline
 from broker.redis.keys import INBOX_GROUP
 from broker.redis.layouts import DEAD_LETTER_MAXLEN, ReplyEntry
 from broker.redis.script_replies import (
@@ -71,7 +72,7 @@ class JobScripts:
     async def drop_entry(self, entry_id: str) -> None:
         """Acknowledge and delete an inbox entry that can never run here (fenced by the session)."""
         inbox = self.scripts.keys.inbox(self.worker_id)
-        async with self.scripts.redis.pipeline(transaction=True) as pipe:
+        async with atomic_pipeline(self.scripts.redis) as pipe:
             pipe.xack(inbox, INBOX_GROUP, entry_id)
             pipe.xdel(inbox, entry_id)
             await pipe.execute()
@@ -81,7 +82,7 @@ class JobScripts:
         script: a malformed entry has no epoch to fence on, and maybe nobody to answer."""
         redis, keys = self.scripts.redis, self.scripts.keys
         inbox = keys.inbox(self.worker_id)
-        async with redis.pipeline(transaction=True) as pipe:
+        async with atomic_pipeline(redis) as pipe:
             pipe.xadd(keys.dead, job.dead_letter(self.worker_id).to_fields(),
                       maxlen=DEAD_LETTER_MAXLEN, approximate=True)
             pipe.xack(inbox, INBOX_GROUP, job.entry_id)

@@ -21,14 +21,15 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from broker.ops.failover import fail_over
 from broker.redis.aio import resolve
 from broker.redis.backoff import REDIS_ERRORS, Backoff, until_redis_answers
+from broker.redis.connect import open_redis
 from broker.redis.keys import INBOX_GROUP
 from broker.redis.layouts import SessionHash
 from broker.redis.scripts import Scripts
-from schemas.errors import ErrorCode, Fenced
+from schemas.errors import Fenced
 from workers.batcher import Batcher
 from workers.engines.base import Engine
 from workers.executor import SessionState, StepExecutor
-from workers.failure import StepFailed, settled
+from workers.failure import StepFailed, as_step_failure, reject_malformed, settled
 from workers.fenced import FencedEntries
 from workers.idle import IdleSweeper
 from workers.inbox_repair import recreate_inbox
@@ -89,7 +90,7 @@ class Worker:
 
     async def start(self) -> None:
         self.metrics.start()  # first: a taken port fails the start before anything else is open
-        self._redis = Redis.from_url(self.settings.cell_config.redis_url, decode_responses=False)
+        self._redis = open_redis(self.settings.cell_config.redis_url, decode_responses=False)
         self._scripts = Scripts(self._redis, self.keys)
         await self.engine.start()
         self._batchers = {
@@ -273,7 +274,8 @@ class Worker:
         self._idle.clear()
         self._running.add(job.entry_id)
         if isinstance(job, BadJob):
-            self._spawn(self._finish(self._guard(job, _reject(job, self._bad_entries)), job.entry_id), "bad-job")
+            rejected = reject_malformed(job, self._bad_entries)
+            self._spawn(self._finish(self._guard(job, rejected), job.entry_id), "bad-job")
         elif job.kind == "step" and not job.contextual:
             self._spawn(self._finish(self._guard(job, self.executor.run_step(job, None)), job.entry_id), "stateless")
         else:
@@ -322,7 +324,7 @@ class Worker:
         """The one place a failed job is answered: steps, control jobs and malformed entries all
         end here as a ``StepFailed``, answered by ``publish_failure``."""
         try:
-            await _as_step_failure(job, coro)
+            await as_step_failure(job, coro)
         except StepFailed as failure:
             await self.executor.publish_failure(job, failure, self._state_of(job))
 
@@ -380,21 +382,3 @@ class Worker:
         self._sessions.pop(session_id, None)
         self.engine.drop_session(session_id)
         self.engine.drop_session(f"{session_id}:stateless")
-
-
-async def _reject(job: BadJob, warnings: WarningLimiter) -> None:
-    """A malformed entry fails like any job: dead-lettered, and answered if it names where to."""
-    warnings.warning("malformed job %s: %s", job.entry_id, job.reason)
-    raise StepFailed(ErrorCode.INVALID_REQUEST, f"malformed job: {job.reason}", fallback=False, dead_letter=True)
-
-
-async def _as_step_failure(job: Job | BadJob, coro: Any) -> None:
-    """Run a job; a bug becomes an ``internal worker error`` failure like any other."""
-    try:
-        await coro
-    except (StepFailed, Fenced, *REDIS_ERRORS):
-        raise
-    except Exception as exc:
-        log.exception("job %s of session %s failed unexpectedly", job.job_id, job.session_id)
-        raise StepFailed(ErrorCode.INFERENCE_ERROR, "internal worker error",
-                         fallback=True) from exc

@@ -17,6 +17,7 @@ from broker.client.replies import ReplyReader
 from broker.client.session import Session, new_id
 from broker.redis.aio import resolve
 from broker.redis.config import CellConfig
+from broker.redis.connect import open_redis
 from broker.redis.keys import check_session_id
 from broker.redis.layouts import DEFAULT_IDLE_TIMEOUT_S, ReplyEntry, SessionHash, idle_timeout_ms_of
 from broker.redis.script_replies import (
@@ -95,7 +96,7 @@ class FleetClient:
     async def connect(self) -> None:
         if self._redis is not None:
             return
-        self._redis = Redis.from_url(self.url, decode_responses=False)
+        self._redis = open_redis(self.url, decode_responses=False)
         await self._redis.ping()
         self._scripts = Scripts(self._redis, self.keys)
         self._replies = ReplyReader(self._redis, self.keys.reply(self.client_id))

@@ -19,7 +19,6 @@ from typing import Any
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request, Response
 from fastapi.responses import HTMLResponse, JSONResponse
-from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from broker.gateway.dashboard_page import render_page
@@ -28,6 +27,7 @@ from broker.gateway.guards import DASHBOARD_COOKIE, DASHBOARD_KEY_PARAM, BearerA
 from broker.gateway.settings import GatewaySettings
 from broker.ops.dashboard_data import DashboardSource
 from broker.redis.config import CellConfig
+from broker.redis.connect import open_redis
 from broker.redis.scripts import Scripts
 
 ENTRY_ID = re.compile(r"\d{1,20}-\d{1,20}")  # a stream entry id; anything else is refused (400)
@@ -88,7 +88,7 @@ def create_dashboard_app(config: CellConfig, settings: GatewaySettings | None = 
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        redis = Redis.from_url(config.redis_url, decode_responses=False)
+        redis = open_redis(config.redis_url, decode_responses=False)
         try:
             app.state.dashboard = DashboardSource(Scripts(redis, config.keys), config.lease_ms)
             yield

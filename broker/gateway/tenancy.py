@@ -12,6 +12,7 @@ from fastapi import HTTPException
 
 from broker.client import FleetClient, Session
 from broker.redis.aio import resolve
+from broker.redis.connect import atomic_pipeline
 
 OWNER_FIELD = "gateway_key"  # session hash field: the creating key's digest
 
@@ -77,7 +78,7 @@ class Tenancy:
     async def _bind(self, owner: str, session_id: str) -> bool:
         """Record the owner and count the session; False (and nothing counted) past the cap."""
         redis, keys = self.fleet.redis, self.fleet.keys
-        async with redis.pipeline(transaction=True) as pipe:
+        async with atomic_pipeline(redis) as pipe:
             pipe.hset(keys.session(session_id), OWNER_FIELD, owner)
             pipe.sadd(keys.gateway_open(owner), session_id)
             pipe.scard(keys.gateway_open(owner))

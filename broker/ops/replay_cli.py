@@ -6,10 +6,9 @@ import argparse
 import json
 from typing import Any
 
-from redis.asyncio import Redis
-
 from broker.ops.replay import DeadJob, ReplayOutcome, list_dead, replay, replay_ids, show
 from broker.redis.config import CellConfig
+from broker.redis.connect import open_redis
 from broker.redis.scripts import Scripts
 
 
@@ -35,7 +34,7 @@ def _print_outcomes(outcomes: list[ReplayOutcome], as_json: bool) -> None:
 
 
 async def run_replay_command(config: CellConfig, args: argparse.Namespace) -> int:
-    redis = Redis.from_url(config.redis_url)
+    redis = open_redis(config.redis_url)
     scripts = Scripts(redis, config.keys)
     filters: dict[str, Any] = {"session": args.session, "code": args.code, "older_than_s": args.older_than,
                                "newer_than_s": args.newer_than, "limit": args.limit}

@@ -6,10 +6,9 @@ import argparse
 import json
 import sys
 
-from redis.asyncio import Redis
-
 from broker.ops.sessions import SessionDetail, SessionRow, close_session, list_sessions, show_session
 from broker.redis.config import CellConfig
+from broker.redis.connect import open_redis
 from schemas.errors import FleetError
 
 REDIS_TIMEOUT_S = 5.0  # every Redis call of these commands waits at most this long
@@ -51,7 +50,7 @@ async def _run(config: CellConfig, args: argparse.Namespace) -> int:
     if args.action == "close":
         _print_detail(await close_session(config, args.session_id), args.json)
         return 0
-    redis = Redis.from_url(config.redis_url, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S)
+    redis = open_redis(config.redis_url, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S)
     try:
         if args.action == "list":
             _print_rows(await list_sessions(redis, config.keys, model=args.model, owner=args.owner,

@@ -20,6 +20,7 @@ from redis.asyncio import Redis
 
 from broker.redis.aio import resolve
 from broker.redis.config import CellConfig
+from broker.redis.connect import open_redis
 from broker.redis.keys import INBOX_GROUP
 
 DEFAULT_CHECK_WINDOW_S = 300.0  # dead letters newer than this fail --check
@@ -111,8 +112,7 @@ async def cell_status(url: str | None = None, *, prefix: str | None = None, cell
     config = (config or CellConfig()).with_overrides(redis_url=url, prefix=prefix, cell=cell)
     keys = config.keys
     # Not decoding: dead letters carry binary payloads (read here, only counted).
-    redis = Redis.from_url(config.redis_url, socket_timeout=REDIS_TIMEOUT_S,
-                           socket_connect_timeout=REDIS_TIMEOUT_S)
+    redis = open_redis(config.redis_url, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S)
     try:
         now_s, now_us = await redis.time()
         now_ms = int(now_s) * 1000 + int(now_us) // 1000
@@ -123,8 +123,8 @@ async def cell_status(url: str | None = None, *, prefix: str | None = None, cell
         # (one entry read; letters carry payloads of up to 64 KiB, so none are read in bulk).
         newest: Any = await redis.xrevrange(keys.dead, "+", f"{max(0, now_ms - window_ms)}-0", count=1)
         newest_age = now_ms - int(newest[0][0].split(b"-")[0]) if newest else None
-        return CellReport(workers=infos, live_sessions=int(await redis.hlen(keys.sessions)),
-                          dead_letters=int(await redis.xlen(keys.dead)), newest_dead_letter_age_ms=newest_age,
+        return CellReport(workers=infos, live_sessions=int(await resolve(redis.hlen(keys.sessions))),
+                          dead_letters=int(await resolve(redis.xlen(keys.dead))), newest_dead_letter_age_ms=newest_age,
                           window_ms=window_ms)
     finally:
         await redis.aclose()

@@ -22,7 +22,6 @@ from typing import Any
 
 from arq import cron
 from arq.worker import Worker as ArqWorker
-from redis.asyncio import Redis
 
 from broker.ops.arq_queue import arq_pool, pack_arq, unpack_arq
 from broker.ops.failover import reap_exclusively
@@ -31,6 +30,7 @@ from broker.ops.replay import list_dead, replay
 from broker.redis.aio import resolve
 from broker.redis.backoff import REDIS_ERRORS
 from broker.redis.config import CellConfig
+from broker.redis.connect import open_redis
 from broker.redis.layouts import DEAD_LETTER_MAXLEN
 from broker.redis.scripts import Scripts
 
@@ -47,7 +47,7 @@ class SupervisorSettings:
 
 async def _startup(ctx: dict[str, Any]) -> None:
     settings: SupervisorSettings = ctx["settings"]
-    ctx["fleet_redis"] = Redis.from_url(settings.cell_config.redis_url)
+    ctx["fleet_redis"] = open_redis(settings.cell_config.redis_url)
     ctx["scripts"] = Scripts(ctx["fleet_redis"], settings.cell_config.keys)
     ctx.setdefault("metrics", FleetMetrics())
 

@@ -11,10 +11,10 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from broker.redis.connect import URL_SCHEMES
 from broker.redis.keys import CellKeys
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
-URL_SCHEMES = ("redis://", "rediss://", "unix://")
 
 # Setting -> the environment variable that may set it.
 ENV_VARS: Mapping[str, str] = {

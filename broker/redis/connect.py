@@ -1,0 +1,113 @@
+"""The one place a Redis client is built from a URL: a single node, or a Redis Cluster.
+
+``redis://`` / ``rediss://`` / ``unix://`` give redis-py's plain client, exactly as before.
+``redis+cluster://HOST:PORT[,HOST:PORT...]`` (and ``rediss+cluster://`` for TLS) give redis-py's
+cluster client, seeded with every listed node: any node of the cluster will do, the client learns
+the slot map from it and follows ``MOVED``/``ASK`` redirections and failovers on its own.
+
+Everything of a cell lives in one slot (every key carries the hash tag ``{cell}``), so the fleet's
+Lua scripts and streams work unchanged on a cluster. Two things a cluster client does not do and
+the fleet therefore avoids on every path: ``MULTI``/``EXEC`` pipelines (redis-py's cluster pipeline
+refuses transactions; see :func:`atomic_pipeline`) and commands over keys of several slots.
+
+The cluster client is handed out typed as :class:`redis.asyncio.Redis`: it answers the same command
+methods, and the two differences above are kept off every path it takes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+from urllib.parse import urlsplit
+
+from redis.asyncio import Redis
+from redis.asyncio.client import Pipeline
+from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.connection import parse_url
+
+CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
+URL_SCHEMES = ("redis://", "rediss://", "unix://", *CLUSTER_SCHEMES)
+DEFAULT_CLUSTER_PORT = 6379
+# Connection settings a cluster URL may carry in its query (the same names redis-py reads from
+# ``rediss://`` URLs); anything else is refused rather than silently dropped.
+_CLUSTER_QUERY = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs", "ssl_check_hostname",
+                  "socket_timeout", "socket_connect_timeout", "health_check_interval", "client_name")
+
+
+class RedisURLError(ValueError):
+    """A Redis URL that cannot be used; the message says what is wrong with it."""
+
+
+def is_cluster_url(url: str) -> bool:
+    return url.startswith(CLUSTER_SCHEMES)
+
+
+def is_cluster(redis: Redis) -> bool:
+    """Whether a client built here talks to a Redis Cluster."""
+    return isinstance(redis, RedisCluster)
+
+
+def open_redis(url: str, **options: Any) -> Redis:
+    """A client for ``url``; ``options`` (``decode_responses``, ``socket_timeout``, ...) go to redis-py.
+    Nothing connects yet: the first command does (and, on a cluster, reads the slot map)."""
+    if not isinstance(url, str) or not url.startswith(URL_SCHEMES):
+        raise RedisURLError(f"expected a {', '.join(URL_SCHEMES)} URL, got {url!r}")
+    if not is_cluster_url(url):
+        single: Redis = Redis.from_url(url, **options)
+        return single
+    nodes, settings = parse_cluster_url(url)
+    cluster = RedisCluster(startup_nodes=[ClusterNode(host, port) for host, port in nodes], **settings, **options)
+    return cast(Redis, cluster)  # same command methods (see the module docstring)
+
+
+def parse_cluster_url(url: str) -> tuple[list[tuple[str, int]], dict[str, Any]]:
+    """The seed nodes and the connection settings (credentials, TLS, timeouts) of a cluster URL."""
+    scheme, _, rest = url.partition("://")
+    tls = scheme == "rediss+cluster"
+    netloc = rest.split("/", 1)[0].split("?", 1)[0]
+    userinfo, _, hosts = netloc.rpartition("@")
+    nodes = [_node(part, url) for part in hosts.split(",")]
+    path = urlsplit(url).path.strip("/")
+    if path not in ("", "0"):
+        raise RedisURLError(f"a Redis Cluster has only database 0, got /{path} in {_redacted(url)}")
+    # redis-py's own parser reads credentials and query settings, so they mean what they mean in
+    # a single-node URL; it needs one host, so it is shown the first.
+    first = f"{'rediss' if tls else 'redis'}://{userinfo + '@' if userinfo else ''}{hosts.split(',')[0]}"
+    query = urlsplit(url).query
+    parsed = parse_url(first + (f"/?{query}" if query else ""))
+    unknown = sorted(set(parsed) - {"host", "port", "db", "username", "password", "connection_class",
+                                    *_CLUSTER_QUERY})
+    if unknown:
+        raise RedisURLError(f"{', '.join(unknown)} cannot be set on a cluster URL ({_redacted(url)})")
+    settings = {k: v for k, v in parsed.items() if k not in ("host", "port", "db", "connection_class")}
+    if tls:
+        settings["ssl"] = True
+    return nodes, settings
+
+
+def atomic_pipeline(redis: Redis) -> Pipeline:
+    """A ``MULTI``/``EXEC`` pipeline on one node; on a cluster a plain pipeline, because redis-py's
+    cluster pipeline refuses transactions. Callers use it only where every command is idempotent
+    and a partial run is repaired by running the whole again (acks, deletes, set adds)."""
+    if is_cluster(redis):
+        return redis.pipeline()  # the cluster's pipeline: same queueing methods, no MULTI
+    return redis.pipeline(transaction=True)
+
+
+def _node(part: str, url: str) -> tuple[str, int]:
+    host, sep, port = part.strip().rpartition(":")
+    if not sep:
+        host, port = part.strip(), str(DEFAULT_CLUSTER_PORT)
+    host = host.strip("[]")  # an IPv6 literal
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise RedisURLError(f"bad node {part!r} in {_redacted(url)}: expected HOST:PORT")
+    return host, int(port)
+
+
+def _redacted(url: str) -> str:
+    """The URL without its password, for error messages."""
+    scheme, sep, rest = url.partition("://")
+    userinfo, at, hosts = rest.rpartition("@")
+    if not at:
+        return url
+    user = userinfo.split(":", 1)[0]
+    return f"{scheme}{sep}{user}:***@{hosts}"
