@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import AsyncIterator, Iterator
 
@@ -13,6 +14,17 @@ from broker.redis.embedded import RedisServer, running_redis
 from broker.redis.keys import CellKeys
 from broker.redis.scripts import Scripts
 from tests.support import WorkerPool, worker_pool
+
+
+@pytest.fixture(autouse=True)
+def root_logging_restored() -> Iterator[None]:
+    """Tests that run the CLI in-process configure the root logger with a handler on the stderr
+    pytest captured for that test; left behind, it writes to a closed stream in later tests."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 @pytest.fixture(scope="session")
