@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -39,3 +40,24 @@ async def test_until_redis_answers_retries_connection_errors_only_until_an_answe
         return "answered"
 
     assert await until_redis_answers(flaky, "test call") == "answered" and calls == 3
+
+
+async def test_a_cancellation_turned_into_a_connection_error_still_ends_the_retry_loop() -> None:
+    """A client library that answers our cancel() with a ConnectionError must not keep a retry loop
+    (and so the shutdown awaiting it) alive: the pending cancellation is raised again."""
+    calls = 0
+
+    async def call_that_hides_its_cancellation() -> None:
+        nonlocal calls
+        calls += 1
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            raise RedisConnectionError("connection closed by cancel") from None
+
+    task = asyncio.create_task(until_redis_answers(call_that_hides_its_cancellation, "test call"))
+    await asyncio.sleep(0.05)
+    task.cancel()
+    done, _ = await asyncio.wait({task}, timeout=5)
+    assert task in done and task.cancelled()
+    assert calls == 1

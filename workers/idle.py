@@ -11,7 +11,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from broker.redis.backoff import REDIS_ERRORS
+from broker.redis.backoff import REDIS_ERRORS, raise_if_cancelling
 from broker.redis.scripts import Scripts
 
 log = logging.getLogger(__name__)
@@ -31,6 +31,7 @@ class IdleSweeper:
             try:
                 await self.sweep()
             except REDIS_ERRORS as exc:  # the next round tries again
+                raise_if_cancelling()
                 log.warning("idle-session sweep failed: %s", exc)
 
     async def sweep(self) -> int:

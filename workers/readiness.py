@@ -15,7 +15,7 @@ import logging
 from collections.abc import Callable
 
 from broker.ops.metrics import FleetMetrics
-from broker.redis.backoff import REDIS_ERRORS
+from broker.redis.backoff import REDIS_ERRORS, raise_if_cancelling
 from broker.redis.scripts import Scripts
 from workers.engines.base import Engine
 
@@ -69,6 +69,7 @@ class Readiness:
             try:
                 await self.check(scripts, worker_id())
             except REDIS_ERRORS as exc:  # the next beat tries again; the probe's answer is kept
+                raise_if_cancelling()
                 log.warning("could not offer capacity %d: %s", self.offered_capacity, exc)
 
     def fields(self) -> dict[str, str]:

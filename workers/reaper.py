@@ -14,7 +14,7 @@ import random
 
 from broker.ops.failover import FailoverReport, reap_exclusively
 from broker.ops.metrics import FleetMetrics
-from broker.redis.backoff import REDIS_ERRORS
+from broker.redis.backoff import REDIS_ERRORS, raise_if_cancelling
 from broker.redis.scripts import Scripts
 
 log = logging.getLogger(__name__)
@@ -35,10 +35,12 @@ async def reap_loop(scripts: Scripts, *, lease_ms: int, metrics: FleetMetrics | 
         try:
             reports = await reap_exclusively(scripts, lease_ms=lease_ms)
         except REDIS_ERRORS as exc:
+            raise_if_cancelling()
             log.warning("reaping pass skipped: redis unavailable (%s)", exc)
             continue
         except Exception:
             # A bug in one pass must not end reaping for the life of the worker.
+            raise_if_cancelling()
             log.exception("reaping pass failed")
             continue
         for report in reports or []:

@@ -20,7 +20,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from broker.ops.failover import fail_over
 from broker.redis.aio import resolve
-from broker.redis.backoff import REDIS_ERRORS, Backoff, until_redis_answers
+from broker.redis.backoff import REDIS_ERRORS, Backoff, raise_if_cancelling, until_redis_answers
 from broker.redis.connect import open_redis
 from broker.redis.keys import INBOX_GROUP
 from broker.redis.layouts import SessionHash
@@ -205,6 +205,7 @@ class Worker:
                     await self._reincarnate()
                 await self.executor.stats.tick(self._redis_or_fail(), self.keys, self.id)
             except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+                raise_if_cancelling()
                 log.warning("heartbeat failed: %s", exc)
             await asyncio.sleep(self.settings.heartbeat_ms / 1000.0)
 

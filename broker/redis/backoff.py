@@ -23,6 +23,15 @@ START_S = 0.05
 CAP_S = 2.0
 
 
+def raise_if_cancelling() -> None:
+    """Re-raise a cancellation that a library turned into an error. A retry loop that caught such
+    an error and slept on would outlive its ``cancel()`` (the request is delivered once), and the
+    shutdown awaiting it would wait for ever. Called first in every retry loop's error handler."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
 class Backoff:
     """Delays that double after every wait, up to ``cap``; ``reset`` after a success.
 
@@ -40,6 +49,7 @@ class Backoff:
 
     async def wait(self) -> None:
         """Sleep the current delay, then double it (up to the cap)."""
+        raise_if_cancelling()
         spread = 1.0 + self.jitter * (random.random() - 0.5)
         await asyncio.sleep(self.delay * spread)
         self.delay = min(2 * self.delay, self.cap)
