@@ -9,12 +9,16 @@ needs, so no helper has to answer a failure itself and signal "already answered"
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
-from broker.redis.backoff import until_redis_answers
-from schemas.errors import ErrorCode, FleetError
+from broker.redis.backoff import REDIS_ERRORS, until_redis_answers
+from schemas.errors import ErrorCode, Fenced, FleetError
+from workers.jobs import BadJob, Job
+from workers.rate_limit import WarningLimiter
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
@@ -73,3 +77,21 @@ async def settled(attempt: Callable[[], Coroutine[Any, Any, T]], what: str) -> T
         return finish_before_cancel(attempt())
 
     return await until_redis_answers(shielded, what)
+
+
+async def reject_malformed(job: BadJob, warnings: WarningLimiter) -> None:
+    """A malformed entry fails like any job: dead-lettered, and answered if it names where to."""
+    warnings.warning("malformed job %s: %s", job.entry_id, job.reason)
+    raise StepFailed(ErrorCode.INVALID_REQUEST, f"malformed job: {job.reason}", fallback=False, dead_letter=True)
+
+
+async def as_step_failure(job: Job | BadJob, coro: Any) -> None:
+    """Run a job; a bug becomes an ``internal worker error`` failure like any other."""
+    try:
+        await coro
+    except (StepFailed, Fenced, *REDIS_ERRORS):
+        raise
+    except Exception as exc:
+        log.exception("job %s of session %s failed unexpectedly", job.job_id, job.session_id)
+        raise StepFailed(ErrorCode.INFERENCE_ERROR, "internal worker error",
+                         fallback=True) from exc

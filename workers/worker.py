@@ -18,24 +18,26 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from broker.ops.failover import fail_over
 from broker.redis.aio import resolve
 from broker.redis.backoff import REDIS_ERRORS, Backoff, until_redis_answers
 from broker.redis.keys import INBOX_GROUP
 from broker.redis.layouts import SessionHash
 from broker.redis.scripts import Scripts
-from schemas.errors import ErrorCode, Fenced
+from schemas.errors import Fenced
 from workers.batcher import Batcher
+from workers.drain import Drain
 from workers.engines.base import Engine
 from workers.executor import SessionState, StepExecutor
-from workers.failure import StepFailed, settled
+from workers.failure import StepFailed, as_step_failure, reject_malformed, settled
 from workers.fenced import FencedEntries
 from workers.idle import IdleSweeper
 from workers.inbox_repair import recreate_inbox
 from workers.jobs import BadJob, Job, parse_job
+from workers.placement import pool_caps, pressure
 from workers.rate_limit import WarningLimiter
 from workers.readiness import Readiness
 from workers.reaper import reap_loop
+from workers.rebalance import Movable, Rebalancer
 from workers.settings import WorkerSettings, new_worker_id
 from workers.weight_control import WeightControl
 from workers.worker_metrics import WorkerMetrics
@@ -72,6 +74,8 @@ class Worker:
         self.readiness = Readiness(engine, capacity=settings.capacity, metrics=self.metrics.fleet)
         self.metrics.watch(engine, self._sessions, self._running)  # gauges read at each scrape
         self._pools = [self.keys.pool(mode.value, model) for model, mode in engine.models().items()]
+        self._pool_caps = pool_caps(engine, self.keys, settings.capacity)  # the engine's per-model split
+        self._drain: Drain | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -104,17 +108,21 @@ class Worker:
         self._idle_sweeper = IdleSweeper(self._scripts, lambda: self.id, interval_s=self.settings.idle_sweep_s)
         await self.weights.apply_latest()
         await self.readiness.probe()  # a worker whose engine is not ready registers with no capacity
-        await self._scripts.register(self.id, capacity=self.readiness.offered_capacity, pools=self._pools,
-                                     ttl_ms=3 * self.settings.cell_config.lease_ms, fields=self._describe("active"))
+        await self._register("active")
         self.state = "active"
         self._idle.set()
         self._spawn(self._heartbeat_loop(), "heartbeat")
         self._spawn(self.readiness.follow(self._scripts, lambda: self.id, self.settings.heartbeat_ms), "readiness")
         self._spawn(self.weights.follow(), "control")
         self._spawn(self._idle_sweeper.run(), "idle-sweep")
+        lease_ms = self.settings.cell_config.lease_ms
         if self.settings.reap:
-            self._spawn(reap_loop(self._scripts, lease_ms=self.settings.cell_config.lease_ms,
-                                  metrics=self.metrics.fleet), "reaper")
+            self._spawn(reap_loop(self._scripts, lease_ms=lease_ms, metrics=self.metrics.fleet), "reaper")
+        if self.settings.rebalance_interval_s > 0:
+            self._spawn(Rebalancer(self._scripts, lambda: self.id, self._movable, self._forget,
+                                   lambda: self.state == "active", self.settings.rebalance_interval_s,
+                                   self.settings.rebalance_threshold, lease_ms, self.metrics.fleet).run(),
+                        "rebalance")
         log.info("worker %s serving %s", self.id, ", ".join(self.engine.models()))
 
     def request_stop(self) -> None:
@@ -123,8 +131,9 @@ class Worker:
 
     async def serve(self) -> None:
         """Read and run jobs until :meth:`request_stop`, then finish what was read."""
-        reader = self._spawn(self._read_loop(), "reader")
+        reader = self._spawn(self._read_loop(self._stop), "reader")
         await self._stop.wait()
+        deadline = asyncio.get_running_loop().time() + self.settings.drain_timeout_s
         self.state = "draining"
         with contextlib.suppress(Exception):
             await self._scripts_or_fail().leave_pools(self.id, pools=self._pools, state="draining")
@@ -139,8 +148,10 @@ class Worker:
             # on the new owner; a late commit from here is refused by the epoch fence.
             log.warning("drain timeout: %d jobs still running; handing over anyway", self._active)
         if self.settings.handover_on_stop:
-            try:
-                await self._hand_over()
+            self._drain = Drain(self._scripts_or_fail(), self.id, self.settings.cell_config.lease_ms,
+                                self.settings.heartbeat_ms / 1000.0, self._forget, self.metrics.fleet)
+            try:  # stuck sessions are served by a fresh reader (its own never-set stop) meanwhile
+                await self._drain.run(deadline, lambda: self._spawn(self._read_loop(asyncio.Event()), "reader"))
             except Exception:
                 log.exception("drain handover failed; sessions fail over after the lease instead")
 
@@ -192,14 +203,17 @@ class Worker:
             **(self.weights.fields() if self.weights else {"weights_error": ""}),  # per-model versions
             "committed_steps": str(self._executor.committed_steps if self._executor else 0),
             "idle_closed": str(self._idle_sweeper.closed if self._idle_sweeper else 0),
+            "drain_stuck": str(self._drain.stuck if self._drain else 0),
             **self.readiness.fields(),
         }
 
     async def _heartbeat_loop(self) -> None:
         while True:
             try:
+                load = pressure(self.engine.load(), running_jobs=self._active, capacity=self.settings.capacity)
                 beat = await self._scripts_or_fail().heartbeat(
-                    self.id, ttl_ms=3 * self.settings.cell_config.lease_ms, fields=self._describe(self.state))
+                    self.id, ttl_ms=3 * self.settings.cell_config.lease_ms, fields=self._describe(self.state),
+                    pressure=load)
                 if not beat.registered and not self._stop.is_set():
                     await self._reincarnate()
                 await self.executor.stats.tick(self._redis_or_fail(), self.keys, self.id)
@@ -217,25 +231,23 @@ class Worker:
         self.id = new_worker_id()
         self.settings = dataclasses.replace(self.settings, worker_id=self.id)
         self.executor.worker_id = self.id
-        await self._scripts_or_fail().register(
-            self.id, capacity=self.readiness.offered_capacity, pools=self._pools,
-            ttl_ms=3 * self.settings.cell_config.lease_ms, fields=self._describe(self.state))
+        await self._register(self.state)
         log.warning("worker %s was declared dead; re-registered as %s", old, self.id)
 
-    async def _hand_over(self) -> None:
-        """Drain: move every session (and its unread jobs) to live workers now, without a lease wait."""
-        report = await fail_over(self._scripts_or_fail(), self.id, lease_ms=self.settings.cell_config.lease_ms,
-                                 reason="handover")
-        for session_id in report.moved:
-            self._forget(session_id)
-        if report.stuck:
-            log.warning("drain: %d sessions found no live worker; they fail over once one exists",
-                        len(report.stuck))
-        log.info("drain: handed over %d sessions (%d queued jobs)", len(report.moved), report.jobs_moved)
+    async def _register(self, state: str) -> None:
+        await self._scripts_or_fail().register(
+            self.id, capacity=self.readiness.offered_capacity, pools=self._pools, pool_caps=self._pool_caps,
+            ttl_ms=3 * self.settings.cell_config.lease_ms, fields=self._describe(state))
+
+    def _movable(self) -> list[Movable]:
+        """Sessions between steps (no job of theirs in a lane here), for the rebalancer."""
+        models = self.engine.models()
+        return [(sid, models[state.model].value, state.model) for sid, state in list(self._sessions.items())
+                if sid not in self._lanes and state.model in models]
 
     # ------------------------------------------------------------------ reading
 
-    async def _read_loop(self) -> None:
+    async def _read_loop(self, stop: asyncio.Event) -> None:
         """XREADGROUP our inbox. We start, and restart after every read error, with our own
         pending entries (cursor "0", paged): a reply lost in a Redis crash leaves entries delivered
         to us but never received, and only a history read finds them. Entries already running
@@ -243,7 +255,7 @@ class Worker:
         redis = self._redis_or_fail()
         cursor = "0"
         backoff = Backoff()
-        while not self._stop.is_set():
+        while not stop.is_set():
             inbox = self.keys.inbox(self.id)  # changes when the worker re-registers as a new incarnation
             try:
                 resp: Any = await redis.xreadgroup(INBOX_GROUP, self.id, {inbox: cursor},
@@ -273,7 +285,8 @@ class Worker:
         self._idle.clear()
         self._running.add(job.entry_id)
         if isinstance(job, BadJob):
-            self._spawn(self._finish(self._guard(job, _reject(job, self._bad_entries)), job.entry_id), "bad-job")
+            rejected = reject_malformed(job, self._bad_entries)
+            self._spawn(self._finish(self._guard(job, rejected), job.entry_id), "bad-job")
         elif job.kind == "step" and not job.contextual:
             self._spawn(self._finish(self._guard(job, self.executor.run_step(job, None)), job.entry_id), "stateless")
         else:
@@ -322,7 +335,7 @@ class Worker:
         """The one place a failed job is answered: steps, control jobs and malformed entries all
         end here as a ``StepFailed``, answered by ``publish_failure``."""
         try:
-            await _as_step_failure(job, coro)
+            await as_step_failure(job, coro)
         except StepFailed as failure:
             await self.executor.publish_failure(job, failure, self._state_of(job))
 
@@ -381,20 +394,3 @@ class Worker:
         self.engine.drop_session(session_id)
         self.engine.drop_session(f"{session_id}:stateless")
 
-
-async def _reject(job: BadJob, warnings: WarningLimiter) -> None:
-    """A malformed entry fails like any job: dead-lettered, and answered if it names where to."""
-    warnings.warning("malformed job %s: %s", job.entry_id, job.reason)
-    raise StepFailed(ErrorCode.INVALID_REQUEST, f"malformed job: {job.reason}", fallback=False, dead_letter=True)
-
-
-async def _as_step_failure(job: Job | BadJob, coro: Any) -> None:
-    """Run a job; a bug becomes an ``internal worker error`` failure like any other."""
-    try:
-        await coro
-    except (StepFailed, Fenced, *REDIS_ERRORS):
-        raise
-    except Exception as exc:
-        log.exception("job %s of session %s failed unexpectedly", job.job_id, job.session_id)
-        raise StepFailed(ErrorCode.INFERENCE_ERROR, "internal worker error",
-                         fallback=True) from exc
