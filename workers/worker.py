@@ -141,8 +141,9 @@ class Worker:
         with contextlib.suppress(asyncio.CancelledError):
             await reader
         self.executor.stop_gate_waits()  # steps waiting for a policy version do not hold the drain
-        try:
-            await asyncio.wait_for(self._idle.wait(), self.settings.drain_timeout_s)
+        try:  # (wait_for with no time left gives up even on a set event: ask it first)
+            if not self._idle.is_set():
+                await asyncio.wait_for(self._idle.wait(), self.settings.drain_timeout_s)
         except TimeoutError:
             # Their jobs are still pending in our inbox: they move with the handover and run again
             # on the new owner; a late commit from here is refused by the epoch fence.
