@@ -74,6 +74,10 @@ class AbortableCalls:
             self._running.discard(task)
             self._aborted.discard(task)
 
+    def running(self) -> int:
+        """How many calls are running now (the engine's running steps, for placement)."""
+        return sum(1 for task in self._running if not task.done())
+
     def abort_all(self) -> int:
         """Cancel every running call; how many there were."""
         live = [task for task in self._running if not task.done()]
