@@ -61,13 +61,20 @@ async def test_a_drain_without_capacity_elsewhere_serves_on_and_hands_over_once_
     await workers.stop(a)
 
 
+async def _full_worker(fleet: FleetClient, workers: WorkerPool) -> None:
+    """A live worker of the same pool with no room: the fleet is up, and full."""
+    full = await workers.add(NullEngine(), **FAST, capacity=1)
+    assert (await fleet.create_session(**WORLD)).owner == full.id
+
+
 async def test_after_the_drain_timeout_a_waiting_step_answers_capacity_exhausted(
     fleet: FleetClient, workers: WorkerPool, scripts: Scripts,
 ) -> None:
     a = await workers.add(NullEngine(), **FAST, drain_timeout_s=0.3)
     s = await fleet.create_session(**WORLD)
     assert (await s.step(0, **world_step(0))).ok
-    await workers.stop(a)  # nobody to hand over to: the session stays, marked unplaced
+    await _full_worker(fleet, workers)
+    await workers.stop(a)  # nobody has room: the session stays, marked unplaced
     assert await scripts.redis.hget(scripts.keys.session(s.session_id), "unplaced_ms") is not None
 
     # The client waits up to its step timeout (300 s); the mark answers within session_check_s.
@@ -91,10 +98,11 @@ async def test_a_dead_workers_session_with_nowhere_to_go_answers_capacity_exhaus
     a = await workers.add(NullEngine(), **FAST)
     s = await fleet.create_session(**WORLD)
     assert (await s.step(0, **world_step(0))).ok
+    await _full_worker(fleet, workers)
     await workers.kill(a)
     step = asyncio.create_task(s.step(1, **world_step(1)))
 
-    async def reaper() -> None:  # no live worker reaps: the supervisor's passes, here
+    async def reaper() -> None:  # the supervisor's passes (the full worker reaps too)
         while True:
             await reap(scripts, lease_ms=FAST["lease_ms"])
             await asyncio.sleep(0.1)
@@ -104,3 +112,17 @@ async def test_a_dead_workers_session_with_nowhere_to_go_answers_capacity_exhaus
     finally:
         passes.cancel()
     assert not r.ok and r.error is not None and r.error.code is ErrorCode.CAPACITY_EXHAUSTED
+
+
+async def test_with_no_live_worker_at_all_a_dead_workers_session_is_not_marked(
+    fleet: FleetClient, workers: WorkerPool, scripts: Scripts,
+) -> None:
+    """Every worker gone (a fleet restarting, replacements on their way) is a delay, not a full
+    fleet: the session waits unmarked, and the trainer's step waits for its bound."""
+    a = await workers.add(NullEngine(), **FAST)
+    s = await fleet.create_session(**WORLD)
+    await workers.kill(a)
+    await scripts.redis.zadd(scripts.keys.workers, {a.id: 0})  # its lease ran out long ago
+    report = await reap(scripts, lease_ms=FAST["lease_ms"])
+    assert [(r.stuck, r.full) for r in report] == [([s.session_id], [])]
+    assert await scripts.redis.hget(scripts.keys.session(s.session_id), "unplaced_ms") is None

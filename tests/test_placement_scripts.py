@@ -111,9 +111,11 @@ async def test_a_stuck_session_is_marked_unplaced_until_it_moves(scripts: Script
     k = scripts.keys
     await _register(scripts, "dead", capacity=2)
     assert await _create(scripts, "s1", WORLD) == Created("dead")
-    await scripts.redis.zadd(k.workers, {"dead": 0})  # its lease ran out long ago; nobody else is live
+    await _register(scripts, "full", capacity=1)
+    assert await _create(scripts, "s2", LM) == Created("full")
+    await scripts.redis.zadd(k.workers, {"dead": 0})  # its lease ran out long ago; the live one is full
     report = await fail_over(scripts, "dead", lease_ms=5000)
-    assert report.stuck == ["s1"] and not report.retired
+    assert report.stuck == report.full == ["s1"] and not report.retired
     assert await scripts.redis.hget(k.session("s1"), "unplaced_ms") is not None
     assert not await scripts.mark_unplaced("s1", owner="someone-else")  # only the owner's sessions
     await _register(scripts, "fresh", capacity=2)

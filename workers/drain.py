@@ -7,8 +7,9 @@ registry hash (``drain_stuck``, shown by ``rollout-fleet status``) and in the
 ``rollout_fleet_drain_stuck_sessions`` gauge, reads its inbox again so their steps keep being
 served, and tries the handover again every heartbeat interval until every session has moved or
 the drain timeout (counted from the start of the drain) has passed. Then the sessions still here
-are marked unplaced (their trainers' waiting steps answer ``capacity_exhausted``) and move once
-a worker has room, after this one's lease expires.
+whose pool has live workers, all full, are marked unplaced (their trainers' waiting steps answer
+``capacity_exhausted``); where no other worker is live at all, their steps just wait. Either way
+they move once a worker has room, after this one's lease expires.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ class Drain:
     stuck: int = 0  # sessions the last attempt could not hand over (the registry's drain_stuck)
 
     async def hand_over(self, *, final: bool) -> FailoverReport:
-        """One attempt; ``final`` marks the sessions still stuck as unplaced."""
+        """One attempt; ``final`` marks the sessions stuck for want of room as unplaced."""
         report = await fail_over(self.scripts, self.worker_id, lease_ms=self.lease_ms, reason="handover",
                                  mark_stuck=final)
         for session_id in report.moved:
@@ -71,5 +72,6 @@ class Drain:
             moved, jobs = moved + len(report.moved), jobs + report.jobs_moved
         if report.stuck:
             log.warning("drain: %d sessions still found no live worker with free capacity; they move once one "
-                        "has room (their trainers get capacity_exhausted meanwhile)", len(report.stuck))
+                        "has room (%d marked unplaced: the live workers of their pools are full, so their "
+                        "trainers get capacity_exhausted meanwhile)", len(report.stuck), len(report.full))
         log.info("drain: handed over %d sessions (%d queued jobs)", moved, jobs)

@@ -28,6 +28,7 @@ class FailoverReport:
     moved: dict[str, str] = field(default_factory=dict)  # session id -> new owner
     jobs_moved: int = 0
     stuck: list[str] = field(default_factory=list)  # sessions no live worker could take yet
+    full: list[str] = field(default_factory=list)  # of those, the ones whose pool has live workers, all full
     alive: bool = False  # the worker heartbeated again: nothing was (or will be) moved
     retired: bool = False
     orphans: int = 0
@@ -79,6 +80,18 @@ def _number(raw: Any, default: float = 0.0) -> float:
         return default
 
 
+async def live_members(scripts: Scripts, mode: str, model: str, *, exclude: str, lease_ms: int) -> int:
+    """How many live workers (``exclude`` aside) serve the pool (mode, model), with room or not."""
+    redis, keys = scripts.redis, scripts.keys
+    now = await redis_now_ms(scripts)
+    members: Any = await redis.zrange(keys.pool(mode, model), 0, -1)
+    live = 0
+    for raw_wid in members:
+        beat = await redis.zscore(keys.workers, raw_wid)
+        live += raw_wid.decode() != exclude and beat is not None and now - beat <= lease_ms
+    return live
+
+
 async def placement_candidates(scripts: Scripts, mode: str, model: str, *, exclude: str,
                                lease_ms: int) -> list[Candidate]:
     """Live workers of the pool (mode, model) with room for one more of its sessions (their own
@@ -124,6 +137,8 @@ async def _move(scripts: Scripts, sid: str, worker_id: str, lease_ms: int, reaso
         if isinstance(reply, Skipped | Gone):
             return
     report.stuck.append(sid)
+    if await live_members(scripts, mode, model, exclude=worker_id, lease_ms=lease_ms):
+        report.full.append(sid)
 
 
 async def fail_over(scripts: Scripts, worker_id: str, *, lease_ms: int, reason: str = "expired",
@@ -131,9 +146,11 @@ async def fail_over(scripts: Scripts, worker_id: str, *, lease_ms: int, reason: 
     """Move every session of ``worker_id``; retire the worker once it owns none.
 
     ``reason`` is ``expired`` (only if its lease ran out) or ``handover`` (the worker drains itself).
-    Sessions no live worker can take stay where they are; with ``mark_stuck`` (default: for an
-    expired worker, whose sessions nobody serves) they are marked unplaced, so their trainers'
-    waiting steps answer ``capacity_exhausted`` (broker/client/waiting.py) until one moves them.
+    Sessions no live worker can take stay where they are. With ``mark_stuck`` (default: for an
+    expired worker, whose sessions nobody serves) those whose pool has live workers, all of them
+    full, are marked unplaced, so their trainers' waiting steps answer ``capacity_exhausted``
+    (broker/client/waiting.py) until one moves them. A pool with no live worker at all is a fleet
+    (re)starting, not a full one: its sessions wait, and their trainers see a delay.
     """
     report = FailoverReport(worker_id, reason)
     for sid in await sessions_of(scripts, worker_id):
@@ -144,7 +161,7 @@ async def fail_over(scripts: Scripts, worker_id: str, *, lease_ms: int, reason: 
         log.warning("%d sessions of %s wait for a live worker with capacity", len(report.stuck), worker_id)
         mark = reason == "expired" if mark_stuck is None else mark_stuck
         if mark:
-            for sid in report.stuck:
+            for sid in report.full:
                 await scripts.mark_unplaced(sid, owner=worker_id)
         return report
     pools: Any = await resolve(scripts.redis.smembers(scripts.keys.pool_index))
