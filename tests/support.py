@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,7 +63,10 @@ class WorkerPool:
     running: list[RunningWorker] = field(default_factory=list)
 
     async def add(self, engine: Engine, **overrides: Any) -> RunningWorker:
-        settings = WorkerSettings.from_mapping({"redis_url": self.url, "prefix": self.prefix, **overrides})
+        """An in-process worker. Rebalancing is off unless asked for (``rebalance_interval_s``): a
+        test that places sessions and checks where they are must not race a rebalancing pass."""
+        settings = WorkerSettings.from_mapping({"redis_url": self.url, "prefix": self.prefix,
+                                                "rebalance_interval_s": 0.0, **overrides})
         worker = Worker(engine, settings)
         await worker.start()
         task = asyncio.create_task(worker.serve())
@@ -98,8 +102,12 @@ class WorkerPool:
         self.running.remove(running)
 
     async def stop_all(self) -> None:
+        """Teardown: drain without waiting for capacity elsewhere (a drain that finds none keeps
+        serving for its whole drain timeout, workers/drain.py); nothing checks these sessions now."""
         failures: list[AssertionError] = []
         for running in list(self.running):
+            worker = running.worker
+            worker.settings = dataclasses.replace(worker.settings, drain_timeout_s=0.0)
             try:
                 await self.stop(running)
             except AssertionError as exc:

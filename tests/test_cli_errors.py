@@ -56,6 +56,8 @@ def test_a_missing_extra_names_it() -> None:
     (["status", "--log-level", "loud"], "rollout-fleet status: error: argument --log-level: invalid choice"),
     (["worker", "--heartbeat-ms", "5000"], "rollout-fleet worker: error: heartbeat 5000 ms"),
     (["worker", "--heartbeat-ms", "900", "--lease-ms", "600"], "shorter than the lease, 600 ms"),
+    (["worker", "--rebalance-interval", "-1"], "--rebalance-interval ($ROLLOUT_FLEET_REBALANCE_INTERVAL_S) -1 must be"),
+    (["worker", "--rebalance-threshold", "0"], "--rebalance-threshold ($ROLLOUT_FLEET_REBALANCE_THRESHOLD) 0 must be"),
     (["demo", "--engine", "vllm"], "rollout-fleet demo: error: --engine vllm: the demo runs the reference and null"),
     (["status", "--lease-ms", "soon"], "rollout-fleet status: error: argument --lease-ms: invalid int value"),
     (["frobnicate"], "rollout-fleet: error: argument command: invalid choice"),

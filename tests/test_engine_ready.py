@@ -55,7 +55,8 @@ async def test_a_worker_whose_engine_is_not_ready_takes_no_new_session(
     flaky = await workers.add(switched, heartbeat_ms=FAST["heartbeat_ms"], metrics_port=0)
     kept = await fleet.create_session(model=WORLD, mode="world_model_env")
     assert (await kept.step(0, **world_step(0))).ok
-    steady = await workers.add(NullEngine(), heartbeat_ms=FAST["heartbeat_ms"])
+    # Its drain below finds no capacity elsewhere: it serves on only this long (workers/drain.py).
+    steady = await workers.add(NullEngine(), heartbeat_ms=FAST["heartbeat_ms"], drain_timeout_s=0.5)
 
     switched.answer = ConnectionError("vLLM server at :8001 refused the connection")
 

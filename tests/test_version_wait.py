@@ -53,6 +53,7 @@ async def test_a_drain_does_not_wait_for_steps_blocked_at_the_gate(fleet: FleetC
     w = await workers.add(NullEngine(), drain_timeout_s=60)
     s = await fleet.create_session(model="null-world", mode="world_model_env")
     waiting = s.submit(0, min_policy_version=99, **world_step(0))
+    await workers.add(NullEngine())  # room for the handover (a drain with none serves on: workers/drain.py)
     await asyncio.sleep(0.3)
     started = time.monotonic()
     await asyncio.wait_for(workers.stop(w), 10)

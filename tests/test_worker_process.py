@@ -16,6 +16,9 @@ from tests.support import world_step
 from workers.processes import spawn_worker, stop
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.slow]
+# A drain whose sessions find no other worker with room serves them on for its whole timeout
+# (workers/drain.py); here every worker stops at once, so that is kept short.
+DRAIN = ["--drain-timeout", "3"]
 
 
 async def wait_workers(url: str, prefix: str, count: int, timeout: float = 60.0) -> list[str]:
@@ -30,7 +33,7 @@ async def wait_workers(url: str, prefix: str, count: int, timeout: float = 60.0)
 
 
 async def test_two_worker_processes_serve_many_sessions_in_order(redis_server: RedisServer, prefix: str) -> None:
-    procs = [spawn_worker(redis_server.url, prefix, engine="null") for _ in range(2)]
+    procs = [spawn_worker(redis_server.url, prefix, engine="null", extra=DRAIN) for _ in range(2)]
     try:
         ids = await wait_workers(redis_server.url, prefix, 2)
         async with FleetClient(redis_server.url, prefix=prefix) as fleet:
@@ -48,7 +51,7 @@ async def test_two_worker_processes_serve_many_sessions_in_order(redis_server: R
 
 
 async def test_sigterm_finishes_in_flight_steps_then_exits(redis_server: RedisServer, prefix: str) -> None:
-    proc = spawn_worker(redis_server.url, prefix, engine="null", engine_options={"delay_ms": 400})
+    proc = spawn_worker(redis_server.url, prefix, engine="null", engine_options={"delay_ms": 400}, extra=DRAIN)
     try:
         await wait_workers(redis_server.url, prefix, 1)
         async with FleetClient(redis_server.url, prefix=prefix) as fleet:

@@ -33,7 +33,7 @@ from workers.settings import WorkerSettings
 DESCRIPTION = "rollout-fleet: worker, demo, redis (embedded, foreground) and status commands."
 # The worker's own settings the CLI sets (flag dests are these field names).
 WORKER_SETTINGS = ("worker_id", "capacity", "heartbeat_ms", "max_attempts", "drain_timeout_s", "version_wait_s",
-                   "metrics_port")
+                   "metrics_port", "rebalance_interval_s", "rebalance_threshold")
 _CELL_HELP = {"redis_url": "Redis URL", "prefix": "key prefix", "cell": "cell hash tag",
               "lease_ms": "lease in ms: a worker silent this long is failed over (one value per cell)"}
 
@@ -109,10 +109,15 @@ def _worker(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
     p.add_argument("--device", default=None, help="reference engines: cpu (default) or cuda")
     _engine_flags(p)
     p.add_argument("--worker-id", dest="worker_id", default=None, help="(default: a fresh id per start)")
-    _setting(p, "--capacity", WorkerSettings, "capacity", "sessions this worker may own")
+    _setting(p, "--capacity", WorkerSettings, "capacity", "sessions this worker may own, over all its models")
     _setting(p, "--heartbeat-ms", WorkerSettings, "heartbeat_ms", "heartbeat interval")
     _setting(p, "--max-attempts", WorkerSettings, "max_attempts", "engine attempts per step (transient errors)")
-    _setting(p, "--drain-timeout", WorkerSettings, "drain_timeout_s", "seconds to finish in-flight jobs")
+    _setting(p, "--drain-timeout", WorkerSettings, "drain_timeout_s",
+             "seconds to finish in-flight jobs and, when no live worker has room, to keep serving sessions")
+    _setting(p, "--rebalance-interval", WorkerSettings, "rebalance_interval_s",
+             "seconds between checks that move sessions to less loaded workers; 0: off")
+    _setting(p, "--rebalance-threshold", WorkerSettings, "rebalance_threshold",
+             "session share (sessions/capacity) by which this worker must exceed a target to move sessions")
     _setting(p, "--version-wait", WorkerSettings, "version_wait_s",
              "seconds a step waits for its min_policy_version before it fails with timeout")
     add_metrics_port(p, environ)

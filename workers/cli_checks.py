@@ -16,6 +16,13 @@ def check_invocation(run: Invocation) -> None:
         raise UsageError(f"heartbeat {heartbeat} ms (--heartbeat-ms, $ROLLOUT_FLEET_HEARTBEAT_MS) must be "
                          f"shorter than the lease, {run.cell.lease_ms} ms (--lease-ms, $ROLLOUT_FLEET_LEASE_MS); "
                          "a third of it is usual")
+    interval, threshold = getattr(args, "rebalance_interval_s", None), getattr(args, "rebalance_threshold", None)
+    if interval is not None and not 0 <= interval < float("inf"):  # NaN fails this too
+        raise UsageError(f"--rebalance-interval ($ROLLOUT_FLEET_REBALANCE_INTERVAL_S) {interval:g} must be 0 (off) or "
+                         "a positive number of seconds")
+    if threshold is not None and not 0 < threshold <= 1:
+        raise UsageError(f"--rebalance-threshold ($ROLLOUT_FLEET_REBALANCE_THRESHOLD) {threshold:g} must be a session "
+                         "share in (0, 1]")
     if args.command == "demo" and args.engine not in MODELS:
         # The demo's trainer knows the model names of the reference and null engines only; a real
         # engine needs its model, weights and GPU options, which a worker takes with --engine-opt.

@@ -18,6 +18,7 @@ from schemas.errors import ErrorCode, Fenced, FleetError
 from workers.jobs import BadJob, Job
 from workers.rate_limit import WarningLimiter
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 

@@ -43,6 +43,8 @@ class WorkerSettings:
     handover_on_stop: bool = True  # on SIGTERM hand sessions to live workers (no lease wait)
     metrics_port: int | None = None  # serve /metrics here (0: a free port); None: no metrics server
     reap: bool = True  # take part in failing over dead workers (workers/reaper.py), no supervisor needed
+    rebalance_interval_s: float = 5.0  # how often to check for imbalance (workers/rebalance.py); 0: never
+    rebalance_threshold: float = 0.25  # move sessions while our session share exceeds a target's by more
     limits: Limits = DEFAULT_LIMITS
 
     def __post_init__(self) -> None:
@@ -52,6 +54,8 @@ class WorkerSettings:
         self.reply_bounds()  # validated here, at the edge
         if self.version_wait_s <= 0 or self.idle_sweep_s <= 0:
             raise ValueError("version_wait_s and idle_sweep_s must be positive")
+        if self.rebalance_interval_s < 0 or not 0 < self.rebalance_threshold <= 1:
+            raise ValueError("rebalance_interval_s must be >= 0 (0: off) and rebalance_threshold in (0, 1]")
         if self.heartbeat_ms >= self.cell_config.lease_ms:
             raise ValueError("heartbeat_ms must be shorter than lease_ms")
 

@@ -18,7 +18,6 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from broker.ops.failover import fail_over
 from broker.redis.aio import resolve
 from broker.redis.backoff import REDIS_ERRORS, Backoff, raise_if_cancelling, until_redis_answers
 from broker.redis.connect import open_redis
@@ -27,6 +26,7 @@ from broker.redis.layouts import SessionHash
 from broker.redis.scripts import Scripts
 from schemas.errors import Fenced
 from workers.batcher import Batcher
+from workers.drain import Drain
 from workers.engines.base import Engine
 from workers.executor import SessionState, StepExecutor
 from workers.failure import StepFailed, as_step_failure, reject_malformed, settled
@@ -34,9 +34,11 @@ from workers.fenced import FencedEntries
 from workers.idle import IdleSweeper
 from workers.inbox_repair import recreate_inbox
 from workers.jobs import BadJob, Job, parse_job
+from workers.placement import pool_caps, pressure
 from workers.rate_limit import WarningLimiter
 from workers.readiness import Readiness
 from workers.reaper import reap_loop
+from workers.rebalance import Movable, Rebalancer
 from workers.settings import WorkerSettings, new_worker_id
 from workers.weight_control import WeightControl
 from workers.worker_metrics import WorkerMetrics
@@ -73,6 +75,8 @@ class Worker:
         self.readiness = Readiness(engine, capacity=settings.capacity, metrics=self.metrics.fleet)
         self.metrics.watch(engine, self._sessions, self._running)  # gauges read at each scrape
         self._pools = [self.keys.pool(mode.value, model) for model, mode in engine.models().items()]
+        self._pool_caps = pool_caps(engine, self.keys, settings.capacity)  # the engine's per-model split
+        self._drain: Drain | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -105,17 +109,21 @@ class Worker:
         self._idle_sweeper = IdleSweeper(self._scripts, lambda: self.id, interval_s=self.settings.idle_sweep_s)
         await self.weights.apply_latest()
         await self.readiness.probe()  # a worker whose engine is not ready registers with no capacity
-        await self._scripts.register(self.id, capacity=self.readiness.offered_capacity, pools=self._pools,
-                                     ttl_ms=3 * self.settings.cell_config.lease_ms, fields=self._describe("active"))
+        await self._register("active")
         self.state = "active"
         self._idle.set()
         self._spawn(self._heartbeat_loop(), "heartbeat")
         self._spawn(self.readiness.follow(self._scripts, lambda: self.id, self.settings.heartbeat_ms), "readiness")
         self._spawn(self.weights.follow(), "control")
         self._spawn(self._idle_sweeper.run(), "idle-sweep")
+        lease_ms = self.settings.cell_config.lease_ms
         if self.settings.reap:
-            self._spawn(reap_loop(self._scripts, lease_ms=self.settings.cell_config.lease_ms,
-                                  metrics=self.metrics.fleet), "reaper")
+            self._spawn(reap_loop(self._scripts, lease_ms=lease_ms, metrics=self.metrics.fleet), "reaper")
+        if self.settings.rebalance_interval_s > 0:
+            self._spawn(Rebalancer(self._scripts, lambda: self.id, self._movable, self._forget,
+                                   lambda: self.state == "active", self.settings.rebalance_interval_s,
+                                   self.settings.rebalance_threshold, lease_ms, self.metrics.fleet).run(),
+                        "rebalance")
         log.info("worker %s serving %s", self.id, ", ".join(self.engine.models()))
 
     def request_stop(self) -> None:
@@ -124,8 +132,9 @@ class Worker:
 
     async def serve(self) -> None:
         """Read and run jobs until :meth:`request_stop`, then finish what was read."""
-        reader = self._spawn(self._read_loop(), "reader")
+        reader = self._spawn(self._read_loop(self._stop), "reader")
         await self._stop.wait()
+        deadline = asyncio.get_running_loop().time() + self.settings.drain_timeout_s
         self.state = "draining"
         with contextlib.suppress(Exception):
             await self._scripts_or_fail().leave_pools(self.id, pools=self._pools, state="draining")
@@ -133,15 +142,18 @@ class Worker:
         with contextlib.suppress(asyncio.CancelledError):
             await reader
         self.executor.stop_gate_waits()  # steps waiting for a policy version do not hold the drain
-        try:
-            await asyncio.wait_for(self._idle.wait(), self.settings.drain_timeout_s)
+        try:  # (wait_for with no time left gives up even on a set event: ask it first)
+            if not self._idle.is_set():
+                await asyncio.wait_for(self._idle.wait(), self.settings.drain_timeout_s)
         except TimeoutError:
             # Their jobs are still pending in our inbox: they move with the handover and run again
             # on the new owner; a late commit from here is refused by the epoch fence.
             log.warning("drain timeout: %d jobs still running; handing over anyway", self._active)
         if self.settings.handover_on_stop:
-            try:
-                await self._hand_over()
+            self._drain = Drain(self._scripts_or_fail(), self.id, self.settings.cell_config.lease_ms,
+                                self.settings.heartbeat_ms / 1000.0, self._forget, self.metrics.fleet)
+            try:  # stuck sessions are served by a fresh reader (its own never-set stop) meanwhile
+                await self._drain.run(deadline, lambda: self._spawn(self._read_loop(asyncio.Event()), "reader"))
             except Exception:
                 log.exception("drain handover failed; sessions fail over after the lease instead")
 
@@ -193,14 +205,17 @@ class Worker:
             **(self.weights.fields() if self.weights else {"weights_error": ""}),  # per-model versions
             "committed_steps": str(self._executor.committed_steps if self._executor else 0),
             "idle_closed": str(self._idle_sweeper.closed if self._idle_sweeper else 0),
+            "drain_stuck": str(self._drain.stuck if self._drain else 0),
             **self.readiness.fields(),
         }
 
     async def _heartbeat_loop(self) -> None:
         while True:
             try:
+                load = pressure(self.engine.load(), running_jobs=self._active, capacity=self.settings.capacity)
                 beat = await self._scripts_or_fail().heartbeat(
-                    self.id, ttl_ms=3 * self.settings.cell_config.lease_ms, fields=self._describe(self.state))
+                    self.id, ttl_ms=3 * self.settings.cell_config.lease_ms, fields=self._describe(self.state),
+                    pressure=load)
                 if not beat.registered and not self._stop.is_set():
                     await self._reincarnate()
                 await self.executor.stats.tick(self._redis_or_fail(), self.keys, self.id)
@@ -219,25 +234,23 @@ class Worker:
         self.id = new_worker_id()
         self.settings = dataclasses.replace(self.settings, worker_id=self.id)
         self.executor.worker_id = self.id
-        await self._scripts_or_fail().register(
-            self.id, capacity=self.readiness.offered_capacity, pools=self._pools,
-            ttl_ms=3 * self.settings.cell_config.lease_ms, fields=self._describe(self.state))
+        await self._register(self.state)
         log.warning("worker %s was declared dead; re-registered as %s", old, self.id)
 
-    async def _hand_over(self) -> None:
-        """Drain: move every session (and its unread jobs) to live workers now, without a lease wait."""
-        report = await fail_over(self._scripts_or_fail(), self.id, lease_ms=self.settings.cell_config.lease_ms,
-                                 reason="handover")
-        for session_id in report.moved:
-            self._forget(session_id)
-        if report.stuck:
-            log.warning("drain: %d sessions found no live worker; they fail over once one exists",
-                        len(report.stuck))
-        log.info("drain: handed over %d sessions (%d queued jobs)", len(report.moved), report.jobs_moved)
+    async def _register(self, state: str) -> None:
+        await self._scripts_or_fail().register(
+            self.id, capacity=self.readiness.offered_capacity, pools=self._pools, pool_caps=self._pool_caps,
+            ttl_ms=3 * self.settings.cell_config.lease_ms, fields=self._describe(state))
+
+    def _movable(self) -> list[Movable]:
+        """Sessions between steps (no job of theirs in a lane here), for the rebalancer."""
+        models = self.engine.models()
+        return [(sid, models[state.model].value, state.model) for sid, state in list(self._sessions.items())
+                if sid not in self._lanes and state.model in models]
 
     # ------------------------------------------------------------------ reading
 
-    async def _read_loop(self) -> None:
+    async def _read_loop(self, stop: asyncio.Event) -> None:
         """XREADGROUP our inbox. We start, and restart after every read error, with our own
         pending entries (cursor "0", paged): a reply lost in a Redis crash leaves entries delivered
         to us but never received, and only a history read finds them. Entries already running
@@ -245,7 +258,7 @@ class Worker:
         redis = self._redis_or_fail()
         cursor = "0"
         backoff = Backoff()
-        while not self._stop.is_set():
+        while not stop.is_set():
             inbox = self.keys.inbox(self.id)  # changes when the worker re-registers as a new incarnation
             try:
                 resp: Any = await redis.xreadgroup(INBOX_GROUP, self.id, {inbox: cursor},

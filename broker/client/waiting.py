@@ -1,9 +1,12 @@
 """Waiting for a reply, bounded: nothing a trainer awaits waits for ever.
 
-Two things end a wait besides the reply: the deadline (the call's ``timeout``, else the client's
-``step_timeout``), and the session's hash vanishing from Redis (a Redis restarted without
+Three things end a wait besides the reply: the deadline (the call's ``timeout``, else the client's
+``step_timeout``); the session's hash vanishing from Redis (a Redis restarted without
 persistence, an operator's delete), checked every ``session_check_s``: a job in a lost Redis will
-never be answered, so the waiter learns ``session_not_found`` instead of waiting out the deadline.
+never be answered, so the waiter learns ``session_not_found`` instead of waiting out the deadline;
+and, checked with it, a session that failover marked unplaced (its owner is gone and no live
+worker had room: ``unplaced.lua``), which answers ``capacity_exhausted``. That step stays queued
+and runs once a worker with room takes the session, like a step that timed out.
 """
 
 from __future__ import annotations
@@ -11,9 +14,10 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING
 
+from broker.redis.aio import resolve
 from broker.redis.backoff import REDIS_ERRORS
 from broker.redis.layouts import ReplyEntry
-from schemas.errors import FleetTimeoutError, SessionNotFoundError
+from schemas.errors import CapacityExhaustedError, FleetError, FleetTimeoutError, SessionNotFoundError
 
 if TYPE_CHECKING:
     from broker.client.fleet import FleetClient
@@ -26,8 +30,9 @@ def wait_bound(fleet: FleetClient, timeout: float | None) -> float | None:
 
 async def wait_for_reply(fleet: FleetClient, session_id: str, waiter: asyncio.Future[ReplyEntry],
                          timeout: float | None) -> ReplyEntry:
-    """The reply ``waiter`` resolves to; raises FleetTimeoutError past the bound and
-    SessionNotFoundError once the session is gone from Redis."""
+    """The reply ``waiter`` resolves to; raises FleetTimeoutError past the bound,
+    SessionNotFoundError once the session is gone from Redis and CapacityExhaustedError once no
+    live worker can take it."""
     bound = wait_bound(fleet, timeout)
     loop = asyncio.get_running_loop()
     deadline = None if bound is None else loop.time() + bound
@@ -39,17 +44,26 @@ async def wait_for_reply(fleet: FleetClient, session_id: str, waiter: asyncio.Fu
             done, _ = await asyncio.wait({waiter}, timeout=left)
             if done:
                 return waiter.result()
-            if not await _session_exists(fleet, session_id):
-                raise SessionNotFoundError(f"session {session_id!r} no longer exists (was Redis's data lost?)")
+            problem = await _session_problem(fleet, session_id)
+            if problem is not None:
+                raise problem
     except BaseException:
         waiter.cancel()  # nobody reads it any more (a late reply is dropped by the reader)
         raise
 
 
-async def _session_exists(fleet: FleetClient, session_id: str) -> bool:
-    """Whether the session's hash is in Redis; an unreachable Redis counts as yes (the deadline
-    still bounds the wait, and the session may well be there when Redis is back)."""
+async def _session_problem(fleet: FleetClient, session_id: str) -> FleetError | None:
+    """Why the step will not be answered: the session is gone, or marked unplaced; None while it
+    waits normally. An unreachable Redis counts as normal (the deadline still bounds the wait,
+    and the session may well be there when Redis is back)."""
     try:
-        return bool(await fleet.redis.exists(fleet.keys.session(session_id)))
+        owner, unplaced = await resolve(fleet.redis.hmget(fleet.keys.session(session_id), ["owner", "unplaced_ms"]))
     except REDIS_ERRORS:
-        return True
+        return None
+    if owner is None:
+        return SessionNotFoundError(f"session {session_id!r} no longer exists (was Redis's data lost?)")
+    if unplaced is not None:
+        return CapacityExhaustedError(
+            f"session {session_id!r} lost its worker and no live worker has free capacity for it; the step "
+            "stays queued and runs once one has (re-send the same step_id to get its stored result)")
+    return None

@@ -4,7 +4,8 @@ Routes, bodies, status codes and error codes are the reference's (``/v1/realtime
 a step error comes back as a ``RolloutStepResponse`` with ``error`` — HTTP 404
 ``session_not_found``, 410 ``session_closed``, 400 ``invalid_request`` / ``step_already_committed``
 / ``step_out_of_order``, 413 ``payload_too_large``, 504 ``timeout`` when no result came within the
-step timeout (60 s by default: an HTTP client never waits for ever), and HTTP 200 for the others
+step timeout (60 s by default: an HTTP client never waits for ever), 503 ``capacity_exhausted``
+when the session lost its worker and no live worker has room for it, and HTTP 200 for the others
 (``inference_error``, ``context_lost``); control routes answer 404 / 410 as vLLM's
 ``{"error": {...}}`` body, and a malformed body is a 400 of the same shape.
 

@@ -30,6 +30,8 @@ _HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.STEP_OUT_OF_ORDER: 400,
     # Not the reference's (it has no step timeout): a client that gave up waiting sees a gateway timeout.
     ErrorCode.TIMEOUT: 504,
+    # As a create with no room answers: the session lost its worker and no live worker has room.
+    ErrorCode.CAPACITY_EXHAUSTED: 503,
 }
 
 

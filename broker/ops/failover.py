@@ -28,6 +28,7 @@ class FailoverReport:
     moved: dict[str, str] = field(default_factory=dict)  # session id -> new owner
     jobs_moved: int = 0
     stuck: list[str] = field(default_factory=list)  # sessions no live worker could take yet
+    full: list[str] = field(default_factory=list)  # of those, the ones whose pool has live workers, all full
     alive: bool = False  # the worker heartbeated again: nothing was (or will be) moved
     retired: bool = False
     orphans: int = 0
@@ -53,21 +54,65 @@ async def sessions_of(scripts: Scripts, worker_id: str) -> list[str]:
     return owned
 
 
-async def _candidates(scripts: Scripts, mode: str, model: str, exclude: str, lease_ms: int) -> list[str]:
-    """Live workers of the session's pool with free capacity, least loaded first."""
+@dataclass(frozen=True)
+class Candidate:
+    """A live worker that could take one more session of a pool, and how loaded it is."""
+
+    worker_id: str
+    owned: int  # sessions over all its pools
+    capacity: int
+    pressure: float  # the engine load signal of its last heartbeat, 0..1
+
+    @property
+    def share(self) -> float:
+        return self.owned / self.capacity
+
+    @property
+    def score(self) -> float:
+        """create.lua's load score, the same sum: session share plus engine pressure."""
+        return self.share + self.pressure
+
+
+def _number(raw: Any, default: float = 0.0) -> float:
+    try:
+        return default if raw is None else float(raw)
+    except ValueError:
+        return default
+
+
+async def live_members(scripts: Scripts, mode: str, model: str, *, exclude: str, lease_ms: int) -> int:
+    """How many live workers (``exclude`` aside) serve the pool (mode, model), with room or not."""
     redis, keys = scripts.redis, scripts.keys
     now = await redis_now_ms(scripts)
-    members: Any = await redis.zrange(keys.pool(mode, model), 0, -1, withscores=True)
+    members: Any = await redis.zrange(keys.pool(mode, model), 0, -1)
+    live = 0
+    for raw_wid in members:
+        beat = await redis.zscore(keys.workers, raw_wid)
+        live += raw_wid.decode() != exclude and beat is not None and now - beat <= lease_ms
+    return live
+
+
+async def placement_candidates(scripts: Scripts, mode: str, model: str, *, exclude: str,
+                               lease_ms: int) -> list[Candidate]:
+    """Live workers of the pool (mode, model) with room for one more of its sessions (their own
+    capacity and the pool's cap), least loaded first. Advisory: failover.lua checks again."""
+    redis, keys = scripts.redis, scripts.keys
+    now = await redis_now_ms(scripts)
+    pool = keys.pool(mode, model)
+    members: Any = await redis.zrange(pool, 0, -1, withscores=True)
     out = []
     for raw_wid, load in members:
         wid = raw_wid.decode()
-        if wid == exclude:
-            continue
         beat = await redis.zscore(keys.workers, wid)
-        cap = await resolve(redis.hget(keys.capacity, wid))
-        if beat is not None and now - beat <= lease_ms and cap is not None and load < int(cap):
-            out.append(wid)
-    return out
+        if wid == exclude or beat is None or now - beat > lease_ms:
+            continue
+        cap, split = await resolve(redis.hmget(keys.capacity, [wid, keys.capacity_split_field(wid, pool)]))
+        owned = int(_number(await resolve(redis.hget(keys.owned, wid))))
+        capacity = int(_number(cap))
+        if owned >= capacity or (split is not None and load >= _number(split)):
+            continue
+        out.append(Candidate(wid, owned, capacity, _number(await resolve(redis.hget(keys.pressure, wid)))))
+    return sorted(out, key=lambda c: c.score)  # stable: the pool's order breaks ties, as in create.lua
 
 
 async def _move(scripts: Scripts, sid: str, worker_id: str, lease_ms: int, reason: str,
@@ -77,14 +122,14 @@ async def _move(scripts: Scripts, sid: str, worker_id: str, lease_ms: int, reaso
         return
     session = SessionHash.from_fields(fields)
     mode, model = session.mode.value, session.model
-    for candidate in await _candidates(scripts, mode, model, worker_id, lease_ms):
-        reply = await scripts.failover(session_id=sid, mode=mode, model=model, old=worker_id, new=candidate,
-                                       lease_ms=lease_ms, reason=reason)
+    for candidate in await placement_candidates(scripts, mode, model, exclude=worker_id, lease_ms=lease_ms):
+        reply = await scripts.failover(session_id=sid, mode=mode, model=model, old=worker_id,
+                                       new=candidate.worker_id, lease_ms=lease_ms, reason=reason)
         if isinstance(reply, FailedOver):
-            report.moved[sid] = candidate
+            report.moved[sid] = candidate.worker_id
             report.jobs_moved += reply.jobs_moved
-            log.info("session %s: %s -> %s (epoch %s, %s jobs)", sid, worker_id, candidate, reply.epoch,
-                     reply.jobs_moved)
+            log.info("session %s: %s -> %s (epoch %s, %s jobs)", sid, worker_id, candidate.worker_id,
+                     reply.epoch, reply.jobs_moved)
             return
         if isinstance(reply, Alive):
             report.alive = True
@@ -92,12 +137,20 @@ async def _move(scripts: Scripts, sid: str, worker_id: str, lease_ms: int, reaso
         if isinstance(reply, Skipped | Gone):
             return
     report.stuck.append(sid)
+    if await live_members(scripts, mode, model, exclude=worker_id, lease_ms=lease_ms):
+        report.full.append(sid)
 
 
-async def fail_over(scripts: Scripts, worker_id: str, *, lease_ms: int, reason: str = "expired") -> FailoverReport:
+async def fail_over(scripts: Scripts, worker_id: str, *, lease_ms: int, reason: str = "expired",
+                    mark_stuck: bool | None = None) -> FailoverReport:
     """Move every session of ``worker_id``; retire the worker once it owns none.
 
     ``reason`` is ``expired`` (only if its lease ran out) or ``handover`` (the worker drains itself).
+    Sessions no live worker can take stay where they are. With ``mark_stuck`` (default: for an
+    expired worker, whose sessions nobody serves) those whose pool has live workers, all of them
+    full, are marked unplaced, so their trainers' waiting steps answer ``capacity_exhausted``
+    (broker/client/waiting.py) until one moves them. A pool with no live worker at all is a fleet
+    (re)starting, not a full one: its sessions wait, and their trainers see a delay.
     """
     report = FailoverReport(worker_id, reason)
     for sid in await sessions_of(scripts, worker_id):
@@ -106,6 +159,10 @@ async def fail_over(scripts: Scripts, worker_id: str, *, lease_ms: int, reason: 
             return report
     if report.stuck:
         log.warning("%d sessions of %s wait for a live worker with capacity", len(report.stuck), worker_id)
+        mark = reason == "expired" if mark_stuck is None else mark_stuck
+        if mark:
+            for sid in report.full:
+                await scripts.mark_unplaced(sid, owner=worker_id)
         return report
     pools: Any = await resolve(scripts.redis.smembers(scripts.keys.pool_index))
     retired = await scripts.retire(worker_id, pools=sorted(p.decode() for p in pools), lease_ms=lease_ms,

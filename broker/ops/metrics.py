@@ -51,6 +51,10 @@ class FleetMetrics:
                                    "acknowledged", registry=r)
         self.failovers = Counter("rollout_fleet_failovers", "Sessions moved off a dead worker by this "
                                  "process's reaping passes", registry=r)
+        self.rebalanced = Counter("rollout_fleet_rebalanced", "Sessions this worker moved to less loaded "
+                                  "workers at a step boundary (workers/rebalance.py)", registry=r)
+        self.drain_stuck = Gauge("rollout_fleet_drain_stuck_sessions", "Sessions a draining worker could not "
+                                 "hand over (no live worker with free capacity) and keeps serving", registry=r)
         self.context_rebuild_seconds = Histogram("rollout_fleet_context_rebuild_seconds", "Time to rebuild "
                                                  "a session's context on a new owner",
                                                  buckets=REBUILD_BUCKETS, registry=r)

@@ -64,6 +64,7 @@ class WorkerInfo:
             "weights_error": f.get("weights_error", ""),
             "inbox_length": self.inbox_length, "inbox_pending": self.inbox_pending,
             "idle_closed": _int(f.get("idle_closed")),
+            "drain_stuck": _int(f.get("drain_stuck")),
             "registry": dict(f),  # every field the worker publishes (engine_ready, per-model versions...)
         }
 
@@ -162,6 +163,9 @@ def format_status(report: CellReport, lease_ms: int | None = None) -> str:
                      f"{f.get('policy_version', '?'):>7} {w.models_text():<40} {_engine_ready(f)}")
         if f.get("weights_error"):
             lines.append(f"  weights error: {f['weights_error']}")
+        if f.get("drain_stuck", "0") not in ("", "0"):
+            lines.append(f"  draining: {f['drain_stuck']} sessions found no live worker with free capacity; "
+                         "serving them until one has room or the drain timeout passes")
     lines.append(f"sessions={report.live_sessions} dead_letters={report.dead_letters} "
                  f"checked_at={time.strftime('%H:%M:%S')}")
     return "\n".join(lines)

@@ -62,8 +62,20 @@ class CellKeys:
 
     @property
     def capacity(self) -> str:
-        """HASH worker id -> max sessions."""
+        """HASH worker id -> max sessions over all its pools; and, where the engine splits its
+        capacity by model, ``capacity_split_field(worker, pool)`` -> that pool's cap."""
         return f"{self.base}:capacity"
+
+    @property
+    def owned(self) -> str:
+        """HASH worker id -> sessions it owns over all its pools (what its capacity counts)."""
+        return f"{self.base}:owned"
+
+    @property
+    def pressure(self) -> str:
+        """HASH worker id -> engine pressure in [0, 1] (running steps, KV cache or memory use),
+        refreshed by each heartbeat; placement adds it to the session share."""
+        return f"{self.base}:pressure"
 
     def worker(self, worker_id: str) -> str:
         """HASH of one worker's description; expires unless heartbeats refresh it."""
@@ -72,6 +84,12 @@ class CellKeys:
     def pool(self, mode: str, model: str) -> str:
         """ZSET worker id -> sessions owned, for workers serving (mode, model)."""
         return f"{self.base}:pool:{mode}:{model}"
+
+    @staticmethod
+    def capacity_split_field(worker_id: str, pool: str) -> str:
+        """The capacity hash's field for one worker's cap in one pool (a field, not a key: the Lua
+        scripts join the same two strings, ``worker .. '@' .. pool key``)."""
+        return f"{worker_id}@{pool}"
 
     @property
     def pool_index(self) -> str:

@@ -82,7 +82,7 @@ class Scripts:
     NAMES = (
         "create", "enqueue", "control", "commit", "report", "apply_control",
         "register", "heartbeat", "leave_pools", "failover", "retire", "ack_result", "close_idle",
-        "set_capacity",
+        "set_capacity", "unplaced",
     )
 
     def __init__(self, redis: Redis, keys: CellKeys, *, coalesce: bool = True) -> None:
@@ -160,7 +160,7 @@ class Scripts:
         k = self.keys
         raw = await self._call(
             "create",
-            [k.workers, k.capacity, k.pool(mode, model), k.session(session_id), k.sessions],
+            [k.workers, k.capacity, k.pool(mode, model), k.session(session_id), k.sessions, k.owned, k.pressure],
             [session_id, mode, model, lease_ms, retention, result_window, idle_timeout_ms],
         )
         return decode_create(raw)
@@ -229,7 +229,7 @@ class Scripts:
         raw = await self._call(
             "failover",
             [k.workers, k.capacity, k.pool(mode, model), k.session(session_id), k.inbox(old), k.inbox(new),
-             k.sessions],
+             k.sessions, k.owned],
             [old, new, lease_ms, session_id, reason, INBOX_GROUP],
         )
         return decode_failover(raw)
@@ -238,7 +238,7 @@ class Scripts:
         k = self.keys
         raw = await self._call(
             "retire",
-            [k.workers, k.capacity, k.worker(worker_id), k.inbox(worker_id), k.dead, *pools],
+            [k.workers, k.capacity, k.worker(worker_id), k.inbox(worker_id), k.dead, k.owned, k.pressure, *pools],
             [worker_id, lease_ms, reason, DEAD_LETTER_MAXLEN, DEAD_LETTER_PAYLOAD_BYTES],
         )
         return decode_retire(raw)
@@ -251,28 +251,39 @@ class Scripts:
         raw = await self._call(
             "apply_control",
             [k.session(session_id), k.log(session_id), k.inbox(worker_id), k.reply(reply_to),
-             k.pool(mode, model), k.sessions],
+             k.pool(mode, model), k.sessions, k.owned],
             [worker_id, epoch, entry_id, job_id, kind, grace_ms, reply_ttl_ms, INBOX_GROUP, session_id,
              *reply_bounds.args()],
         )
         return decode_apply_control(raw)
 
     async def register(self, worker_id: str, *, capacity: int, pools: list[str], ttl_ms: int,
-                       fields: dict[str, str]) -> int:
+                       fields: dict[str, str], pool_caps: dict[str, int] | None = None) -> int:
+        """``capacity`` bounds the worker's sessions over all ``pools``; ``pool_caps`` (pool key ->
+        cap) bounds one pool's share where the engine splits its capacity by model."""
         k = self.keys
         flat = [item for pair in fields.items() for item in pair]
+        caps = [str((pool_caps or {}).get(pool, "")) for pool in pools]
         raw = await self._call(
             "register",
-            [k.workers, k.capacity, k.worker(worker_id), k.inbox(worker_id), k.pool_index, *pools],
-            [worker_id, capacity, ttl_ms, INBOX_GROUP, *flat],
+            [k.workers, k.capacity, k.worker(worker_id), k.inbox(worker_id), k.pool_index, k.owned, *pools],
+            [worker_id, capacity, ttl_ms, INBOX_GROUP, *caps, *flat],
         )
         return decode_integer("register", raw)
 
-    async def heartbeat(self, worker_id: str, *, ttl_ms: int, fields: dict[str, str]) -> Heartbeat:
+    async def heartbeat(self, worker_id: str, *, ttl_ms: int, fields: dict[str, str],
+                        pressure: float = 0.0) -> Heartbeat:
+        """``pressure``: the engine's load signal in [0, 1] that placement adds to the session share."""
         k = self.keys
         flat = [item for pair in fields.items() for item in pair]
-        raw = await self._call("heartbeat", [k.workers, k.worker(worker_id)], [worker_id, ttl_ms, *flat])
+        raw = await self._call("heartbeat", [k.workers, k.worker(worker_id), k.pressure],
+                               [worker_id, ttl_ms, f"{min(1.0, max(0.0, pressure)):.4f}", *flat])
         return decode_heartbeat(raw)
+
+    async def mark_unplaced(self, session_id: str, *, owner: str) -> bool:
+        """Mark a session of ``owner`` that no live worker could take; False when it moved or is gone."""
+        raw = await self._call("unplaced", [self.keys.session(session_id)], [owner])
+        return decode_integer("unplaced", raw) == 1
 
     async def close_idle(self, session_id: str, *, worker_id: str) -> int | None:
         """Close the session if it has been idle past its timeout: how long it was idle (ms), or

@@ -39,6 +39,15 @@ class EngineOutput:
     context_length: int
 
 
+@dataclass(frozen=True)
+class EngineLoad:
+    """What an engine knows of its own load; None where it does not know (the worker then counts
+    its running steps itself). Placement adds these to a worker's session share."""
+
+    running_steps: int | None = None  # requests inside the engine now
+    memory_use: float | None = None  # KV cache or accelerator memory in use, 0..1
+
+
 T = TypeVar("T")
 
 
@@ -64,6 +73,10 @@ class AbortableCalls:
         finally:
             self._running.discard(task)
             self._aborted.discard(task)
+
+    def running(self) -> int:
+        """How many calls are running now (the engine's running steps, for placement)."""
+        return sum(1 for task in self._running if not task.done())
 
     def abort_all(self) -> int:
         """Cancel every running call; how many there were."""
@@ -145,6 +158,16 @@ class Engine(abc.ABC):
 
     def max_batch_size(self, model: str) -> int:
         return 32
+
+    def load(self) -> EngineLoad:
+        """The engine's load signals, read once per heartbeat on the event loop: cheap, no I/O."""
+        return EngineLoad()
+
+    def capacity_split(self, capacity: int) -> Mapping[str, int]:
+        """Per-model caps within the worker's ``capacity`` (sessions over all its models), for an
+        engine whose models share memory unevenly; a model left out is bounded by ``capacity``
+        alone. Default: no split."""
+        return {}
 
     @property
     def policy_version(self) -> int:

@@ -15,7 +15,7 @@ import numpy as np
 
 from schemas.errors import InvalidRequestError, StepAborted
 from schemas.messages import Mode, TokenStep, WorldStep
-from workers.engines.base import Engine, EngineOutput, EngineRequest
+from workers.engines.base import Engine, EngineLoad, EngineOutput, EngineRequest
 
 
 @dataclass(frozen=True)
@@ -34,12 +34,23 @@ class NullEngine(Engine):
         self._contexts: dict[str, int] = {}
         self.batch_sizes: list[int] = []
         self._aborted = asyncio.Event()  # set (and replaced) by abort_running
+        self._running = 0  # requests inside run_batch now (the load signal)
 
     def models(self) -> Mapping[str, Mode]:
         return {"null-world": Mode.WORLD_MODEL_ENV, "null-lm": Mode.TOKENS}
 
+    def load(self) -> EngineLoad:
+        return EngineLoad(running_steps=self._running)
+
     async def run_batch(self, model: str, requests: Sequence[EngineRequest]) -> list[EngineOutput | BaseException]:
         self.batch_sizes.append(len(requests))
+        self._running += len(requests)
+        try:
+            return await self._run(requests)
+        finally:
+            self._running -= len(requests)
+
+    async def _run(self, requests: Sequence[EngineRequest]) -> list[EngineOutput | BaseException]:
         if self.config.delay_ms:
             aborted = self._aborted
             with contextlib.suppress(TimeoutError):

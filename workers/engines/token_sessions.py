@@ -24,7 +24,7 @@ import numpy as np
 
 from schemas.errors import InvalidRequestError
 from schemas.messages import SamplingParams, TokenStep
-from workers.engines.base import AbortableCalls, Engine, EngineOutput, EngineRequest, run_in_waves
+from workers.engines.base import AbortableCalls, Engine, EngineLoad, EngineOutput, EngineRequest, run_in_waves
 from workers.engines.mm_features import SessionFeatures
 
 Result = EngineOutput | BaseException
@@ -135,6 +135,10 @@ class TokenSessionEngine(Engine):
         self._contexts = TokenContexts()
         self._features = SessionFeatures()
         self._calls = AbortableCalls()
+
+    def load(self) -> EngineLoad:
+        """Generations running now, counted where they start (no call into vLLM)."""
+        return EngineLoad(running_steps=self._calls.running())
 
     async def abort_running(self) -> bool:
         """Cancel the running generations (vLLM aborts their requests); contexts stay as they were."""

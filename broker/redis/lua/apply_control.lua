@@ -2,7 +2,7 @@
 -- reset: committed -> -1, context 0, stored results dropped. close: the worker's load drops, the
 -- session and its log expire after the grace TTL.
 -- Uses: prelude.lua (fenced, add_reply)
--- KEYS: 1 session hash, 2 log hash, 3 inbox, 4 reply stream, 5 pool zset, 6 sessions hash
+-- KEYS: 1 session hash, 2 log hash, 3 inbox, 4 reply stream, 5 pool zset, 6 sessions hash, 7 owned hash
 -- ARGV: 1 worker id, 2 job epoch, 3 inbox entry id, 4 job_id, 5 kind, 6 grace ttl ms,
 --       7 reply ttl ms, 8 inbox group, 9 session_id, 10-12 reply stream bounds (ReplyBounds)
 -- Fields (broker/redis/layouts.py): reads session owner, epoch, committed_step_id, reset_pending;
@@ -37,6 +37,9 @@ if s[1] then
     -- would add it back at -1, the least-loaded place of all.
     if redis.call('ZSCORE', KEYS[5], ARGV[1]) then
       redis.call('ZINCRBY', KEYS[5], -1, ARGV[1])
+    end
+    if tonumber(redis.call('HGET', KEYS[7], ARGV[1]) or '0') > 0 then  -- never below 0, never revived
+      redis.call('HINCRBY', KEYS[7], ARGV[1], -1)
     end
     redis.call('HDEL', KEYS[6], ARGV[9])
     redis.call('PEXPIRE', KEYS[1], ARGV[6])

@@ -1,6 +1,10 @@
 -- Create a session on the least loaded live worker serving (mode, model) with free capacity.
--- Uses: prelude.lua (now_ms)
--- KEYS: 1 workers zset, 2 capacity hash, 3 pool zset (mode, model), 4 session hash, 5 sessions hash (session id -> owner)
+-- Load score: the worker's session share (owned over all its pools / its capacity) plus the engine
+-- pressure its heartbeat published (0..1); the lowest wins, the pool's order breaks ties. One pass
+-- over the pool: O(pool size).
+-- Uses: prelude.lua (now_ms, share_with_room)
+-- KEYS: 1 workers zset, 2 capacity hash, 3 pool zset (mode, model), 4 session hash, 5 sessions hash
+--       (session id -> owner), 6 owned hash (worker -> sessions), 7 pressure hash (worker -> 0..1)
 -- ARGV: 1 session_id, 2 mode, 3 model, 4 lease_ms, 5 retention, 6 result_window, 7 idle timeout ms
 -- Fields (broker/redis/layouts.py SessionHash): writes the whole session hash: mode, model, owner,
 --       epoch, committed_step_id, next_step_id, context_length, closed, gen, reset_pending,
@@ -12,15 +16,17 @@ if redis.call('EXISTS', KEYS[4]) == 1 then
   return {'error', 'invalid_request', 'session ' .. ARGV[1] .. ' already exists'}
 end
 local members = redis.call('ZRANGE', KEYS[3], 0, -1, 'WITHSCORES')
-local chosen = nil
+local chosen, best = nil, nil
 for i = 1, #members, 2 do
   local wid = members[i]
   local hb = redis.call('ZSCORE', KEYS[1], wid)
   if hb and now - tonumber(hb) <= lease then
-    local cap = tonumber(redis.call('HGET', KEYS[2], wid) or '0')
-    if tonumber(members[i + 1]) < cap then
-      chosen = wid
-      break
+    local share = share_with_room(KEYS[2], KEYS[6], KEYS[3], wid, members[i + 1])
+    if share then
+      local score = share + (tonumber(redis.call('HGET', KEYS[7], wid) or '0') or 0)
+      if not best or score < best then
+        chosen, best = wid, score
+      end
     end
   end
 end
@@ -33,6 +39,7 @@ if not chosen then
           'no live worker with free capacity serves model ' .. ARGV[3] .. ' in mode ' .. ARGV[2]}
 end
 redis.call('ZINCRBY', KEYS[3], 1, chosen)
+redis.call('HINCRBY', KEYS[6], chosen, 1)
 redis.call('HSET', KEYS[4],
   'mode', ARGV[2], 'model', ARGV[3], 'owner', chosen, 'epoch', 1,
   'committed_step_id', -1, 'next_step_id', 0, 'context_length', 0, 'closed', 0,

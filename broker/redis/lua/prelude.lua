@@ -51,3 +51,20 @@ local function add_reply(key, ttl_ms, stream_bytes, large_bytes, large_ttl_ms, k
   end
   redis.call('PEXPIRE', key, ttl)
 end
+
+-- Per-worker capacity (create and failover): a worker's sessions over all its pools count against
+-- its one capacity, and a pool's own cap (capacity field worker@pool, set where the engine splits
+-- its capacity by model) bounds that pool's share. Returns the worker's session share
+-- (owned / capacity) when it has room for one more session of this pool, else nil.
+local function share_with_room(capacity_key, owned_key, pool_key, wid, pool_load)
+  local cap = tonumber(redis.call('HGET', capacity_key, wid) or '0') or 0
+  local owned = tonumber(redis.call('HGET', owned_key, wid) or '0') or 0
+  if owned >= cap then
+    return nil
+  end
+  local split = redis.call('HGET', capacity_key, wid .. '@' .. pool_key)
+  if split and tonumber(pool_load) >= tonumber(split) then
+    return nil
+  end
+  return owned / cap
+end

@@ -2,7 +2,8 @@
 -- capacity, its description, its pools and its inbox. Entries left in the inbox belong to no live
 -- session; they go to the dead-letter stream with the reason 'orphaned', never silently away.
 -- Uses: prelude.lua (now_ms)
--- KEYS: 1 workers zset, 2 capacity hash, 3 worker hash, 4 inbox, 5 dead-letter stream, 6.. pools
+-- KEYS: 1 workers zset, 2 capacity hash, 3 worker hash, 4 inbox, 5 dead-letter stream, 6 owned hash,
+--       7 pressure hash, 8.. pools (the capacity hash's worker@pool fields go with them)
 -- ARGV: 1 worker id, 2 lease ms, 3 reason ('expired'|'drained'), 4 dead-letter maxlen,
 --       5 dead-letter payload budget in bytes (a larger payload is replaced by payload_dropped,
 --       worded as broker.redis.layouts.dead_letter_payload words it)
@@ -34,8 +35,11 @@ for _, entry in ipairs(redis.call('XRANGE', KEYS[4], '-', '+')) do
 end
 redis.call('ZREM', KEYS[1], ARGV[1])
 redis.call('HDEL', KEYS[2], ARGV[1])
+redis.call('HDEL', KEYS[6], ARGV[1])
+redis.call('HDEL', KEYS[7], ARGV[1])
 redis.call('DEL', KEYS[3], KEYS[4])
-for i = 6, #KEYS do
+for i = 8, #KEYS do
   redis.call('ZREM', KEYS[i], ARGV[1])
+  redis.call('HDEL', KEYS[2], ARGV[1] .. '@' .. KEYS[i])
 end
 return {'retired', orphans}

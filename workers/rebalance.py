@@ -1,0 +1,110 @@
+"""Rebalancing: a busy worker hands sessions to less loaded ones, so new workers take load.
+
+Every ``rebalance_interval_s`` (with jitter) each active worker compares its session share
+(sessions owned over all its pools / capacity) with the least loaded live worker that could take
+each of its sessions. While its own share exceeds that worker's by more than
+``rebalance_threshold`` (and the move does not merely swap who is busier), it moves one session
+through ``failover.lua`` (reason ``rebalance``): owner and epoch + 1, queued jobs moved in order,
+exactly as a drain's handover. Only sessions between steps move (no job of theirs running or
+queued on this worker): the trainer sees a step answered by the new owner, which rebuilds the
+context first, and no error. A job that slips in between is fenced here and runs on the new owner.
+
+The decision uses session share, not engine pressure: a move changes share by a known step,
+while running steps swing with every batch and would make sessions flap between workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import random
+from collections.abc import Callable
+from typing import Any
+
+from broker.ops.failover import Candidate, placement_candidates
+from broker.ops.metrics import FleetMetrics
+from broker.redis.aio import resolve
+from broker.redis.backoff import REDIS_ERRORS
+from broker.redis.script_replies import FailedOver
+from broker.redis.scripts import Scripts
+
+log = logging.getLogger(__name__)
+JITTER = 0.5  # each wait is interval * (1 ± JITTER/2): workers started together do not move in lockstep
+
+# A session this worker could move now: (session id, mode, model).
+Movable = tuple[str, str, str]
+
+
+def worth_moving(owned: int, capacity: int, target: Candidate, threshold: float) -> bool:
+    """Move one session to ``target`` only while our share exceeds its share by more than the
+    threshold, and never so far that the target ends up busier than we are."""
+    ours = owned / capacity
+    return ours - target.share > threshold and (owned - 1) / capacity >= (target.owned + 1) / target.capacity
+
+
+@dataclasses.dataclass
+class Rebalancer:
+    scripts: Scripts
+    worker_id: Callable[[], str]
+    movable: Callable[[], list[Movable]]  # sessions between steps
+    forget: Callable[[str], None]  # drop a moved session's state here
+    active: Callable[[], bool]  # false while draining or stopping
+    interval_s: float
+    threshold: float
+    lease_ms: int
+    metrics: FleetMetrics
+
+    async def run(self) -> None:
+        """Check until cancelled; a Redis outage or a bug only skips a pass."""
+        while True:
+            await asyncio.sleep(self.interval_s * (1.0 + JITTER * (random.random() - 0.5)))
+            if not self.active():
+                continue
+            try:
+                await self.pass_once()
+            except REDIS_ERRORS as exc:
+                log.warning("rebalancing pass skipped: redis unavailable (%s)", exc)
+            except Exception:
+                log.exception("rebalancing pass failed")
+
+    async def pass_once(self) -> int:
+        """One pass; how many sessions moved."""
+        me = self.worker_id()
+        redis, keys = self.scripts.redis, self.scripts.keys
+        capacity_raw: Any = await resolve(redis.hget(keys.capacity, me))
+        owned_raw: Any = await resolve(redis.hget(keys.owned, me))
+        capacity, owned = int(capacity_raw or 0), int(owned_raw or 0)
+        if capacity <= 0 or owned <= 0:
+            return 0
+        targets: dict[tuple[str, str], list[Candidate]] = {}
+        moved = 0
+        for session_id, mode, model in self.movable():
+            if (mode, model) not in targets:
+                targets[(mode, model)] = await placement_candidates(self.scripts, mode, model, exclude=me,
+                                                                    lease_ms=self.lease_ms)
+            pool = targets[(mode, model)]
+            target = min(pool, key=lambda c: c.share, default=None)
+            if target is None or not worth_moving(owned, capacity, target, self.threshold):
+                continue
+            pool.remove(target)
+            if await self._move(me, session_id, mode, model, target.worker_id):
+                owned, moved = owned - 1, moved + 1
+                target = dataclasses.replace(target, owned=target.owned + 1)
+                if target.owned < target.capacity:
+                    pool.append(target)
+        if moved:
+            log.info("rebalance: moved %d sessions to less loaded workers (%d left here, capacity %d)",
+                     moved, owned, capacity)
+            self.metrics.rebalanced.inc(moved)
+        return moved
+
+    async def _move(self, me: str, session_id: str, mode: str, model: str, target: str) -> bool:
+        reply = await self.scripts.failover(session_id=session_id, mode=mode, model=model, old=me, new=target,
+                                            lease_ms=self.lease_ms, reason="rebalance")
+        if not isinstance(reply, FailedOver):
+            return False  # it moved or closed meanwhile, or the target filled up: failover.lua said no
+        self.forget(session_id)
+        log.debug("rebalance: session %s -> %s (epoch %s, %s jobs)", session_id, target, reply.epoch,
+                  reply.jobs_moved)
+        return True
