@@ -36,7 +36,9 @@ from broker.redis.connect import is_cluster_url, parse_cluster_url
 from broker.redis.embedded_cluster import running_cluster
 from workers.processes import Process
 
-KINDS = ("token", "latent")
+# Latent steps first: their few sessions stay parked through the token window, while 10,000 parked
+# token sessions would add their owners' idle sweeps to the latent window.
+KINDS = ("latent", "token")
 READY_TIMEOUT_S = 600.0  # 1,000 workers registering on two shared cores take a while
 
 
@@ -72,8 +74,10 @@ class SimConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.sessions < 0 or self.latent_sessions < 0 or self.latent_bytes % 4:
             raise ValueError("sessions must be >= 0 and latent_bytes a multiple of 4 (float32)")
-        if min(self.idle_s, self.warmup_s, self.window_s, self.session_check_s) <= 0 or self.delay_ms < 0:
-            raise ValueError("idle_s, warmup_s, window_s and session_check_s must be positive, delay_ms >= 0")
+        periods = (self.idle_s, self.warmup_s, self.window_s, self.session_check_s, self.idle_sweep_s)
+        if min(periods) <= 0 or self.delay_ms < 0:
+            raise ValueError("idle_s, warmup_s, window_s, session_check_s and idle_sweep_s must be positive, "
+                             "delay_ms >= 0")
         if self.heartbeat_ms >= self.lease_ms or not set(self.kinds) <= set(KINDS):
             raise ValueError(f"heartbeat_ms must be below lease_ms; kinds are {', '.join(KINDS)}")
 
@@ -247,9 +251,10 @@ def parser() -> argparse.ArgumentParser:
     add("--heartbeat-ms", type=int, default=d.heartbeat_ms)
     add("--lease-ms", type=int, default=d.lease_ms)
     add("--block-ms", type=int, default=d.block_ms, help="the workers' XREADGROUP / control read block")
+    add("--idle-sweep-s", type=float, default=d.idle_sweep_s, help="how often each worker sweeps idle sessions")
     add("--session-check-s", type=float, default=d.session_check_s,
         help="trainers check a waited-for session exists this often (client default 2 s)")
-    add("--kinds", default=",".join(d.kinds), help="comma-separated: token, latent")
+    add("--kinds", default=",".join(d.kinds), help="comma-separated, run in this order: latent, token")
     add("--redis-url", default=None, help="measure this Redis (redis:// or redis+cluster://, no auth) "
                                           "instead of starting a local cluster")
     add("--json", type=Path, default=None, help="write the report here")
@@ -257,7 +262,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def config_of(args: argparse.Namespace) -> SimConfig:
-    names = {f for f in SimConfig.__dataclass_fields__} - {"kinds", "idle_sweep_s"}
+    names = {f for f in SimConfig.__dataclass_fields__} - {"kinds"}
     values = {name: getattr(args, name) for name in names}
     return SimConfig(kinds=tuple(k.strip() for k in args.kinds.split(",") if k.strip()), **values)
 
