@@ -15,6 +15,7 @@ master's network share.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -107,12 +108,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--latent-rates", default="0.5,1,2,5", help="latent steps/s per GPU, comma-separated")
     p.add_argument("--utilisation", type=float, default=0.8, help="of one core, a master's main thread")
     p.add_argument("--nic-gbit", type=float, default=10.0, help="a master's network, Gb/s")
+    p.add_argument("--per-worker-us", type=float, default=None,
+                   help="an idle worker's cost (µs/s) in place of the fitted one, e.g. from an idle-only run "
+                        "at other heartbeat settings")
     args = p.parse_args(argv)
     try:
         reports = [json.loads(path.read_text(encoding="utf-8")) for path in args.reports]
         rates = {"token": [float(x) for x in args.token_rates.split(",")],
                  "latent": [float(x) for x in args.latent_rates.split(",")]}
         fits = {kind: fit(reports, kind) for kind in KINDS if any(kind in r for r in reports)}
+        if args.per_worker_us is not None:
+            fits = {kind: dataclasses.replace(f, per_worker_s=args.per_worker_us / 1e6) for kind, f in fits.items()}
     except (OSError, ValueError, KeyError) as exc:
         print(f"fleet_sim_fit: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
