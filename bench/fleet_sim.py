@@ -28,12 +28,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from redis.asyncio.connection import parse_url
+from redis.exceptions import RedisError
+
 from bench import fleet_sim_report
 from bench.common import LATENT_SHAPE, Children, new_prefix, process_cpu_s
 from bench.fleet_sim_report import Window
-from bench.redis_meter import ClusterMeter, Master, cells_on_masters, cluster_masters
+from bench.redis_meter import ClusterMeter, Master, cells_on_masters, cluster_masters, snapshot
 from broker.redis.connect import is_cluster_url, parse_cluster_url
 from broker.redis.embedded_cluster import running_cluster
+from workers import processes
 from workers.processes import Process
 
 # Latent steps first: their few sessions stay parked through the token window, while 10,000 parked
@@ -87,8 +91,6 @@ def masters_of(url: str) -> list[Master]:
     if is_cluster_url(url):
         nodes, _ = parse_cluster_url(url)
         return cluster_masters(*nodes[0])
-    from redis.asyncio.connection import parse_url
-
     parsed = parse_url(url)
     if "host" not in parsed:
         raise ValueError(f"--redis-url must be a redis:// or redis+cluster:// TCP URL, got {url!r}")
@@ -109,6 +111,7 @@ class Fleet:
         self.config, self.url, self.cells, self.children, self.tmp = config, url, list(cells), children, tmp
         self.prefix = new_prefix("sim")
         self.worker_procs: list[Process] = []
+        self._out: dict[int, Path] = {}  # pid -> the file that child reports in
 
     def _spec(self, role: str, index: int, **fields: Any) -> dict[str, Any]:
         c = self.config
@@ -117,7 +120,9 @@ class Fleet:
                 "max_s": READY_TIMEOUT_S + c.idle_s + 2 * (c.warmup_s + c.window_s) + 600.0, **fields}
 
     def _spawn(self, role: str, spec: dict[str, Any]) -> Process:
-        return self.children.spawn([sys.executable, "-m", "bench.fleet_sim_procs", role, json.dumps(spec)])
+        proc = self.children.spawn([sys.executable, "-m", "bench.fleet_sim_procs", role, json.dumps(spec)])
+        self._out[proc.pid] = Path(spec["out"])
+        return proc
 
     def start_workers(self) -> None:
         """Spread the workers evenly over the cells, and the cells' workers over the processes."""
@@ -147,8 +152,7 @@ class Fleet:
         return procs
 
     def out_of(self, proc: Process) -> dict[str, Any]:
-        spec = json.loads(proc.args[-1])  # type: ignore[index]
-        path = Path(spec["out"])
+        path = self._out[proc.pid]
         return dict(json.loads(path.read_text(encoding="utf-8"))) if path.exists() else {}
 
     def wait_ready(self, procs: Sequence[Process], what: str) -> None:
@@ -161,8 +165,6 @@ class Fleet:
 
     def stop(self, procs: Sequence[Process]) -> list[dict[str, Any]]:
         """SIGTERM, a bounded wait, then their final reports."""
-        from workers import processes
-
         processes.stop(procs, grace_s=60)
         return [self.out_of(p) for p in procs]
 
@@ -274,6 +276,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"fleet_sim: {exc}", file=sys.stderr)
         return 2
+    if args.redis_url is not None:
+        try:  # one INFO per master: reachable, and without a password (the meter sends none)
+            for master in masters_of(args.redis_url):
+                snapshot(master)
+        except (RedisError, OSError, ValueError) as exc:
+            print(f"fleet_sim: cannot read the masters of --redis-url {args.redis_url!r}: {exc}", file=sys.stderr)
+            return 2
     report = run(config, args.redis_url)
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=1), encoding="utf-8")

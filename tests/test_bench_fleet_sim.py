@@ -68,6 +68,16 @@ def test_bad_options_exit_2_with_the_reason(argv: list[str], message: str, capsy
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("url, message", [
+    ("redis://127.0.0.1:1/0", "cannot read the masters"),  # nothing listens on port 1
+    ("http://127.0.0.1:6379", "cannot read the masters"),
+])
+def test_an_unusable_redis_url_exits_2_before_starting_anything(url: str, message: str,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    assert fleet_sim.main(["--redis-url", url]) == 2
+    assert message in capsys.readouterr().err
+
+
 def test_a_non_tcp_url_is_refused() -> None:
     with pytest.raises(ValueError, match="TCP URL"):
         fleet_sim.masters_of("unix:///tmp/redis.sock")
