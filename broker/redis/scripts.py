@@ -15,6 +15,7 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import NoScriptError
 
+from broker.redis.cells import touch_cell
 from broker.redis.keys import INBOX_GROUP, CellKeys
 from broker.redis.layouts import (
     DEAD_LETTER_MAXLEN,
@@ -266,13 +267,18 @@ class Scripts:
             [k.workers, k.capacity, k.worker(worker_id), k.inbox(worker_id), k.pool_index, *pools],
             [worker_id, capacity, ttl_ms, INBOX_GROUP, *flat],
         )
-        return decode_integer("register", raw)
+        now = decode_integer("register", raw)
+        await touch_cell(self.redis, k, now)  # clients find the cell in the deployment's registry
+        return now
 
     async def heartbeat(self, worker_id: str, *, ttl_ms: int, fields: dict[str, str]) -> Heartbeat:
         k = self.keys
         flat = [item for pair in fields.items() for item in pair]
         raw = await self._call("heartbeat", [k.workers, k.worker(worker_id)], [worker_id, ttl_ms, *flat])
-        return decode_heartbeat(raw)
+        beat = decode_heartbeat(raw)
+        if beat.registered:
+            await touch_cell(self.redis, k, beat.now_ms)
+        return beat
 
     async def close_idle(self, session_id: str, *, worker_id: str) -> int | None:
         """Close the session if it has been idle past its timeout: how long it was idle (ms), or

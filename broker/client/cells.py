@@ -1,0 +1,47 @@
+"""Placement across cells: how much room a cell has for a (mode, model), and the order in which a
+client given no cell tries the live cells (most free capacity first).
+
+How a cell counts its capacity is :func:`free_capacity`'s alone; the order and the fallback to the
+next cell on ``capacity_exhausted`` are :class:`broker.client.fleet.FleetClient`'s.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from redis.asyncio import Redis
+
+from broker.redis.cells import redis_now_ms
+from broker.redis.keys import CellKeys
+
+
+async def free_capacity(redis: Redis, keys: CellKeys, *, mode: str, model: str, lease_ms: int) -> int | None:
+    """Sessions of (mode, model) the cell's live workers can still take: the sum over its pool of
+    capacity minus sessions owned, for workers whose heartbeat is within the lease (as
+    ``create.lua`` judges them). None when no worker of the cell serves (mode, model) at all."""
+    members: Any = await redis.zrange(keys.pool(mode, model), 0, -1, withscores=True)
+    if not members:
+        return None
+    ids = [wid for wid, _ in members]
+    async with redis.pipeline(transaction=False) as pipe:
+        pipe.zmscore(keys.workers, ids)
+        pipe.hmget(keys.capacity, ids)
+        beats, capacities = await pipe.execute()
+    now = await redis_now_ms(redis)
+    free = 0
+    for (_, load), beat, capacity in zip(members, beats, capacities, strict=True):
+        if beat is not None and now - beat <= lease_ms:
+            free += max(0, int(capacity or 0) - int(load))
+    return free
+
+
+async def placement_order(redis: Redis, prefix: str, cells: list[str], *, mode: str, model: str,
+                          lease_ms: int) -> list[str]:
+    """``cells`` that serve (mode, model), the most free capacity first (ties by name). Cells with
+    none free stay in the list, last: counts move, and their create script has the last word."""
+    room: list[tuple[int, str]] = []
+    for cell in cells:
+        free = await free_capacity(redis, CellKeys(prefix, cell), mode=mode, model=model, lease_ms=lease_ms)
+        if free is not None:
+            room.append((-free, cell))
+    return [cell for _, cell in sorted(room)]
