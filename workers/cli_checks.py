@@ -16,6 +16,9 @@ def check_invocation(run: Invocation) -> None:
         raise UsageError(f"heartbeat {heartbeat} ms (--heartbeat-ms, $ROLLOUT_FLEET_HEARTBEAT_MS) must be "
                          f"shorter than the lease, {run.cell.lease_ms} ms (--lease-ms, $ROLLOUT_FLEET_LEASE_MS); "
                          "a third of it is usual")
+    if args.command in ("worker", "demo") and run.cell.any_cell:
+        raise UsageError(f"--cell '*' ($ROLLOUT_FLEET_CELL): a {args.command} joins one cell; give it a name "
+                         "(clients and ops commands take '*' for every cell)")
     if args.command == "demo" and args.engine not in MODELS:
         # The demo's trainer knows the model names of the reference and null engines only; a real
         # engine needs its model, weights and GPU options, which a worker takes with --engine-opt.

@@ -52,6 +52,8 @@ class WorkerSettings:
         self.reply_bounds()  # validated here, at the edge
         if self.version_wait_s <= 0 or self.idle_sweep_s <= 0:
             raise ValueError("version_wait_s and idle_sweep_s must be positive")
+        if self.cell_config.any_cell:
+            raise ValueError("a worker joins one cell: give it a cell name (--cell NAME), not '*'")
         if self.heartbeat_ms >= self.cell_config.lease_ms:
             raise ValueError("heartbeat_ms must be shorter than lease_ms")
 

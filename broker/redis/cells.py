@@ -17,7 +17,9 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from broker.redis.keys import CellKeys, DeploymentKeys
+from broker.redis.config import CellConfig
+from broker.redis.keys import DEFAULT_CELL, CellKeys, DeploymentKeys, cell_named_by, check_session_id
+from schemas.errors import InvalidRequestError
 
 CELL_FORGET_MS = 86_400_000  # a cell with no heartbeat for a day leaves the registry
 
@@ -48,3 +50,21 @@ async def known_cells(redis: Redis, prefix: str) -> list[str]:
     key = DeploymentKeys(prefix).cells
     await redis.zremrangebyscore(key, "-inf", f"({(await redis_now_ms(redis)) - CELL_FORGET_MS}")
     return await _cells_since(redis, prefix, CELL_FORGET_MS)
+
+
+async def cells_of(redis: Redis, config: CellConfig) -> list[str]:
+    """The cells an ops command of ``config`` covers: its one cell, or with cell ``*`` every known
+    cell."""
+    return await known_cells(redis, config.prefix) if config.any_cell else [config.cell]
+
+
+def routed_cell(config: CellConfig, session_id: str) -> str:
+    """The cell an ops command of ``config`` finds ``session_id`` in: the one the id names (for a
+    command of every cell; ids naming none are in the default cell), else the command's own."""
+    named = cell_named_by(check_session_id(session_id))
+    if config.any_cell:
+        return DEFAULT_CELL if named is None else named
+    if named is not None and named != config.cell:
+        raise InvalidRequestError(f"session {session_id!r} is in cell {named!r}, not in cell {config.cell!r} "
+                                  "(--cell '*' finds it by its id)")
+    return config.cell

@@ -81,6 +81,10 @@ class DeploymentKeys:
         """arq queue of a supervisor that serves every cell."""
         return f"{self.prefix}:arq"
 
+    def gateway_open(self, key_digest: str) -> str:
+        """SET of the open sessions a gateway of every cell created for one API key."""
+        return f"{self.prefix}:gateway:open:{key_digest}"
+
 
 def check_stream_name(name: str) -> None:
     """A results stream or consumer group name a trainer chose (it goes into a key name)."""
