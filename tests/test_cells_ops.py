@@ -16,6 +16,7 @@ from redis.asyncio import Redis
 from broker import FleetClient
 from broker.client.session import Session
 from broker.gateway.settings import GatewaySettings
+from broker.ops.fleet_dashboard import FleetDashboardSource
 from broker.ops.metrics import FleetMetrics
 from broker.ops.status import fleet_status
 from broker.ops.supervisor import SupervisorSettings, reap_job, replay_dead, trim_job
@@ -194,3 +195,24 @@ async def test_a_gateway_of_every_cell_counts_a_keys_sessions_over_cells(workers
         assert (await http.post(SESSIONS, json={"model": "null-world"})).status_code == 429  # the cap spans cells
         assert (await http.post(f"{SESSIONS}/{ids[0]}/close")).status_code == 200
         assert (await http.post(SESSIONS, json={"model": "null-world"})).status_code == 200
+
+
+async def test_the_dashboard_of_every_cell_adds_the_cells_up(workers: WorkerPool, anywhere: FleetClient,
+                                                             redis_server: RedisServer, prefix: str) -> None:
+    await two_cells(workers, anywhere)
+    config = CellConfig(redis_url=redis_server.url, prefix=prefix, cell="*", lease_ms=FAST["lease_ms"])
+    source = FleetDashboardSource(anywhere.redis, config)
+    snapshot = await source.snapshot()
+    assert sorted(w["cell"] for w in snapshot["workers"]) == ["a", "a", "b", "b"]
+    assert snapshot["sessions"]["total"] == 2
+    letters = snapshot["dead_letters"]
+    assert letters["total"] == 2 and sorted(j["cell"] for j in letters["shown"]) == ["a", "b"]
+    in_b = next(j for j in letters["shown"] if j["cell"] == "b")
+    outcome = await source.replay(in_b["entry_id"])
+    assert outcome["session_id"] == "ep@b" and outcome["status"] == "queued"
+    assert (await source.replay("1-0"))["status"] == "not_found"
+    deadline = time.monotonic() + 15.0  # each cell's workers publish their step summaries every 5 heartbeats
+    while (stats := (await source.snapshot())["stats"])["committed"] < 2:
+        assert time.monotonic() < deadline, stats
+        await asyncio.sleep(0.3)
+    assert stats["committed"] == 2 and stats["reporting_workers"] == 2 and stats["p50_ms"] is not None

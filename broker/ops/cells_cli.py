@@ -14,7 +14,7 @@ import sys
 from typing import Any
 
 from redis.asyncio import Redis
-from redis.exceptions import ResponseError
+from redis.exceptions import NoPermissionError, ResponseError
 
 from broker.redis.cells import CELL_FORGET_MS, redis_now_ms
 from broker.redis.config import CellConfig
@@ -64,7 +64,7 @@ def _print_rows(rows: list[dict[str, Any]], as_json: bool) -> None:
     print(f"{'cell':<24} {'slot':>5} {'live':<5} {'beat_ms':>10} master")
     for r in rows:
         print(f"{r['cell']:<24} {r['slot']:>5} {'yes' if r['live'] else 'NO':<5} {r['heartbeat_age_ms']:>10} "
-              f"{r['master']}")
+              f"{r['master'] or '?'}")
     print(f"{len(rows)} cell(s)")
 
 
@@ -73,7 +73,14 @@ async def run_cells_command(config: CellConfig, args: argparse.Namespace) -> int
     goes up to the CLI, which says it in one line (the password left out) with exit 2."""
     redis = Redis.from_url(config.redis_url, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S)
     try:
-        ranges = await slot_ranges(redis)
+        try:
+            ranges = await slot_ranges(redis)
+        except NoPermissionError:  # the fleet's ACL user may not run CLUSTER SLOTS (docs/security.md)
+            if args.action != "list":
+                print("cells suggest: this Redis user may not run CLUSTER SLOTS; use a user that may",
+                      file=sys.stderr)
+                return 2
+            ranges = []  # the list shows no masters then
         if args.action == "list":
             _print_rows(await _list(redis, config, ranges), args.json)
             return 0
