@@ -173,6 +173,13 @@ async def test_a_gateway_of_every_cell_routes_by_id(workers: WorkerPool, anywher
             assert (await http.get(f"{SESSIONS}/{s.session_id}/status")).json()["committed_step_id"] == 1
             assert (await anywhere.status(s.session_id)).committed_step_id == 1
         assert (await http.post(f"{SESSIONS}/nobody@a/step", json=body(0))).status_code == 404
+    async with GatewayServer(redis_server.url, prefix, cell="a") as server, \
+            httpx.AsyncClient(base_url=server.url, timeout=30.0) as http:
+        assert (await http.get(f"{SESSIONS}/ep@a/status")).json()["committed_step_id"] == 1
+        for method, route in (("GET", "status"), ("POST", "reset"), ("POST", "close"), ("POST", "step")):
+            r = await http.request(method, f"{SESSIONS}/ep@b/{route}", json=body(2) if route == "step" else None)
+            assert r.status_code == 400 and "stays in cell 'a'" in r.text, (route, r.text)
+    assert not (await anywhere.status("ep@b")).closed  # the refused calls changed nothing
 
 
 async def test_a_gateway_of_every_cell_counts_a_keys_sessions_over_cells(workers: WorkerPool, anywhere: FleetClient,
