@@ -13,7 +13,7 @@ from broker.client.consumer import ResultConsumer
 from broker.redis.cells import known_cells, live_cells
 from broker.redis.embedded import RedisServer
 from broker.redis.keys import CellKeys, cell_named_by
-from schemas.errors import CapacityExhaustedError, InvalidRequestError
+from schemas.errors import CapacityExhaustedError, InvalidRequestError, SessionNotFoundError
 from tests.support import WorkerPool, world_step
 from workers.engines.null import NullEngine
 
@@ -75,6 +75,10 @@ async def test_step_status_reset_close_and_attach_route_by_the_id(cells: WorkerP
             assert await again.reset() == -1
             await again.close()
             assert (await s.status()).closed
+        for unknown in ("nobody@a", "nobody@no-such-cell"):
+            with pytest.raises(SessionNotFoundError):
+                await other.attach(unknown)
+        assert set(other._links) == {"a", "b", "c"}  # asking about other cells started no reader there
     later = await sessions[0].step(0, **world_step(0))
     assert later.error is not None and later.error.code.value == "session_closed"
 
@@ -86,6 +90,8 @@ async def test_chosen_ids_name_their_cell(cells: WorkerPool, anywhere: FleetClie
     assert t.session_id == "episode-2@c" and t.cell == "c"
     with pytest.raises(InvalidRequestError, match="names cell 'nowhere', which has no workers"):
         await anywhere.create_session(model="null-world", mode="world_model_env", session_id="e@nowhere")
+    with pytest.raises(InvalidRequestError, match="at most 200 characters"):
+        await anywhere.create_session(model="null-world", mode="world_model_env", session_id="e" * 199)
     for bad in ("e@", "@c", "e@*"):
         with pytest.raises(InvalidRequestError, match="invalid session id"):
             await anywhere.create_session(model="null-world", mode="world_model_env", session_id=bad)

@@ -173,6 +173,11 @@ class FleetClient:
                                       f"{self.cell!r}")
         return self.cell
 
+    def keys_of(self, session_id: str) -> CellKeys:
+        """The keys of the cell ``session_id`` routes to (no link made: reading a session of a cell
+        this client never uses costs no reader)."""
+        return CellKeys(self.config.prefix, self.cell_of(session_id))
+
     async def live_cells(self) -> list[str]:
         """The cells this client works in: its own, or every cell with a live worker."""
         if self.cell is not None:
@@ -229,7 +234,8 @@ class FleetClient:
                         f"in any of the cells {', '.join(cells)}")
 
     def _chosen_id(self, session_id: str, cell: str) -> str:
-        return session_id if self.cell is not None else session_id_in(session_id, cell)
+        """The id as it will be stored (checked again: ``@<cell>`` may take it past the length limit)."""
+        return session_id if self.cell is not None else check_session_id(session_id_in(session_id, cell))
 
     async def _cells_for(self, session_id: str | None, mode: Mode, model: str) -> list[str]:
         """The cells a new session may go to, in the order to try them."""
@@ -254,8 +260,7 @@ class FleetClient:
         return Session(self, session_id, model=st.model, mode=st.mode, owner=st.owner)
 
     async def status(self, session_id: str) -> SessionStatus:
-        keys = self.link(self.cell_of(session_id)).keys
-        raw: Any = await resolve(self.redis.hgetall(keys.session(session_id)))
+        raw: Any = await resolve(self.redis.hgetall(self.keys_of(session_id).session(session_id)))
         if not raw:
             raise error_for(ErrorCode.SESSION_NOT_FOUND, f"session {session_id!r} does not exist")
         return SessionHash.from_fields(raw).status(session_id)

@@ -50,6 +50,6 @@ async def _session_exists(fleet: FleetClient, session_id: str) -> bool:
     """Whether the session's hash is in Redis; an unreachable Redis counts as yes (the deadline
     still bounds the wait, and the session may well be there when Redis is back)."""
     try:
-        return bool(await fleet.redis.exists(fleet.link(fleet.cell_of(session_id)).keys.session(session_id)))
+        return bool(await fleet.redis.exists(fleet.keys_of(session_id).session(session_id)))
     except REDIS_ERRORS:
         return True

@@ -74,7 +74,7 @@ class Tenancy:
             DeploymentKeys(fleet.config.prefix).gateway_open(owner)
 
     def _session_key(self, session_id: str) -> str:
-        return self.fleet.link(self.fleet.cell_of(session_id)).keys.session(session_id)
+        return self.fleet.keys_of(session_id).session(session_id)
 
     async def _prune(self, owner: str) -> None:
         """Forget the key's sessions that were closed or expired without the gateway's close."""
