@@ -259,13 +259,13 @@ VERBS: dict[str, tuple[str, _Builder]] = {
     "worker": ("run a worker process", _worker),
     "demo": ("a local fleet: embedded Redis, worker processes and a trainer loop", _demo),
     "redis": ("run the embedded Redis server in the foreground", _redis),
-    "status": ("workers and sessions of a cell, from Redis alone", _status),
+    "status": ("workers and sessions of a cell (--cell '*': of every cell), from Redis alone", _status),
     "supervisor": ("arq supervisor: lease reaper/failover, trimming, replay jobs", _supervisor),
     "gateway": ("vLLM-Omni-compatible HTTP rollout API in front of the fleet", _gateway),
     "update-weights": ("tell the workers of a model to load new weights", _update_weights),
     "replay": ("list, show and re-enqueue dead-lettered jobs", _replay),
     "dashboard": ("the live web dashboard alone, without a gateway", _dashboard),
-    "sessions": ("list, show and close the sessions of a cell", _sessions),
+    "sessions": ("list, show and close the sessions of a cell (--cell '*': of every cell)", _sessions),
     "cells": ("the deployment's cells and their slots; suggest cell names on distinct masters", _cells),
 }
 
