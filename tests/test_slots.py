@@ -55,9 +55,8 @@ def test_cells_on_distinct_masters_refuses_what_cannot_be_done() -> None:
         cells_on_distinct_masters([(0, 8191, "a"), (8192, SLOTS - 1, "b")], 3)
     with pytest.raises(ValueError, match="at least 1"):
         cells_on_distinct_masters([(0, SLOTS - 1, "a")], 0)
-    # a master that owns a single slot no candidate name hashes to within the tries
+    # a master that owns a single slot, which none of the first 50 names hashes to
     one_slot = [(0, SLOTS - 2, "a"), (SLOTS - 1, SLOTS - 1, "b")]
-    taken = {cell_slot(f"c{i}") for i in range(50)}
-    if SLOTS - 1 not in taken:
-        with pytest.raises(ValueError, match="among the first 50 tried"):
-            cells_on_distinct_masters(one_slot, 2, max_tries=50)
+    assert SLOTS - 1 not in {cell_slot(f"c{i}") for i in range(50)}
+    with pytest.raises(ValueError, match="among the first 50 tried"):
+        cells_on_distinct_masters(one_slot, 2, max_tries=50)
