@@ -22,7 +22,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from bench import batch_fill, failover, memory, round_trip, throughput, transport, weight_update
+from bench import batch_fill, cells, failover, memory, round_trip, throughput, transport, weight_update
 from bench.common import SIZES, BenchFn, Row, format_markdown, format_table, tune_malloc
 from bench.targets import evaluate
 
@@ -34,6 +34,7 @@ BENCHMARKS: dict[str, BenchFn] = {
     "batch_fill": batch_fill.run,
     "memory": memory.run,
     "weight_update": weight_update.run,
+    "cells": cells.run,
 }
 RESULTS = Path(__file__).resolve().parent / "results"
 

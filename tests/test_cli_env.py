@@ -53,6 +53,8 @@ OPTIONS: dict[str, dict[str, tuple[list[str], str]]] = {
     "replay": {**_NO_LEASE, "--session": (["s1"], "s1"), "--code": (["timeout"], "timeout"),
                "--older-than": (["60"], "60"), "--newer-than": (["5"], "5"), "--limit": (["10"], "10"),
                "--dry-run": ([], "1"), "--json": ([], "1")},
+    "cells": {**{k: v for k, v in _CELL.items() if k != "--cell"}, "--count": (["3"], "3"),
+              "--stem": (["gpu"], "gpu"), "--json": ([], "1")},
     "bench": {},  # its options are bench.run_all's, passed through
 }
 # What a verb needs besides the option under test: positionals, and required options (from their

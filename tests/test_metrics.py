@@ -186,7 +186,7 @@ async def test_the_supervisor_counts_failovers_dead_letters_and_sessions(
     fast = {"heartbeat_ms": FAST["heartbeat_ms"], "lease_ms": FAST["lease_ms"], "reap": False}
     config = CellConfig(redis_url=redis_server.url, prefix=prefix, lease_ms=FAST["lease_ms"])
     metrics = FleetMetrics()
-    ctx: dict[str, Any] = {"settings": SupervisorSettings(cell_config=config), "scripts": scripts,
+    ctx: dict[str, Any] = {"settings": SupervisorSettings(cell_config=config), "fleet_redis": scripts.redis,
                            "metrics": metrics}
     for _ in range(2):
         await workers.add(NullEngine(), max_attempts=1, **fast)

@@ -130,28 +130,25 @@ def _cmd_sessions(run: Invocation) -> int:
     return asyncio.run(run_sessions_command(run.cell, run.args))
 
 
+def _cmd_cells(run: Invocation) -> int:
+    from broker.ops.cells_cli import run_cells_command
+
+    return asyncio.run(run_cells_command(run.cell, run.args))
+
+
 def _cmd_update_weights(run: Invocation) -> int:
     from redis.exceptions import RedisError
 
-    from broker.ops.weights import WeightUpdateFailed, live_models, update_weights, workers_at_version
+    from broker.ops.weights import WeightUpdateFailed, update_weights_in_cells
 
     args = run.args
 
     async def go() -> None:
         redis = open_redis(run.cell.redis_url)
-        keys = run.cell.keys
         try:
-            served = await live_models(redis, keys, lease_ms=run.cell.lease_ms)
-            if args.model not in served and not args.allow_unserved:
-                raise ValueError(f"no live worker serves model {args.model!r} (live workers serve: "
-                                 f"{', '.join(sorted(served)) or 'nothing'}; --allow-unserved announces it anyway)")
-            entry = await update_weights(redis, keys, model=args.model, version=args.version, path=args.path,
-                                         in_flight="abort" if args.abort_in_flight else "finish")
-            print(f"announced {args.model} version {args.version} ({entry})")
-            if args.wait:
-                done = await workers_at_version(redis, keys, model=args.model, version=args.version,
-                                                timeout=args.wait)
-                print(f"{len(done)} workers serve version {args.version}")
+            await update_weights_in_cells(redis, run.cell, model=args.model, version=args.version, path=args.path,
+                                          in_flight="abort" if args.abort_in_flight else "finish",
+                                          allow_unserved=args.allow_unserved, wait_s=args.wait)
         finally:
             await redis.aclose()
 
@@ -200,7 +197,7 @@ COMMANDS: dict[str, Callable[[Invocation], int]] = {
     "worker": _cmd_worker, "demo": _cmd_demo, "redis": _cmd_redis, "status": _cmd_status,
     "supervisor": _cmd_supervisor, "replay": _cmd_replay, "gateway": _cmd_gateway,
     "bench": _cmd_bench, "update-weights": _cmd_update_weights, "dashboard": _cmd_dashboard,
-    "sessions": _cmd_sessions,
+    "sessions": _cmd_sessions, "cells": _cmd_cells,
 }
 
 

@@ -34,7 +34,7 @@ DESCRIPTION = "rollout-fleet: worker, demo, redis (embedded, foreground) and sta
 # The worker's own settings the CLI sets (flag dests are these field names).
 WORKER_SETTINGS = ("worker_id", "capacity", "heartbeat_ms", "max_attempts", "drain_timeout_s", "version_wait_s",
                    "metrics_port", "rebalance_interval_s", "rebalance_threshold")
-_CELL_HELP = {"redis_url": "Redis URL", "prefix": "key prefix", "cell": "cell hash tag",
+_CELL_HELP = {"redis_url": "Redis URL", "prefix": "key prefix", "cell": "cell hash tag; '*': every cell",
               "lease_ms": "lease in ms: a worker silent this long is failed over (one value per cell)"}
 
 
@@ -66,10 +66,10 @@ def _cell_default_text(name: str, environ: Mapping[str, str], fallback: str | No
 
 
 def add_cell_flags(p: argparse.ArgumentParser, environ: Mapping[str, str], *, lease: bool,
-                   url_fallback: str | None = None) -> None:
+                   url_fallback: str | None = None, cell: bool = True) -> None:
     """--redis-url, --prefix, --cell (and --lease-ms): None on the command line means the
     environment's value, else CellConfig's (resolved by :func:`resolve`)."""
-    names = ["redis_url", "prefix", "cell", *(["lease_ms"] if lease else [])]
+    names = ["redis_url", "prefix", *(["cell"] if cell else []), *(["lease_ms"] if lease else [])]
     for name in names:
         fallback = url_fallback if name == "redis_url" else None
         p.add_argument("--" + name.replace("_", "-"), dest=name, type=int if name == "lease_ms" else str,
@@ -249,19 +249,29 @@ def _replay(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
     p.add_argument("--json", action="store_true", help="print JSON lines")
 
 
+def _cells(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
+    add_cell_flags(p, environ, lease=True, cell=False)  # the lease tells live cells; a cell is the output
+    p.add_argument("action", nargs="?", choices=["list", "suggest"], default="list",
+                   help="list: the cells of the registry; suggest: cell names on distinct masters")
+    p.add_argument("--count", type=_positive(int), default=2, help="suggest: how many cells (default 2)")
+    p.add_argument("--stem", default="c", help="suggest: names are STEM + a number (default c)")
+    p.add_argument("--json", action="store_true", help="one JSON object")
+
+
 _Builder = Callable[[argparse.ArgumentParser, Mapping[str, str]], None]
 # verb -> (help, builder of its arguments)
 VERBS: dict[str, tuple[str, _Builder]] = {
     "worker": ("run a worker process", _worker),
     "demo": ("a local fleet: embedded Redis, worker processes and a trainer loop", _demo),
     "redis": ("run the embedded Redis server in the foreground", _redis),
-    "status": ("workers and sessions of a cell, from Redis alone", _status),
+    "status": ("workers and sessions of a cell (--cell '*': of every cell), from Redis alone", _status),
     "supervisor": ("arq supervisor: lease reaper/failover, trimming, replay jobs", _supervisor),
     "gateway": ("vLLM-Omni-compatible HTTP rollout API in front of the fleet", _gateway),
     "update-weights": ("tell the workers of a model to load new weights", _update_weights),
     "replay": ("list, show and re-enqueue dead-lettered jobs", _replay),
     "dashboard": ("the live web dashboard alone, without a gateway", _dashboard),
-    "sessions": ("list, show and close the sessions of a cell", _sessions),
+    "sessions": ("list, show and close the sessions of a cell (--cell '*': of every cell)", _sessions),
+    "cells": ("the deployment's cells and their slots; suggest cell names on distinct masters", _cells),
 }
 
 

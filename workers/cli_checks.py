@@ -23,6 +23,9 @@ def check_invocation(run: Invocation) -> None:
     if threshold is not None and not 0 < threshold <= 1:
         raise UsageError(f"--rebalance-threshold ($ROLLOUT_FLEET_REBALANCE_THRESHOLD) {threshold:g} must be a session "
                          "share in (0, 1]")
+    if args.command in ("worker", "demo") and run.cell.any_cell:
+        raise UsageError(f"--cell '*' ($ROLLOUT_FLEET_CELL): a {args.command} joins one cell; give it a name "
+                         "(clients and ops commands take '*' for every cell)")
     if args.command == "demo" and args.engine not in MODELS:
         # The demo's trainer knows the model names of the reference and null engines only; a real
         # engine needs its model, weights and GPU options, which a worker takes with --engine-opt.

@@ -56,6 +56,8 @@ class WorkerSettings:
             raise ValueError("version_wait_s and idle_sweep_s must be positive")
         if self.rebalance_interval_s < 0 or not 0 < self.rebalance_threshold <= 1:
             raise ValueError("rebalance_interval_s must be >= 0 (0: off) and rebalance_threshold in (0, 1]")
+        if self.cell_config.any_cell:
+            raise ValueError("a worker joins one cell: give it a cell name (--cell NAME), not '*'")
         if self.heartbeat_ms >= self.cell_config.lease_ms:
             raise ValueError("heartbeat_ms must be shorter than lease_ms")
 

@@ -28,7 +28,7 @@ from redis.exceptions import ResponseError
 
 from broker.client.fleet import FleetClient
 from broker.redis.aio import resolve
-from broker.redis.keys import check_stream_name
+from broker.redis.keys import CellKeys, check_stream_name
 from broker.redis.layouts import LayoutError, ReplyEntry, handled_field
 from schemas.errors import InvalidRequestError
 from schemas.messages import StepResult
@@ -52,18 +52,33 @@ class Delivery:
 
 
 class ResultConsumer:
+    """Reads one cell's results stream ``stream`` as ``group``. Results go to the stream of the
+    session's cell, so with sessions in several cells run one consumer per cell (``cell``; default:
+    the client's own cell, required for a client of every cell)."""
+
     def __init__(self, fleet: FleetClient, stream: str, *, group: str = "trainers", consumer: str | None = None,
-                 claim_idle_ms: int = 30_000, handled_ttl_ms: int = 86_400_000) -> None:
+                 claim_idle_ms: int = 30_000, handled_ttl_ms: int = 86_400_000, cell: str | None = None) -> None:
         check_stream_name(stream)
         check_stream_name(group)
+        chosen = cell or fleet.cell
+        if chosen is None:
+            raise InvalidRequestError("a client of every cell reads one cell's results stream per consumer: "
+                                      "pass cell=")
+        if fleet.cell is not None and chosen != fleet.cell:
+            raise InvalidRequestError(f"this client stays in cell {fleet.cell!r}; cell {chosen!r} refused")
+        try:
+            keys = CellKeys(fleet.config.prefix, chosen)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc)) from None
+        self.cell: str = chosen
         self.fleet = fleet
         self.stream = stream
         self.group = group
         self.name = consumer or f"consumer-{uuid.uuid4().hex[:8]}"
         self.claim_idle_ms = claim_idle_ms
         self.handled_ttl_ms = handled_ttl_ms
-        self._key = fleet.keys.reply(stream)
-        self._handled = fleet.keys.handled(stream, group)
+        self._key = keys.reply(stream)
+        self._handled = keys.handled(stream, group)
         self._cursor = "0"  # our own pending entries first (after a restart), then new ones
         self._next_claim = 0.0
 
@@ -134,9 +149,9 @@ class ResultConsumer:
             await self.fleet.redis.xack(self._key, self.group, delivery.entry_id)
             await self.fleet.redis.xdel(self._key, delivery.entry_id)
             return True
-        return await self.fleet.scripts.ack_result(stream=self.stream, group=self.group, entry_id=delivery.entry_id,
-                                                   session_id=r.session_id, step_id=r.step_id,
-                                                   handled_ttl_ms=self.handled_ttl_ms)
+        scripts = self.fleet.link(self.cell).scripts
+        return await scripts.ack_result(stream=self.stream, group=self.group, entry_id=delivery.entry_id,
+                                        session_id=r.session_id, step_id=r.step_id, handled_ttl_ms=self.handled_ttl_ms)
 
     def __aiter__(self) -> AsyncIterator[Delivery]:
         return self._iterate()

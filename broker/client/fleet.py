@@ -9,20 +9,21 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from redis.asyncio import Redis
 
+from broker.client.cells import placement_order
 from broker.client.replies import ReplyReader
 from broker.client.session import Session, new_id
 from broker.redis.aio import resolve
+from broker.redis.cells import known_cells, live_cells
 from broker.redis.config import CellConfig
 from broker.redis.connect import open_redis
-from broker.redis.keys import check_session_id
+from broker.redis.keys import CELL_MARK, DEFAULT_CELL, CellKeys, cell_named_by, check_session_id, session_id_in
 from broker.redis.layouts import DEFAULT_IDLE_TIMEOUT_S, ReplyEntry, SessionHash, idle_timeout_ms_of
-from broker.redis.script_replies import (
-    Created,
-)
+from broker.redis.script_replies import Created, Refused
 from broker.redis.scripts import Scripts
 from schemas.errors import (
     ErrorCode,
@@ -45,13 +46,25 @@ def _positive_or_none(name: str, value: float | None) -> float | None:
     return float(value)
 
 
+@dataclass
+class CellLink:
+    """What a client uses in one cell: its keys, its scripts and this client's reply stream there."""
+
+    keys: CellKeys
+    scripts: Scripts
+    replies: ReplyReader
+
+
 class FleetClient:
-    """Async client of one cell. Use as ``async with FleetClient(url) as fleet``.
+    """Async client of one cell, or of every cell. Use as ``async with FleetClient(url) as fleet``.
 
     ``url``, ``prefix``, ``cell`` and ``lease_ms`` override the matching values of ``config``
-    (default: ``CellConfig()``); None keeps the config's value. ``step_timeout`` bounds every
-    step and reset called without a ``timeout`` (None: no bound); while waiting, the client checks
-    every ``session_check_s`` that the session still exists and fails the wait with
+    (default: ``CellConfig()``, cell ``"0"``); None keeps the config's value. ``cell="*"``
+    (:data:`ANY_CELL`): a client of every cell — new sessions go to the live cell with the most
+    free capacity, and every other call routes by the cell the session id names. A client given
+    one cell stays in it and refuses ids naming another. ``step_timeout`` bounds every step and
+    reset called without a ``timeout`` (None: no bound); while waiting, the client checks every
+    ``session_check_s`` that the session still exists and fails the wait with
     ``session_not_found`` once it is gone."""
 
     def __init__(
@@ -72,7 +85,8 @@ class FleetClient:
         self.config = (config or CellConfig()).with_overrides(redis_url=url, prefix=prefix, cell=cell,
                                                               lease_ms=lease_ms)
         self.url = self.config.redis_url
-        self.keys = self.config.keys
+        # The one cell this client stays in; None: every cell (cell="*").
+        self.cell: str | None = None if self.config.any_cell else self.config.cell
         self.limits = limits
         self.client_id = client_id or f"client-{new_id()[:12]}"
         self.lease_ms = self.config.lease_ms
@@ -83,8 +97,7 @@ class FleetClient:
         # While waiting, how often to check that the session still exists (broker/client/waiting.py).
         self.session_check_s = _positive_or_none("session_check_s", session_check_s) or DEFAULT_SESSION_CHECK_S
         self._redis: Redis | None = None
-        self._scripts: Scripts | None = None
-        self._replies: ReplyReader | None = None
+        self._links: dict[str, CellLink] = {}
 
     async def __aenter__(self) -> FleetClient:
         await self.connect()
@@ -98,18 +111,17 @@ class FleetClient:
             return
         self._redis = open_redis(self.url, decode_responses=False)
         await self._redis.ping()
-        self._scripts = Scripts(self._redis, self.keys)
-        self._replies = ReplyReader(self._redis, self.keys.reply(self.client_id))
-        self._replies.start()
+        if self.cell is not None:
+            self.link(self.cell)  # a client of one cell reads its reply stream from the start
 
     async def aclose(self) -> None:
-        if self._replies is not None:
-            await self._replies.stop()
-        if self._scripts is not None:
-            await self._scripts.cancel_pending()
+        links, self._links = list(self._links.values()), {}
+        for link in links:
+            await link.replies.stop()
+            await link.scripts.cancel_pending()
         if self._redis is not None:
             await self._redis.aclose()
-        self._redis = self._scripts = self._replies = None
+        self._redis = None
 
     # ------------------------------------------------------------------ plumbing
 
@@ -119,17 +131,59 @@ class FleetClient:
             raise RuntimeError("FleetClient is not connected: use `async with FleetClient(...)`")
         return self._redis
 
+    def link(self, cell: str) -> CellLink:
+        """This client's keys, scripts and reply reader in ``cell`` (made on first use)."""
+        found = self._links.get(cell)
+        if found is None:
+            keys = CellKeys(self.config.prefix, cell)
+            found = CellLink(keys, Scripts(self.redis, keys), ReplyReader(self.redis, keys.reply(self.client_id)))
+            found.replies.start()
+            self._links[cell] = found
+        return found
+
+    def _home(self) -> CellLink:
+        if self.cell is None:
+            raise RuntimeError("a FleetClient of every cell (cell='*') has no one cell: use link(cell) or "
+                               "the cell a session id names (cell_of)")
+        return self.link(self.cell)
+
+    @property
+    def keys(self) -> CellKeys:
+        """The keys of the one cell this client stays in (not for a client of every cell)."""
+        if self.cell is None:
+            return self._home().keys  # raises: which cell's keys would be a guess
+        return CellKeys(self.config.prefix, self.cell)
+
     @property
     def scripts(self) -> Scripts:
-        if self._scripts is None:
-            raise RuntimeError("FleetClient is not connected: use `async with FleetClient(...)`")
-        return self._scripts
+        return self._home().scripts
 
     @property
     def replies(self) -> ReplyReader:
-        if self._replies is None:
-            raise RuntimeError("FleetClient is not connected: use `async with FleetClient(...)`")
-        return self._replies
+        return self._home().replies
+
+    def cell_of(self, session_id: str) -> str:
+        """The cell a session id routes to: the one it names after ``@``; an id naming none is in
+        this client's cell, or for a client of every cell in :data:`DEFAULT_CELL`. A client of one
+        cell refuses an id naming another (InvalidRequestError)."""
+        named = cell_named_by(check_session_id(session_id))
+        if self.cell is None:
+            return DEFAULT_CELL if named is None else named
+        if named is not None and named != self.cell:
+            raise InvalidRequestError(f"session {session_id!r} is in cell {named!r}; this client stays in cell "
+                                      f"{self.cell!r}")
+        return self.cell
+
+    def keys_of(self, session_id: str) -> CellKeys:
+        """The keys of the cell ``session_id`` routes to (no link made: reading a session of a cell
+        this client never uses costs no reader)."""
+        return CellKeys(self.config.prefix, self.cell_of(session_id))
+
+    async def live_cells(self) -> list[str]:
+        """The cells this client works in: its own, or every cell with a live worker."""
+        if self.cell is not None:
+            return [self.cell]
+        return await live_cells(self.redis, self.config.prefix, lease_ms=self.lease_ms)
 
     # ------------------------------------------------------------------ sessions
 
@@ -143,8 +197,13 @@ class FleetClient:
         result_window: int = 4,
         idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
     ) -> Session:
-        """Place a new session on the least loaded live worker serving (model, mode).
+        """Place a new session on the least loaded live worker serving (model, mode) — for a client
+        of every cell, in the live cell with the most free capacity for it (the next one when that
+        cell has just filled up).
 
+        Generated ids are ``<32 hex>@<cell>``. A caller-chosen ``session_id`` naming a cell
+        (``<id>@<cell>``) goes to that cell; one naming none goes to this client's cell unchanged,
+        or, for a client of every cell, gets ``@<cell>`` appended (the returned Session's id).
         ``result_window`` is how many of the latest committed results stay stored for idempotent
         retries of a lost reply. ``idle_timeout_s``: the owner closes the session (freeing its
         capacity) after that long without a step, reset or close. Raises CapacityExhaustedError or
@@ -156,20 +215,53 @@ class FleetClient:
         as_retention(retention)
         as_result_window(result_window)
         idle_timeout_ms = idle_timeout_ms_of(idle_timeout_s)
-        sid = new_id() if session_id is None else check_session_id(session_id)
-        reply = await self.scripts.create(sid, mode.value, model, lease_ms=self.lease_ms, retention=retention,
-                                          result_window=result_window, idle_timeout_ms=idle_timeout_ms)
-        if not isinstance(reply, Created):
-            raise error_for(reply.code, reply.message)
-        return Session(self, sid, model=model, mode=mode, owner=reply.owner)
+        cells = await self._cells_for(session_id, mode, model)
+        refused: Refused | None = None
+        for cell in cells:
+            sid = f"{new_id()}{CELL_MARK}{cell}" if session_id is None else self._chosen_id(session_id, cell)
+            reply = await self.link(cell).scripts.create(
+                sid, mode.value, model, lease_ms=self.lease_ms, retention=retention, result_window=result_window,
+                idle_timeout_ms=idle_timeout_ms)
+            if isinstance(reply, Created):
+                return Session(self, sid, model=model, mode=mode, owner=reply.owner)
+            if reply.code is not ErrorCode.CAPACITY_EXHAUSTED:
+                raise error_for(reply.code, reply.message)
+            refused = reply
+        if refused is None:
+            raise InvalidRequestError(f"unknown model or mode: no live worker in any cell serves model {model} "
+                                      f"in mode {mode.value}")
+        raise error_for(refused.code, refused.message if len(cells) == 1 else
+                        f"no live worker with free capacity serves model {model} in mode {mode.value} "
+                        f"in any of the cells {', '.join(cells)}")
+
+    def _chosen_id(self, session_id: str, cell: str) -> str:
+        """The id as it will be stored (checked again: ``@<cell>`` may take it past the length limit)."""
+        return session_id if self.cell is not None else check_session_id(session_id_in(session_id, cell))
+
+    async def _cells_for(self, session_id: str | None, mode: Mode, model: str) -> list[str]:
+        """The cells a new session may go to, in the order to try them."""
+        if session_id is not None:
+            named = cell_named_by(check_session_id(session_id))
+            if self.cell is not None or named is not None:
+                cell = self.cell_of(session_id)
+                if self.cell is None and cell not in await known_cells(self.redis, self.config.prefix):
+                    raise InvalidRequestError(f"session id {session_id!r} names cell {cell!r}, which has no workers")
+                return [cell]
+        if self.cell is not None:
+            return [self.cell]
+        live = await self.live_cells()
+        if not live:
+            raise error_for(ErrorCode.CAPACITY_EXHAUSTED, f"no cell of {self.config.prefix!r} has a live worker")
+        return await placement_order(self.redis, self.config.prefix, live, mode=mode.value, model=model,
+                                     lease_ms=self.lease_ms)
 
     async def attach(self, session_id: str) -> Session:
         """A handle on an existing session (for example one created by another process)."""
-        st = await self.status(check_session_id(session_id))
+        st = await self.status(session_id)
         return Session(self, session_id, model=st.model, mode=st.mode, owner=st.owner)
 
     async def status(self, session_id: str) -> SessionStatus:
-        raw: Any = await resolve(self.redis.hgetall(self.keys.session(session_id)))
+        raw: Any = await resolve(self.redis.hgetall(self.keys_of(session_id).session(session_id)))
         if not raw:
             raise error_for(ErrorCode.SESSION_NOT_FOUND, f"session {session_id!r} does not exist")
         return SessionHash.from_fields(raw).status(session_id)

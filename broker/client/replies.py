@@ -13,6 +13,7 @@ from broker.redis.backoff import REDIS_ERRORS, Backoff
 from broker.redis.layouts import ReplyEntry
 
 log = logging.getLogger(__name__)
+DELETE_WAIT_S = 1.0  # on stop, how long deletes of entries already read may take to finish
 
 
 class ReplyReader:
@@ -52,6 +53,13 @@ class ReplyReader:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        # A delete still in flight would outlive the connection pool its owner closes next, and
+        # open a fresh connection nobody closes: let it finish (briefly), cancel what is left.
+        if self._deletes:
+            _, late = await asyncio.wait(set(self._deletes), timeout=DELETE_WAIT_S)
+            for task in late:
+                task.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
         for fut in self._waiters.values():
             if not fut.done():
                 fut.cancel()

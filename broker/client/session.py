@@ -55,6 +55,7 @@ class Session:
     def __init__(self, fleet: FleetClient, session_id: str, *, model: str, mode: Mode, owner: str) -> None:
         self.fleet = fleet
         self.session_id = session_id
+        self.cell = fleet.cell_of(session_id)  # every call of this session goes to this cell's keys
         self.model = model
         self.mode = mode
         self.owner = owner
@@ -108,7 +109,7 @@ class Session:
                                     inputs.get("multimodal"))
             async with self._order:
                 reply = await self._send_step(
-                    lambda owner: self.fleet.scripts.enqueue(
+                    lambda owner: self.fleet.link(self.cell).scripts.enqueue(
                         self.session_id, owner, step_id=step_id, contextual=use_session_context,
                         job_id=new_id(), reply_to=results_stream, payload=payload,
                     )
@@ -152,12 +153,12 @@ class Session:
             return StepResult.failure(self.session_id, -1, exc.code, exc.message)
         started = time.perf_counter()
         job_id = new_id()
-        replies = self.fleet.replies
+        replies = self.fleet.link(self.cell).replies
         waiter = replies.expect(job_id)
         try:
             async with self._order:
                 reply = await self._send_step(
-                    lambda owner: self.fleet.scripts.enqueue(
+                    lambda owner: self.fleet.link(self.cell).scripts.enqueue(
                         self.session_id, owner, step_id=step_id, contextual=contextual, job_id=job_id,
                         reply_to=self.fleet.client_id, payload=payload, min_version=min_version,
                     )
@@ -247,11 +248,11 @@ class Session:
 
     async def _control(self, kind: str, *, wait: bool, timeout: float | None) -> int:
         job_id = new_id()
-        replies = self.fleet.replies
+        replies = self.fleet.link(self.cell).replies
         waiter = replies.expect(job_id)
         async with self._order:
             reply = await self._send_control(
-                lambda owner: self.fleet.scripts.control(
+                lambda owner: self.fleet.link(self.cell).scripts.control(
                     self.session_id, owner, kind=kind, job_id=job_id, reply_to=self.fleet.client_id
                 )
             )

@@ -57,7 +57,8 @@ async def _session_problem(fleet: FleetClient, session_id: str) -> FleetError | 
     waits normally. An unreachable Redis counts as normal (the deadline still bounds the wait,
     and the session may well be there when Redis is back)."""
     try:
-        owner, unplaced = await resolve(fleet.redis.hmget(fleet.keys.session(session_id), ["owner", "unplaced_ms"]))
+        key = fleet.keys_of(session_id).session(session_id)
+        owner, unplaced = await resolve(fleet.redis.hmget(key, ["owner", "unplaced_ms"]))
     except REDIS_ERRORS:
         return None
     if owner is None:

@@ -272,6 +272,12 @@ async def _validation_error(request: Request, exc: Exception) -> Response:
     return error_response(HTTPStatus.BAD_REQUEST, message, param=param or None)
 
 
+async def _invalid_request(request: Request, exc: Exception) -> Response:
+    """A session id the fleet refuses (malformed, or naming a cell this gateway is not in): 400."""
+    assert isinstance(exc, InvalidRequestError)
+    return error_response(HTTPStatus.BAD_REQUEST, exc.message)
+
+
 async def _internal_error(request: Request, exc: Exception) -> Response:
     logger.exception("unhandled gateway error on %s", request.url.path, exc_info=exc)
     return error_response(500, f"{type(exc).__name__}: {exc}")
@@ -300,6 +306,7 @@ def create_app(redis_url: str | None = None, prefix: str | None = None, cell: st
     app.include_router(dashboard_router)  # /dashboard: broker/gateway/dashboard.py
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(InvalidRequestError, _invalid_request)
     app.add_exception_handler(Exception, _internal_error)
     # The last added runs first: the key is checked before a byte of the body is read.
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)

@@ -26,6 +26,7 @@ from broker.gateway.errors import error_response
 from broker.gateway.guards import DASHBOARD_COOKIE, DASHBOARD_KEY_PARAM, BearerAuth
 from broker.gateway.settings import GatewaySettings
 from broker.ops.dashboard_data import DashboardSource
+from broker.ops.fleet_dashboard import FleetDashboardSource
 from broker.redis.config import CellConfig
 from broker.redis.connect import open_redis
 from broker.redis.scripts import Scripts
@@ -35,13 +36,17 @@ DATA_TIMEOUT_S = 5.0  # a refresh or replay that Redis does not answer in this l
 router = APIRouter(prefix="/dashboard")
 
 
-def _source(request: Request) -> DashboardSource:
+Source = DashboardSource | FleetDashboardSource  # one cell's, or every cell's (--cell '*')
+
+
+def _source(request: Request) -> Source:
     """The app's source: the standalone app sets one; in the gateway it rides on the fleet client."""
     state = request.app.state
-    source: DashboardSource | None = getattr(state, "dashboard", None)
+    source: Source | None = getattr(state, "dashboard", None)
     if source is None:
         fleet = state.gateway.fleet
-        source = state.dashboard = DashboardSource(fleet.scripts, fleet.lease_ms)
+        source = state.dashboard = DashboardSource(fleet.scripts, fleet.lease_ms) if fleet.cell is not None \
+            else FleetDashboardSource(fleet.redis, fleet.config)
     return source
 
 
@@ -61,7 +66,7 @@ async def dashboard_page(request: Request) -> Response:
     snapshot = await _bounded(source.snapshot())
     if isinstance(snapshot, Response):
         return snapshot
-    page = HTMLResponse(render_page(source.scripts.keys.cell, snapshot))
+    page = HTMLResponse(render_page(source.label, snapshot))
     key = request.query_params.get(DASHBOARD_KEY_PARAM)
     if key:  # the guard accepted it: keep it for the page's own requests
         page.set_cookie(DASHBOARD_COOKIE, key, httponly=True, samesite="strict", path="/dashboard")
@@ -90,7 +95,8 @@ def create_dashboard_app(config: CellConfig, settings: GatewaySettings | None = 
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         redis = open_redis(config.redis_url, decode_responses=False)
         try:
-            app.state.dashboard = DashboardSource(Scripts(redis, config.keys), config.lease_ms)
+            app.state.dashboard = FleetDashboardSource(redis, config) if config.any_cell else \
+                DashboardSource(Scripts(redis, config.keys), config.lease_ms)
             yield
         finally:
             await redis.aclose()

@@ -100,7 +100,7 @@ _BODY = """<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>Rollout Fleet dashboard</title>
 <style>%(style)s</style></head>
 <body>
-<h1>Rollout Fleet: cell %(cell)s</h1><div id="status">loading</div>
+<h1>Rollout Fleet: %(cell)s</h1><div id="status">loading</div>
 <div class="tiles">
  <div class="tile">steps/s (last minute)<b id="steps-per-s"></b></div>
  <div class="tile">committed (window)<b id="committed-window"></b></div>
@@ -123,7 +123,8 @@ _BODY = """<!doctype html>
 
 
 def render_page(cell: str, initial: dict[str, Any]) -> str:
-    """The page with its first data inline (it shows at once; the script refreshes it)."""
+    """The page with its first data inline (it shows at once; the script refreshes it). ``cell``:
+    what the page covers, as its title says it ("cell 0", "every cell")."""
     # "</" cannot close the JSON's script element early: JSON allows "<\\/" for "</".
     data = json.dumps(initial).replace("</", "<\\/")
     cell_text = cell.replace("&", "&amp;").replace("<", "&lt;")

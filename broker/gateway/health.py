@@ -9,20 +9,24 @@ from redis.exceptions import RedisError
 
 from broker.client import FleetClient
 from broker.redis.aio import resolve
+from broker.redis.keys import CellKeys
 from schemas.messages import Mode
 
 HEALTH_TIMEOUT_S = 2.0
 
 
 async def health_problem(fleet: FleetClient, model: str) -> tuple[str | None, int]:
-    """(why the gateway cannot serve, or None; how many live workers serve ``model``)."""
-    keys = fleet.keys
-    pool = keys.pool(Mode.WORLD_MODEL_ENV.value, model)
+    """(why the gateway cannot serve, or None; how many live workers serve ``model``, in the
+    gateway's cell or, for a gateway of every cell, in every live cell)."""
     try:
         async with asyncio.timeout(HEALTH_TIMEOUT_S):
             seconds, micros = await resolve(fleet.redis.time())
-            members: list[str] = [m.decode() for m in await resolve(fleet.redis.zrange(pool, 0, -1))]
-            beats = await resolve(fleet.redis.zmscore(keys.workers, members)) if members else []
+            beats: list[float | None] = []
+            for cell in await fleet.live_cells():
+                keys = CellKeys(fleet.config.prefix, cell)
+                pool = keys.pool(Mode.WORLD_MODEL_ENV.value, model)
+                members: list[str] = [m.decode() for m in await resolve(fleet.redis.zrange(pool, 0, -1))]
+                beats += await resolve(fleet.redis.zmscore(keys.workers, members)) if members else []
     except (RedisError, OSError, TimeoutError) as exc:
         # The reason goes to unauthenticated probes: the error type only, not the address in the message.
         return f"redis does not answer ({type(exc).__name__})", 0

@@ -13,6 +13,8 @@ from fastapi import HTTPException
 from broker.client import FleetClient, Session
 from broker.redis.aio import resolve
 from broker.redis.connect import atomic_pipeline
+from broker.redis.keys import DeploymentKeys
+from schemas.errors import InvalidRequestError
 
 OWNER_FIELD = "gateway_key"  # session hash field: the creating key's digest
 
@@ -42,7 +44,10 @@ class Tenancy:
         if owner is None:
             return
         redis = self.fleet.redis
-        key = self.fleet.keys.session(session_id)
+        try:
+            key = self._session_key(session_id)
+        except InvalidRequestError:
+            return  # a malformed id, or one of another cell: the route answers it as for anyone
         stored: bytes | str | None = await resolve(redis.hget(key, OWNER_FIELD))
         if stored == owner.encode() or (stored is None and not await redis.exists(key)):
             return
@@ -51,7 +56,7 @@ class Tenancy:
     async def release(self, owner: str | None, session_id: str) -> None:
         """The session was closed: it no longer counts against its key's cap."""
         if owner is not None:
-            await resolve(self.fleet.redis.srem(self.fleet.keys.gateway_open(owner), session_id))
+            await resolve(self.fleet.redis.srem(self._open(owner), session_id))
 
     async def _admit(self, owner: str) -> None:
         if await self._open_count(owner) >= self.max_sessions:
@@ -60,32 +65,43 @@ class Tenancy:
                 raise self._over_cap()
 
     async def _open_count(self, owner: str) -> int:
-        return int(await resolve(self.fleet.redis.scard(self.fleet.keys.gateway_open(owner))))
+        return int(await resolve(self.fleet.redis.scard(self._open(owner))))
+
+    def _open(self, owner: str) -> str:
+        """The key's set of open sessions: in the gateway's cell, or for a gateway of every cell in
+        the deployment's keys (its sessions are in many cells)."""
+        fleet = self.fleet
+        return fleet.keys.gateway_open(owner) if fleet.cell is not None else \
+            DeploymentKeys(fleet.config.prefix).gateway_open(owner)
+
+    def _session_key(self, session_id: str) -> str:
+        return self.fleet.keys_of(session_id).session(session_id)
 
     async def _prune(self, owner: str) -> None:
         """Forget the key's sessions that were closed or expired without the gateway's close."""
-        redis, keys = self.fleet.redis, self.fleet.keys
-        members: set[bytes] = await resolve(redis.smembers(keys.gateway_open(owner)))
+        redis = self.fleet.redis
+        members: set[bytes] = await resolve(redis.smembers(self._open(owner)))
         ids = [member.decode() for member in members]
         async with redis.pipeline(transaction=False) as pipe:
             for session_id in ids:
-                pipe.hget(keys.session(session_id), "closed")
+                pipe.hget(self._session_key(session_id), "closed")
             closed = await pipe.execute()
         gone = [sid for sid, flag in zip(ids, closed, strict=True) if flag is None or flag == b"1"]
         if gone:
-            await resolve(redis.srem(keys.gateway_open(owner), *gone))
+            await resolve(redis.srem(self._open(owner), *gone))
 
     async def _bind(self, owner: str, session_id: str) -> bool:
         """Record the owner and count the session; False (and nothing counted) past the cap."""
-        redis, keys = self.fleet.redis, self.fleet.keys
+        redis, open_key = self.fleet.redis, self._open(owner)
+        # The owner first, on its own: the session's key and the open set may be in different slots.
+        await resolve(redis.hset(self._session_key(session_id), OWNER_FIELD, owner))
         async with atomic_pipeline(redis) as pipe:
-            pipe.hset(keys.session(session_id), OWNER_FIELD, owner)
-            pipe.sadd(keys.gateway_open(owner), session_id)
-            pipe.scard(keys.gateway_open(owner))
-            *_, count = await pipe.execute()
+            pipe.sadd(open_key, session_id)
+            pipe.scard(open_key)
+            _, count = await pipe.execute()
         if int(count) <= self.max_sessions:
             return True
-        await resolve(redis.srem(keys.gateway_open(owner), session_id))
+        await resolve(redis.srem(open_key, session_id))
         return False
 
     def _over_cap(self) -> HTTPException:

@@ -35,6 +35,7 @@ class DashboardSource:
 
     def __init__(self, scripts: Scripts, lease_ms: int, window_s: float = DEFAULT_WINDOW_S) -> None:
         self.scripts, self.lease_ms, self.window_s = scripts, lease_ms, window_s
+        self.label = f"cell {scripts.keys.cell}"  # the page's title
         self._last: tuple[float, dict[str, Any]] | None = None  # (monotonic time, snapshot)
 
     async def _now_ms(self) -> int:

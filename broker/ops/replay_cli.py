@@ -7,8 +7,10 @@ import json
 from typing import Any
 
 from broker.ops.replay import DeadJob, ReplayOutcome, list_dead, replay, replay_ids, show
+from broker.redis.cells import cells_of
 from broker.redis.config import CellConfig
 from broker.redis.connect import open_redis
+from broker.redis.keys import CellKeys
 from broker.redis.scripts import Scripts
 
 
@@ -33,27 +35,55 @@ def _print_outcomes(outcomes: list[ReplayOutcome], as_json: bool) -> None:
         print("nothing to replay")
 
 
+async def _find(cells: list[Scripts], entry_id: str) -> tuple[Scripts, DeadJob | None]:
+    """The cell whose dead-letter stream holds ``entry_id`` (stream ids are per cell), with its job;
+    the first cell and None when none holds it."""
+    for scripts in cells:
+        job = await show(scripts, entry_id)
+        if job is not None:
+            return scripts, job
+    return cells[0], None
+
+
+async def _run(cells: list[Scripts], args: argparse.Namespace, filters: dict[str, Any]) -> int:
+    if args.action == "list":
+        jobs: list[DeadJob] = []
+        for scripts in cells:
+            jobs += await list_dead(scripts, **filters)
+        _print_jobs(jobs, args.json)
+    elif args.action == "show":
+        for entry_id in args.ids:
+            _, job = await _find(cells, entry_id)
+            if job is None:
+                print(json.dumps({"entry_id": entry_id, "error": "not found"}))
+                return 1
+            print(json.dumps({**job.summary(), "kind": job.kind, "mode": job.mode, "model": job.model,
+                              "reply_to": job.reply_to, "job_id": job.job_id}, indent=2))
+    elif args.ids:
+        outcomes: list[ReplayOutcome] = []
+        for entry_id in args.ids:
+            scripts, _ = await _find(cells, entry_id)
+            outcomes += await replay_ids(scripts, [entry_id], dry_run=args.dry_run)
+        _print_outcomes(outcomes, args.json)
+    else:
+        outcomes = []
+        for scripts in cells:
+            outcomes += await replay(scripts, await list_dead(scripts, **filters), dry_run=args.dry_run)
+        _print_outcomes(outcomes, args.json)
+    return 0
+
+
 async def run_replay_command(config: CellConfig, args: argparse.Namespace) -> int:
+    """The dead letters of one cell, or with --cell '*' of every known cell (``--limit`` counts per
+    cell; an entry id is looked for in every cell)."""
     redis = open_redis(config.redis_url)
-    scripts = Scripts(redis, config.keys)
     filters: dict[str, Any] = {"session": args.session, "code": args.code, "older_than_s": args.older_than,
                                "newer_than_s": args.newer_than, "limit": args.limit}
     try:
-        if args.action == "list":
-            _print_jobs(await list_dead(scripts, **filters), args.json)
-        elif args.action == "show":
-            for entry_id in args.ids:
-                job = await show(scripts, entry_id)
-                if job is None:
-                    print(json.dumps({"entry_id": entry_id, "error": "not found"}))
-                    return 1
-                print(json.dumps({**job.summary(), "kind": job.kind, "mode": job.mode, "model": job.model,
-                                  "reply_to": job.reply_to, "job_id": job.job_id}, indent=2))
-        elif args.ids:
-            _print_outcomes(await replay_ids(scripts, args.ids, dry_run=args.dry_run), args.json)
-        else:
-            _print_outcomes(await replay(scripts, await list_dead(scripts, **filters), dry_run=args.dry_run),
-                            args.json)
+        cells = [Scripts(redis, CellKeys(config.prefix, cell)) for cell in await cells_of(redis, config)]
+        if not cells:
+            print("no cell has registered a worker")
+            return 0
+        return await _run(cells, args, filters)
     finally:
         await redis.aclose()
-    return 0

@@ -7,6 +7,7 @@ import json
 import sys
 
 from broker.ops.sessions import SessionDetail, SessionRow, close_session, list_sessions, show_session
+from broker.redis.cells import cells_of, routed_cell
 from broker.redis.config import CellConfig
 from broker.redis.connect import open_redis
 from schemas.errors import FleetError
@@ -47,16 +48,25 @@ def _print_detail(d: SessionDetail, as_json: bool) -> None:
 
 
 async def _run(config: CellConfig, args: argparse.Namespace) -> int:
+    """One cell's sessions, or with --cell '*' every known cell's (show and close: the cell the id
+    names)."""
     if args.action == "close":
-        _print_detail(await close_session(config, args.session_id), args.json)
+        _print_detail(await close_session(config.in_cell(routed_cell(config, args.session_id)), args.session_id),
+                      args.json)
         return 0
     redis = open_redis(config.redis_url, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S)
     try:
         if args.action == "list":
-            _print_rows(await list_sessions(redis, config.keys, model=args.model, owner=args.owner,
-                                            state=args.state, limit=args.limit), args.json)
+            rows: list[SessionRow] = []
+            for cell in await cells_of(redis, config):
+                rows += await list_sessions(redis, config.in_cell(cell).keys, model=args.model, owner=args.owner,
+                                            state=args.state, limit=args.limit - len(rows))
+                if len(rows) >= args.limit:
+                    break
+            _print_rows(rows, args.json)
         else:
-            _print_detail(await show_session(redis, config.keys, args.session_id), args.json)
+            keys = config.in_cell(routed_cell(config, args.session_id)).keys
+            _print_detail(await show_session(redis, keys, args.session_id), args.json)
         return 0
     finally:
         await redis.aclose()

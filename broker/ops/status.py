@@ -19,6 +19,7 @@ from typing import Any
 from redis.asyncio import Redis
 
 from broker.redis.aio import resolve
+from broker.redis.cells import cells_of
 from broker.redis.config import CellConfig
 from broker.redis.connect import open_redis
 from broker.redis.keys import INBOX_GROUP
@@ -129,6 +130,18 @@ async def cell_status(url: str | None = None, *, prefix: str | None = None, cell
                           window_ms=window_ms)
     finally:
         await redis.aclose()
+
+
+async def fleet_status(config: CellConfig, *, window_s: float = DEFAULT_CHECK_WINDOW_S) -> dict[str, CellReport]:
+    """The report of ``config``'s cell, or with cell ``*`` of every known cell (by name)."""
+    if not config.any_cell:
+        return {config.cell: await cell_status(config=config, window_s=window_s)}
+    redis = Redis.from_url(config.redis_url, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S)
+    try:
+        cells = await cells_of(redis, config)
+    finally:
+        await redis.aclose()
+    return {cell: await cell_status(config=config.in_cell(cell), window_s=window_s) for cell in cells}
 
 
 def check_report(report: CellReport, lease_ms: int) -> tuple[bool, str]:

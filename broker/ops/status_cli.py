@@ -10,20 +10,45 @@ import time
 
 from redis.exceptions import RedisError
 
-from broker.ops.status import CellReport, cell_status, check_report, format_status
+from broker.ops.status import CellReport, check_report, fleet_status, format_status
 from broker.redis.config import CellConfig
 
 CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear screen: a watched table redraws in place on a terminal
 
 
-def _report(config: CellConfig, window_s: float) -> CellReport:
-    return asyncio.run(cell_status(config=config, window_s=window_s))
+Reports = dict[str, CellReport]  # cell -> its report: one cell, or every cell with --cell '*'
 
 
-def _render(report: CellReport, config: CellConfig, as_json: bool) -> str:
+def _report(config: CellConfig, window_s: float) -> Reports:
+    return asyncio.run(fleet_status(config, window_s=window_s))
+
+
+def _render(reports: Reports, config: CellConfig, as_json: bool) -> str:
+    """One cell as it always was; every cell (--cell '*') as one section (JSON: one key) per cell."""
+    if not config.any_cell:
+        (report,) = reports.values()
+        return json.dumps(report.as_json(config.lease_ms), sort_keys=True) if as_json else \
+            format_status(report, lease_ms=config.lease_ms)
     if as_json:
-        return json.dumps(report.as_json(config.lease_ms), sort_keys=True)
-    return format_status(report, lease_ms=config.lease_ms)
+        cells = {cell: report.as_json(config.lease_ms) for cell, report in reports.items()}
+        return json.dumps({"cells": cells}, sort_keys=True)
+    if not reports:
+        return "no cell has registered a worker"
+    return "\n\n".join(f"cell {cell}:\n{format_status(r, lease_ms=config.lease_ms)}" for cell, r in reports.items())
+
+
+def _check(reports: Reports, config: CellConfig) -> tuple[bool, str]:
+    """Healthy when every cell is; with several cells, each cell's line is named."""
+    if not reports:
+        return False, "no cell has registered a worker"
+    if not config.any_cell:
+        (report,) = reports.values()
+        return check_report(report, config.lease_ms)
+    verdicts = {cell: check_report(report, config.lease_ms) for cell, report in reports.items()}
+    bad = [f"cell {cell}: {why}" for cell, (healthy, why) in verdicts.items() if not healthy]
+    if bad:
+        return False, "; ".join(bad)
+    return True, "; ".join(f"cell {cell}: {why}" for cell, (_, why) in verdicts.items())
 
 
 def _watch(config: CellConfig, args: argparse.Namespace) -> int:
@@ -48,7 +73,7 @@ def run_status_command(config: CellConfig, args: argparse.Namespace) -> int:
         return _watch(config, args)
     report = _report(config, args.window)
     if args.check:
-        healthy, why = check_report(report, config.lease_ms)
+        healthy, why = _check(report, config)
         print(why if healthy else f"unhealthy: {why}")
         return 0 if healthy else 1
     print(_render(report, config, args.json))

@@ -1,4 +1,5 @@
-"""The supervisor: an arq worker whose cron jobs keep a cell healthy.
+"""The supervisor: an arq worker whose cron jobs keep a cell healthy, or every cell (``--cell '*'``:
+each pass runs in every cell of the registry, :func:`broker.redis.cells.known_cells`).
 
 - ``reap`` (every ``interval`` s): fail over the sessions of workers whose lease expired, then
   retire those workers (see :mod:`broker.ops.failover`).
@@ -29,8 +30,10 @@ from broker.ops.metrics import FleetMetrics, serve_metrics
 from broker.ops.replay import list_dead, replay
 from broker.redis.aio import resolve
 from broker.redis.backoff import REDIS_ERRORS
+from broker.redis.cells import cells_of
 from broker.redis.config import CellConfig
 from broker.redis.connect import open_redis
+from broker.redis.keys import CellKeys
 from broker.redis.layouts import DEAD_LETTER_MAXLEN
 from broker.redis.scripts import Scripts
 
@@ -45,11 +48,26 @@ class SupervisorSettings:
     metrics_port: int | None = None  # serve /metrics here; None: no metrics server
 
 
+def queue_name(config: CellConfig) -> str:
+    """The arq queue of the supervisors of ``config``'s cell, or of every cell."""
+    return config.deployment_keys.arq_queue if config.any_cell else config.keys.arq_queue
+
+
 async def _startup(ctx: dict[str, Any]) -> None:
     settings: SupervisorSettings = ctx["settings"]
     ctx["fleet_redis"] = open_redis(settings.cell_config.redis_url)
-    ctx["scripts"] = Scripts(ctx["fleet_redis"], settings.cell_config.keys)
     ctx.setdefault("metrics", FleetMetrics())
+
+
+async def cell_scripts(ctx: dict[str, Any]) -> list[Scripts]:
+    """The scripts of every cell this supervisor looks after: its one cell, or every known cell."""
+    config: CellConfig = ctx["settings"].cell_config
+    cells = await cells_of(ctx["fleet_redis"], config)
+    scripts: dict[str, Scripts] = ctx.setdefault("cell_scripts", {})
+    for cell in cells:
+        if cell not in scripts:
+            scripts[cell] = Scripts(ctx["fleet_redis"], CellKeys(config.prefix, cell))
+    return [scripts[cell] for cell in cells]
 
 
 async def _shutdown(ctx: dict[str, Any]) -> None:
@@ -58,40 +76,57 @@ async def _shutdown(ctx: dict[str, Any]) -> None:
 
 async def reap_job(ctx: dict[str, Any]) -> dict[str, Any]:
     settings: SupervisorSettings = ctx["settings"]
-    scripts: Scripts = ctx["scripts"]
-    reports = await reap_exclusively(scripts, lease_ms=settings.cell_config.lease_ms)
-    if reports is None:
-        return {"skipped": "another process is reaping"}
     metrics: FleetMetrics = ctx["metrics"]
-    for r in reports:
-        log.warning("worker %s lease expired: %d sessions moved (%d jobs), %d waiting, retired=%s",
-                    r.worker_id, len(r.moved), r.jobs_moved, len(r.stuck), r.retired)
-        metrics.failovers.inc(len(r.moved))
-    await _count_dead_letters(ctx)
-    return {"workers": [asdict(r) for r in reports]}
+    done: dict[str, Any] = {"workers": [], "skipped": []}
+    for scripts in await cell_scripts(ctx):
+        reports = await reap_exclusively(scripts, lease_ms=settings.cell_config.lease_ms)
+        if reports is None:
+            done["skipped"].append(scripts.keys.cell)  # another process is reaping this cell
+            continue
+        for r in reports:
+            log.warning("worker %s of cell %s lease expired: %d sessions moved (%d jobs), %d waiting, retired=%s",
+                        r.worker_id, scripts.keys.cell, len(r.moved), r.jobs_moved, len(r.stuck), r.retired)
+            metrics.failovers.inc(len(r.moved))
+        done["workers"] += [asdict(r) for r in reports]
+        await _count_dead_letters(ctx, scripts)
+    return done
 
 
-async def _count_dead_letters(ctx: dict[str, Any]) -> None:
+async def _count_dead_letters(ctx: dict[str, Any], scripts: Scripts) -> None:
     """``rollout_fleet_dead_letters_total`` grows by the entries added to the cell's dead-letter
     stream since the last pass (XINFO's entries-added: trimming does not lower it, XLEN would)."""
-    scripts: Scripts = ctx["scripts"]
     added = 0
     if await scripts.redis.exists(scripts.keys.dead):
         info: Any = await scripts.redis.xinfo_stream(scripts.keys.dead)
         added = int(info.get("entries-added", info.get(b"entries-added", 0)))
-    seen = ctx.get("dead_letters_seen")
+    seen_by_cell: dict[str, int] = ctx.setdefault("dead_letters_seen", {})
+    seen = seen_by_cell.get(scripts.keys.cell)
     if seen is not None and added != seen:
         # Fewer than seen: the stream was deleted and made again, and all it holds is new.
         ctx["metrics"].dead_letters.inc(added - seen if added > seen else added)
-    ctx["dead_letters_seen"] = added  # the first pass only sets the baseline: earlier ones are history
+    seen_by_cell[scripts.keys.cell] = added  # the first pass only sets the baseline: earlier ones are history
 
 
 async def trim_job(ctx: dict[str, Any]) -> dict[str, int]:
-    """Forget expired sessions, bound the dead letters; the sessions gauge counts what is left."""
-    scripts: Scripts = ctx["scripts"]
+    """Forget expired sessions, bound the dead letters (in every cell); the sessions gauge counts
+    what is left."""
+    done = {"sessions_forgotten": 0, "dead_letters_trimmed": 0}
+    by_model: dict[str, int] = {}
+    for scripts in await cell_scripts(ctx):
+        done["sessions_forgotten"] += await _forget_expired(scripts, by_model)
+        done["dead_letters_trimmed"] += int(await scripts.redis.xtrim(scripts.keys.dead, maxlen=DEAD_LETTER_MAXLEN,
+                                                                      approximate=True))
+    metrics: FleetMetrics = ctx["metrics"]
+    for name in set(by_model) | set(ctx.get("models_seen", ())):
+        metrics.sessions.labels(name).set(by_model.get(name, 0))
+    ctx["models_seen"] = set(by_model) | set(ctx.get("models_seen", ()))
+    return done
+
+
+async def _forget_expired(scripts: Scripts, by_model: dict[str, int]) -> int:
+    """Drop the cell's index entries of sessions that expired; count the others by model."""
     redis, keys = scripts.redis, scripts.keys
     forgotten = 0
-    by_model: dict[str, int] = {}
     async for sid, _owner in redis.hscan_iter(keys.sessions):
         model: Any = await resolve(redis.hget(keys.session(sid.decode()), "model"))
         if model is None:
@@ -99,23 +134,20 @@ async def trim_job(ctx: dict[str, Any]) -> dict[str, int]:
         else:
             name = model.decode() if isinstance(model, bytes) else str(model)
             by_model[name] = by_model.get(name, 0) + 1
-    metrics: FleetMetrics = ctx["metrics"]
-    for name in set(by_model) | set(ctx.get("models_seen", ())):
-        metrics.sessions.labels(name).set(by_model.get(name, 0))
-    ctx["models_seen"] = set(by_model) | set(ctx.get("models_seen", ()))
-    trimmed = await redis.xtrim(keys.dead, maxlen=DEAD_LETTER_MAXLEN, approximate=True)
-    return {"sessions_forgotten": forgotten, "dead_letters_trimmed": int(trimmed)}
+    return forgotten
 
 
 async def replay_dead(ctx: dict[str, Any], filters: dict[str, Any], dry_run: bool = False) -> list[dict[str, Any]]:
-    scripts: Scripts = ctx["scripts"]
-    jobs = await list_dead(scripts, **filters)
-    return [asdict(o) for o in await replay(scripts, jobs, dry_run=dry_run)]
+    outcomes: list[dict[str, Any]] = []
+    for scripts in await cell_scripts(ctx):
+        jobs = await list_dead(scripts, **filters)
+        outcomes += [asdict(o) for o in await replay(scripts, jobs, dry_run=dry_run)]
+    return outcomes
 
 
 def build_worker(settings: SupervisorSettings, *, handle_signals: bool = True,
                  metrics: FleetMetrics | None = None) -> ArqWorker:
-    keys = settings.cell_config.keys
+    queue = queue_name(settings.cell_config)
     every = set(range(0, 60, max(1, settings.interval_s)))
     return ArqWorker(
         functions=[replay_dead],
@@ -123,11 +155,10 @@ def build_worker(settings: SupervisorSettings, *, handle_signals: bool = True,
             # arq's cron job ids are "<name>:<tick>" under its fixed arq:job: / arq:in-progress:
             # keys, shared by every cell on this Redis: the cell's queue in the name keeps one
             # cell's tick from being taken for another's (which then skipped its pass).
-            cron(reap_job, name=f"{keys.arq_queue}:reap", second=every, run_at_startup=True, unique=True,
-                 timeout=60),
-            cron(trim_job, name=f"{keys.arq_queue}:trim", second={0, 30}, unique=True, timeout=60),
+            cron(reap_job, name=f"{queue}:reap", second=every, run_at_startup=True, unique=True, timeout=60),
+            cron(trim_job, name=f"{queue}:trim", second={0, 30}, unique=True, timeout=60),
         ],
-        queue_name=keys.arq_queue,
+        queue_name=queue,
         redis_pool=arq_pool(settings.cell_config),  # msgpack jobs, the full URL (TLS, ACL user)
         job_serializer=pack_arq,
         job_deserializer=unpack_arq,
@@ -180,8 +211,7 @@ async def request_replay(settings: SupervisorSettings, filters: dict[str, Any], 
     """Ask the supervisors to replay dead letters matching ``filters`` (an arq job); returns its id."""
     pool = arq_pool(settings.cell_config)
     try:
-        job = await pool.enqueue_job("replay_dead", filters, dry_run,
-                                     _queue_name=settings.cell_config.keys.arq_queue)
+        job = await pool.enqueue_job("replay_dead", filters, dry_run, _queue_name=queue_name(settings.cell_config))
         if job is None:
             raise RuntimeError("replay job was not enqueued")
         return job.job_id

@@ -5,12 +5,15 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from redis.asyncio import Redis
 
 from broker.redis.aio import resolve
+from broker.redis.cells import cells_of
+from broker.redis.config import CellConfig
 from broker.redis.keys import CellKeys
 
 CONTROL_MAXLEN = 1000
@@ -128,3 +131,31 @@ async def workers_at_version(redis: Redis, keys: CellKeys, *, model: str, versio
         if time.monotonic() > deadline:
             raise TimeoutError(f"workers of {model} did not reach policy version {version}: {serving}")
         await asyncio.sleep(0.05)
+
+
+async def update_weights_in_cells(redis: Redis, config: CellConfig, *, model: str, version: int, path: str,
+                                  in_flight: str = "finish", allow_unserved: bool = False,
+                                  wait_s: float | None = None, say: Callable[[str], None] = print) -> list[str]:
+    """``update-weights`` in ``config``'s cell, or with cell ``*`` in every known cell: announce
+    the version in each (a worker started there later loads it), then with ``wait_s`` wait until
+    the live workers of ``model`` in every cell that serves it report it (one bound for all).
+    ValueError when no live worker serves the model and ``allow_unserved`` is not set. Returns
+    the workers that reached the version (with ``wait_s``)."""
+    cells = [config.in_cell(cell).keys for cell in await cells_of(redis, config)]
+    served = {keys.cell: await live_models(redis, keys, lease_ms=config.lease_ms) for keys in cells}
+    serving = [keys for keys in cells if model in served[keys.cell]]
+    if not serving and not allow_unserved:
+        names = sorted({name for models in served.values() for name in models})
+        raise ValueError(f"no live worker serves model {model!r} (live workers serve: "
+                         f"{', '.join(names) or 'nothing'}; --allow-unserved announces it anyway)")
+    for keys in cells:
+        entry = await update_weights(redis, keys, model=model, version=version, path=path, in_flight=in_flight)
+        say(f"announced {model} version {version} ({entry})" + (f" in cell {keys.cell}" if config.any_cell else ""))
+    done: list[str] = []
+    if wait_s:
+        deadline = time.monotonic() + wait_s
+        for keys in serving:
+            done += await workers_at_version(redis, keys, model=model, version=version,
+                                             timeout=max(0.0, deadline - time.monotonic()))
+        say(f"{len(done)} workers serve version {version}")
+    return done

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from broker.redis.connect import URL_SCHEMES
-from broker.redis.keys import CellKeys
+from broker.redis.keys import ANY_CELL, CellKeys, DeploymentKeys
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 
@@ -37,7 +37,9 @@ class ConfigError(ValueError):
 class CellConfig:
     redis_url: str = DEFAULT_URL
     prefix: str = "rf"
-    cell: str = "0"  # the hash tag every key of the cell shares
+    # The hash tag every key of the cell shares; "*" (ANY_CELL): every cell of the deployment, for
+    # clients and ops commands (a worker joins exactly one cell).
+    cell: str = "0"
     # A worker whose heartbeat is older than this is failed over; the workers, the supervisor and
     # the clients of one cell must agree on it.
     lease_ms: int = 5000
@@ -46,6 +48,8 @@ class CellConfig:
         if not isinstance(self.redis_url, str) or not self.redis_url.startswith(URL_SCHEMES):
             raise ConfigError("redis_url", f"expected a {', '.join(URL_SCHEMES)} URL, got {self.redis_url!r}")
         for setting in ("prefix", "cell"):
+            if setting == "cell" and self.cell == ANY_CELL:
+                continue
             try:
                 CellKeys(**{setting: getattr(self, setting)})  # keys.py owns what a key part may hold
             except (ValueError, TypeError) as exc:
@@ -54,8 +58,23 @@ class CellConfig:
             raise ConfigError("lease_ms", f"expected a positive number of milliseconds, got {self.lease_ms!r}")
 
     @property
+    def any_cell(self) -> bool:
+        """True when this configuration names every cell rather than one."""
+        return self.cell == ANY_CELL
+
+    @property
     def keys(self) -> CellKeys:
+        if self.any_cell:
+            raise ConfigError("cell", f"{ANY_CELL!r} means every cell; this needs one cell (--cell NAME)")
         return CellKeys(self.prefix, self.cell)
+
+    @property
+    def deployment_keys(self) -> DeploymentKeys:
+        return DeploymentKeys(self.prefix)
+
+    def in_cell(self, cell: str) -> CellConfig:
+        """This configuration for one cell (its Redis, prefix and lease)."""
+        return self.with_overrides(cell=cell)
 
     def with_overrides(self, *, redis_url: str | None = None, prefix: str | None = None, cell: str | None = None,
                        lease_ms: int | None = None) -> CellConfig:

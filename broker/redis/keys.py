@@ -9,6 +9,9 @@ from schemas.errors import InvalidRequestError
 
 INBOX_GROUP = "workers"  # consumer group name on every inbox stream
 MAX_NAME_LENGTH = 200  # a caller-chosen name inside a key (results stream, consumer group)
+DEFAULT_CELL = "0"  # the cell of a worker given none, and of a session id that names none
+ANY_CELL = "*"  # "every cell": a client, gateway or ops command not tied to one cell
+CELL_MARK = "@"  # a session id names its cell after the last "@": "<id>@<cell>"
 
 
 def key_part_problem(part: str, *, max_length: int | None = None) -> str | None:
@@ -23,14 +26,64 @@ def key_part_problem(part: str, *, max_length: int | None = None) -> str | None:
     return None
 
 
+def cell_problem(cell: str) -> str | None:
+    """Why ``cell`` cannot name a cell, or None: a key part that holds no ``@`` (session ids name
+    their cell after the last ``@``) and is not ``*`` (which means every cell)."""
+    problem = key_part_problem(cell)
+    if problem is None and CELL_MARK in cell:
+        problem = f"no {CELL_MARK!r} (session ids name their cell after it)"
+    if problem is None and cell == ANY_CELL:
+        problem = f"{ANY_CELL!r} means every cell, not one"
+    return problem
+
+
 def check_session_id(session_id: object) -> str:
-    """A caller-chosen session id (it goes into key names and every inbox entry)."""
+    """A caller-chosen session id (it goes into key names and every inbox entry). An ``@`` in it
+    must be followed by a cell name: ``<id>@<cell>``."""
     if not isinstance(session_id, str):
         raise InvalidRequestError(f"invalid session id: a string is needed, got {type(session_id).__name__}")
     problem = key_part_problem(session_id, max_length=MAX_NAME_LENGTH)
+    if problem is None and CELL_MARK in session_id:
+        head, _, cell = session_id.rpartition(CELL_MARK)
+        problem = "an empty id before the cell" if not head else cell_problem(cell)
+        problem = None if problem is None else f"<id>@<cell> with {problem}"
     if problem is not None:
         raise InvalidRequestError(f"invalid session id {session_id[:MAX_NAME_LENGTH]!r}: {problem}")
     return session_id
+
+
+def cell_named_by(session_id: str) -> str | None:
+    """The cell a (checked) session id names after its last ``@``, or None when it names none."""
+    head, mark, cell = session_id.rpartition(CELL_MARK)
+    return cell if mark and head else None
+
+
+def session_id_in(session_id: str, cell: str) -> str:
+    """``session_id`` naming ``cell`` (unchanged when it already names a cell)."""
+    return session_id if cell_named_by(session_id) is not None else f"{session_id}{CELL_MARK}{cell}"
+
+
+@dataclass(frozen=True)
+class DeploymentKeys:
+    """The few keys of a deployment that belong to no cell. Each is read and written only by
+    single-key commands, never inside a cell's script, so on a Redis Cluster it may live in any
+    slot."""
+
+    prefix: str = "rf"
+
+    @property
+    def cells(self) -> str:
+        """ZSET cell -> the newest heartbeat (ms, Redis clock) of any of its workers."""
+        return f"{self.prefix}:cells"
+
+    @property
+    def arq_queue(self) -> str:
+        """arq queue of a supervisor that serves every cell."""
+        return f"{self.prefix}:arq"
+
+    def gateway_open(self, key_digest: str) -> str:
+        """SET of the open sessions a gateway of every cell created for one API key."""
+        return f"{self.prefix}:gateway:open:{key_digest}"
 
 
 def check_stream_name(name: str) -> None:
@@ -46,8 +99,7 @@ class CellKeys:
     cell: str = "0"
 
     def __post_init__(self) -> None:
-        for part in (self.prefix, self.cell):
-            problem = key_part_problem(part)
+        for part, problem in ((self.prefix, key_part_problem(self.prefix)), (self.cell, cell_problem(self.cell))):
             if problem is not None:
                 raise ValueError(f"invalid key part {part!r}: {problem}")
 

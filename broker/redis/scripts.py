@@ -15,6 +15,7 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import NoScriptError
 
+from broker.redis.cells import touch_cell
 from broker.redis.keys import INBOX_GROUP, CellKeys
 from broker.redis.layouts import (
     DEAD_LETTER_MAXLEN,
@@ -269,7 +270,9 @@ class Scripts:
             [k.workers, k.capacity, k.worker(worker_id), k.inbox(worker_id), k.pool_index, k.owned, *pools],
             [worker_id, capacity, ttl_ms, INBOX_GROUP, *caps, *flat],
         )
-        return decode_integer("register", raw)
+        now = decode_integer("register", raw)
+        await touch_cell(self.redis, k, now)  # clients find the cell in the deployment's registry
+        return now
 
     async def heartbeat(self, worker_id: str, *, ttl_ms: int, fields: dict[str, str],
                         pressure: float = 0.0) -> Heartbeat:
@@ -278,7 +281,10 @@ class Scripts:
         flat = [item for pair in fields.items() for item in pair]
         raw = await self._call("heartbeat", [k.workers, k.worker(worker_id), k.pressure],
                                [worker_id, ttl_ms, f"{min(1.0, max(0.0, pressure)):.4f}", *flat])
-        return decode_heartbeat(raw)
+        beat = decode_heartbeat(raw)
+        if beat.registered:
+            await touch_cell(self.redis, k, beat.now_ms)
+        return beat
 
     async def mark_unplaced(self, session_id: str, *, owner: str) -> bool:
         """Mark a session of ``owner`` that no live worker could take; False when it moved or is gone."""
