@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from broker.redis.config import CellConfig
+from broker.redis.durability import DURABILITY_MODES, ReplicaWait
 from broker.redis.layouts import ReplyBounds
 from schemas.limits import DEFAULT_LIMITS, Limits
 
@@ -43,6 +44,12 @@ class WorkerSettings:
     handover_on_stop: bool = True  # on SIGTERM hand sessions to live workers (no lease wait)
     metrics_port: int | None = None  # serve /metrics here (0: a free port); None: no metrics server
     reap: bool = True  # take part in failing over dead workers (workers/reaper.py), no supervisor needed
+    # "async": a step's reply goes out with its commit (Redis replicates afterwards); "replicated":
+    # only once durability_replicas replicas have the commit (broker/redis/durability.py), waiting
+    # up to durability_timeout_s before the step answers `timeout` instead of "committed".
+    durability: str = "async"
+    durability_replicas: int = 1
+    durability_timeout_s: float = 30.0
     limits: Limits = DEFAULT_LIMITS
 
     def __post_init__(self) -> None:
@@ -52,8 +59,16 @@ class WorkerSettings:
         self.reply_bounds()  # validated here, at the edge
         if self.version_wait_s <= 0 or self.idle_sweep_s <= 0:
             raise ValueError("version_wait_s and idle_sweep_s must be positive")
+        if self.durability not in DURABILITY_MODES:
+            raise ValueError(f"durability must be one of {', '.join(DURABILITY_MODES)}, got {self.durability!r}")
+        if self.durability_replicas < 1 or self.durability_timeout_s <= 0:
+            raise ValueError("durability_replicas and durability_timeout_s must be positive")
         if self.heartbeat_ms >= self.cell_config.lease_ms:
             raise ValueError("heartbeat_ms must be shorter than lease_ms")
+
+    def replica_wait(self) -> ReplicaWait | None:
+        """What a commit waits for before its reply goes out; None: nothing (durability async)."""
+        return ReplicaWait(self.durability_replicas) if self.durability == "replicated" else None
 
     def reply_bounds(self) -> ReplyBounds:
         return ReplyBounds(self.reply_stream_bytes, self.large_reply_bytes, self.large_reply_ttl_ms)
