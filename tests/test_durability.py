@@ -33,7 +33,7 @@ class Pair:
 
 @pytest.fixture(scope="module")
 def pair() -> Iterator[Pair]:
-    master = RedisServer().start()
+    master = RedisServer(extra_args=["--repl-diskless-sync-delay", "0"]).start()  # no 5 s wait for the first sync
     replica = RedisServer(extra_args=["--replicaof", "127.0.0.1", str(master.port)]).start()
     try:
         yield Pair(master, replica)
@@ -45,13 +45,15 @@ def pair() -> Iterator[Pair]:
 @pytest.fixture
 async def master(pair: Pair) -> AsyncIterator[Redis]:
     redis = Redis.from_url(pair.master.url, decode_responses=True)
-    await until(lambda: replica_count(redis), "the replica to connect")
+    await until(lambda: replica_online(redis), "the replica to sync")
     yield redis
     await redis.aclose()
 
 
-async def replica_count(redis: Redis) -> bool:
-    return int((await redis.info("replication"))["connected_slaves"]) >= 1
+async def replica_online(redis: Redis) -> bool:
+    """Synced and streaming: before that WAIT counts it for nobody, whichever connection asks."""
+    replica = (await redis.info("replication")).get("slave0")
+    return isinstance(replica, dict) and replica.get("state") == "online"
 
 
 async def until(check: Callable[[], Awaitable[bool]], what: str) -> None:
@@ -96,7 +98,7 @@ async def test_a_replicated_step_is_answered_only_once_the_replica_has_it(pair: 
         assert await replica.hget(keys.session(s.session_id), "committed_step_id") == "0"
         with paused(pair.replica):
             step = s.submit(1, **world_step(1))
-            await until(lambda: _equals(session_field(master, keys, s.session_id, "committed_step_id"), "1"),
+            await until(lambda: equals(session_field(master, keys, s.session_id, "committed_step_id"), "1"),
                         "step 1 to be written on the master")
             # written, but neither acknowledged nor answered: the job stays pending, marked unconfirmed
             assert await pending(master, keys, worker) == 1
@@ -104,7 +106,7 @@ async def test_a_replicated_step_is_answered_only_once_the_replica_has_it(pair: 
             assert not step.done()
             # a re-send is queued for the owner instead of being answered from the unconfirmed result
             again = s.submit(1, **world_step(1))
-            await until(lambda: _equals(master.xlen(keys.inbox(worker.id)), 2), "the re-sent step to be queued")
+            await until(lambda: equals(master.xlen(keys.inbox(worker.id)), 2), "the re-sent step to be queued")
             assert not again.done()
         results = await asyncio.wait_for(asyncio.gather(step, again), BOUND_S)
         assert [(r.ok, r.committed_step_id, r.output["context"]) for r in results] == [(True, 1, 1)] * 2
@@ -147,5 +149,5 @@ async def test_the_async_default_answers_before_the_replica_has_the_commit(pair:
             assert int(info["slave0"]["offset"]) < int(info["master_repl_offset"])
 
 
-async def _equals(value: Awaitable[object], expected: object) -> bool:
+async def equals(value: Awaitable[object], expected: object) -> bool:
     return await value == expected
