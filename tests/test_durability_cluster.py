@@ -36,19 +36,8 @@ BOUND_S = 120.0  # every wait ends by then: a failover takes seconds, a loaded m
 @pytest.fixture
 def cluster() -> Iterator[RedisCluster]:
     with running_cluster() as started:
-        wait_replicas_synced(started)
+        started.wait_synced(BOUND_S)
         yield started
-
-
-def wait_replicas_synced(cluster: RedisCluster) -> None:
-    """A replica promoted before its first sync is empty; the master's first sync waits for
-    ``repl-diskless-sync-delay`` (5 s), so a fresh cluster is not ready at ``cluster_state:ok``."""
-    deadline = time.monotonic() + BOUND_S
-    while not all("master_link_status:up" in cluster._cli(n, "INFO", "replication")
-                  for n in cluster.running() if cluster.role(n) == "slave"):
-        if time.monotonic() > deadline:
-            pytest.fail("the cluster's replicas did not sync")
-        time.sleep(0.1)
 
 
 async def promoted(cluster: RedisCluster, slot: int, killed: Any) -> float:
@@ -83,7 +72,7 @@ async def test_a_master_killed_mid_run_fails_over_and_every_step_commits_once(
     modes = ["world_model_env" if k % 2 == 0 else "tokens" for k in range(SESSIONS)]
     redis = open_redis(cluster.url)
     async with worker_pool(cluster.url, prefix) as pool, \
-            FleetClient(cluster.url, prefix=prefix, step_timeout=BOUND_S) as fleet:
+            FleetClient(cluster.url, prefix=prefix, step_timeout=BOUND_S, lease_ms=15_000) as fleet:
         for _ in range(2):
             # a lease longer than the failover: the workers ride it out instead of failing over
             await pool.add(ReferenceEngine(ReferenceEngineConfig(latent_shape=SHAPE)), durability=durability,
