@@ -151,3 +151,29 @@ async def test_the_async_default_answers_before_the_replica_has_the_commit(pair:
 
 async def equals(value: Awaitable[object], expected: object) -> bool:
     return await value == expected
+
+
+async def test_a_commit_redis_lost_is_answered_out_of_order_and_runs_again_when_resent(
+        redis_server: RedisServer, prefix: str) -> None:
+    """A failover before a replica had a commit (or a restart without persistence) leaves Redis
+    behind the worker. A job for that step used to reach the duplicate path, whose re-publish
+    call committed its empty result as the step; now it answers step_out_of_order with the
+    fallback, and the re-sent step runs again on the rebuilt context."""
+    keys = CellKeys(prefix)
+    redis = Redis.from_url(redis_server.url, decode_responses=True)
+    async with worker_pool(redis_server.url, prefix) as pool, FleetClient(redis_server.url, prefix=prefix) as fleet:
+        await pool.add(NullEngine())
+        s = await fleet.create_session(model="null-world", mode="world_model_env")
+        for i in range(2):
+            assert (await asyncio.wait_for(s.step(i, **world_step(i)), BOUND_S)).ok
+        # what the promoted replica holds when step 1's commit never reached it
+        await redis.hset(keys.session(s.session_id), mapping={"committed_step_id": 0, "next_step_id": 1})
+        await redis.hdel(keys.log(s.session_id), "result:1", "input:1")
+        lost = await asyncio.wait_for(s.step(1, **world_step(1)), BOUND_S)
+        assert not lost.ok and lost.error is not None and lost.error.code is ErrorCode.STEP_OUT_OF_ORDER
+        assert "commit was lost" in lost.error.message
+        assert await redis.hget(keys.session(s.session_id), "committed_step_id") == "0"  # nothing empty committed
+        again = await asyncio.wait_for(s.step(1, **world_step(1)), BOUND_S)
+        assert again.ok and again.output["context"] == 1  # rebuilt from step 0, then step 1 once
+        assert (await asyncio.wait_for(s.step(2, **world_step(2)), BOUND_S)).output["context"] == 2
+    await redis.aclose()

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-from broker.redis.script_replies import Committed, Duplicate
+from broker.redis.script_replies import Committed, Duplicate, OutOfOrder
 from broker.redis.scripts import Scripts
 from schemas.codec import decode, encode
 from schemas.errors import (
@@ -147,7 +147,7 @@ class StepExecutor:
     async def _is_next(self, job: Job, state: SessionState) -> bool:
         """Answer a duplicate at once (False); raise for a job out of order; True when it is next."""
         if job.step_id <= state.committed:
-            await self._answer_duplicate(job)
+            await self._answer_duplicate(job, state)
             return False
         if job.step_id != state.committed + 1:
             raise StepFailed(ErrorCode.STEP_OUT_OF_ORDER,
@@ -316,12 +316,18 @@ class StepExecutor:
         raise StepFailed(ErrorCode.STEP_OUT_OF_ORDER, f"step {job.step_id} could not commit "
                          f"(committed step is {state.committed})", fallback=False)
 
-    async def _answer_duplicate(self, job: Job) -> None:
+    async def _answer_duplicate(self, job: Job, state: SessionState) -> None:
         """A job for a step that is already committed: re-publish the stored result, never re-run."""
         def republish() -> Coroutine[Any, Any, tuple[CommitAnswer, int]]:
             return self.jobs.commit(job, b"", context_length=0)
 
         answer, acked = await settled(republish, f"duplicate {job.session_id}/{job.step_id}")
+        if isinstance(answer, OutOfOrder):  # Redis is behind this worker: it lost the commit
+            state.committed, state.engine_ready = answer.committed_step_id, False
+            self.engine.drop_session(job.session_id)
+            raise StepFailed(ErrorCode.STEP_OUT_OF_ORDER, f"step {job.step_id} is not committed in Redis (committed "
+                             f"step is {answer.committed_step_id}): its commit was lost (a Redis failover before "
+                             "a replica had it, or a restart without persistence); send it again", fallback=True)
         if not isinstance(answer, Duplicate):
             raise StepFailed(ErrorCode.STEP_ALREADY_COMMITTED,
                              f"step {job.step_id} is already committed and its result is no longer stored",
