@@ -153,12 +153,13 @@ async def equals(value: Awaitable[object], expected: object) -> bool:
     return await value == expected
 
 
-async def test_a_commit_redis_lost_is_answered_out_of_order_and_runs_again_when_resent(
+async def test_a_commit_redis_lost_is_answered_out_of_order_and_the_trainer_can_send_it_again(
         redis_server: RedisServer, prefix: str) -> None:
     """A failover before a replica had a commit (or a restart without persistence) leaves Redis
     behind the worker. A job for that step used to reach the duplicate path, whose re-publish
     call committed its empty result as the step; now it answers step_out_of_order with the
-    fallback, and the re-sent step runs again on the rebuilt context."""
+    fallback, and the re-sent step runs again on the rebuilt context. A later step whose commit
+    finds Redis behind answers the same way (it used to keep next_step_id, so no re-send fit)."""
     keys = CellKeys(prefix)
     redis = Redis.from_url(redis_server.url, decode_responses=True)
     async with worker_pool(redis_server.url, prefix) as pool, FleetClient(redis_server.url, prefix=prefix) as fleet:
@@ -176,4 +177,12 @@ async def test_a_commit_redis_lost_is_answered_out_of_order_and_runs_again_when_
         again = await asyncio.wait_for(s.step(1, **world_step(1)), BOUND_S)
         assert again.ok and again.output["context"] == 1  # rebuilt from step 0, then step 1 once
         assert (await asyncio.wait_for(s.step(2, **world_step(2)), BOUND_S)).output["context"] == 2
+        # lost again, and the trainer's next step is the one after it: the commit finds Redis behind
+        await redis.hset(keys.session(s.session_id), "committed_step_id", 1)
+        await redis.hdel(keys.log(s.session_id), "result:2", "input:2")
+        behind = await asyncio.wait_for(s.step(3, **world_step(3)), BOUND_S)
+        assert not behind.ok and behind.error is not None and behind.error.code is ErrorCode.STEP_OUT_OF_ORDER
+        assert behind.committed_step_id == 1 and "send the steps again from 2" in behind.error.message
+        results = [await asyncio.wait_for(s.step(i, **world_step(i)), BOUND_S) for i in (2, 3)]
+        assert [(r.ok, r.output["context"]) for r in results] == [(True, 2), (True, 3)]
     await redis.aclose()

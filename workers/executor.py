@@ -312,9 +312,12 @@ class StepExecutor:
             state.committed = max(state.committed, job.step_id)
             self.metrics.duplicate(job.model)
             return False
+        # Redis is behind this worker (only a lost commit gets here: the lane ran the step after the
+        # one it committed), so the trainer re-sends from Redis's committed step + 1 (the fallback).
         state.committed = answer.committed_step_id
-        raise StepFailed(ErrorCode.STEP_OUT_OF_ORDER, f"step {job.step_id} could not commit "
-                         f"(committed step is {state.committed})", fallback=False)
+        raise StepFailed(ErrorCode.STEP_OUT_OF_ORDER, f"step {job.step_id} could not commit (committed step is "
+                         f"{state.committed}: Redis lost later commits); send the steps again from "
+                         f"{state.committed + 1}", fallback=True)
 
     async def _answer_duplicate(self, job: Job, state: SessionState) -> None:
         """A job for a step that is already committed: re-publish the stored result, never re-run."""
