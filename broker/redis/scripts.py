@@ -13,8 +13,10 @@ from importlib import resources
 from typing import Any
 
 from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError
 
+from broker.redis.connect import is_cluster
 from broker.redis.durability import ReplicaWait, call_then_wait
 from broker.redis.keys import INBOX_GROUP, CellKeys
 from broker.redis.layouts import (
@@ -129,6 +131,14 @@ class Scripts:
         self._flushing.add(task)
         task.add_done_callback(self._flushing.discard)
 
+    def _as_redis_error(self, exc: Exception) -> Exception:
+        """redis-py 5.3's cluster pipeline reads ``get_default_node().name`` after an error, while a
+        concurrent pipeline's retry may just have closed the client (default node None) to learn
+        the slot map again after a master died: that AttributeError is the failover, retried as one."""
+        if is_cluster(self.redis) and isinstance(exc, AttributeError):
+            return RedisConnectionError(f"cluster client learning its nodes again: {exc}")
+        return exc
+
     async def _flush(self, batch: list[_Pending]) -> None:
         if len(batch) == 1:  # nothing to coalesce: the plain call
             await _settle(batch[0][3], self._direct(*batch[0][:3]))
@@ -139,6 +149,7 @@ class Scripts:
                     pipe.execute_command("EVALSHA", self._scripts[name].sha, len(keys), *keys, *args)
                 results = await pipe.execute(raise_on_error=False)
         except Exception as exc:  # the connection failed: every caller sees it, as it would alone
+            exc = self._as_redis_error(exc)
             for *_, fut in batch:
                 if not fut.done():
                     fut.set_exception(exc)
