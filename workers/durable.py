@@ -37,12 +37,7 @@ class ReplicaConfirmation:
         self.jobs = jobs
         self.wait = settings.replica_wait()
         self.timeout_s = settings.durability_timeout_s
-        self.unconfirmed_waits = 0  # WAITs that came back short (a replica slow, down or failing over)
-        self._warnings = WarningLimiter(log)
-
-    @property
-    def enabled(self) -> bool:
-        return self.wait is not None
+        self._warnings = WarningLimiter(log)  # a replica down for a while: one warning per step otherwise
 
     async def confirm(self, job: Job, acked: int, commit_again: CommitCall) -> None:
         """Publish the job's committed result once enough replicas acknowledged it; ``acked``: how
@@ -52,7 +47,6 @@ class ReplicaConfirmation:
         deadline = time.monotonic() + self.timeout_s
         what = f"confirm {job.session_id}/{job.step_id}"
         while acked < self.wait.replicas:
-            self.unconfirmed_waits += 1
             if time.monotonic() >= deadline:
                 raise StepFailed(
                     ErrorCode.TIMEOUT,
