@@ -23,6 +23,7 @@ from broker.ops.sessions import STATES as SESSION_STATES
 from broker.ops.status import DEFAULT_CHECK_WINDOW_S
 from broker.ops.supervisor import SupervisorSettings
 from broker.redis.config import ENV_VARS, CellConfig, ConfigError
+from broker.redis.durability import DURABILITY_MODES
 from workers.cli_env import attach_env
 from workers.cli_errors import redact
 from workers.demo import DemoConfig
@@ -33,7 +34,8 @@ from workers.settings import WorkerSettings
 DESCRIPTION = "rollout-fleet: worker, demo, redis (embedded, foreground) and status commands."
 # The worker's own settings the CLI sets (flag dests are these field names).
 WORKER_SETTINGS = ("worker_id", "capacity", "heartbeat_ms", "max_attempts", "drain_timeout_s", "version_wait_s",
-                   "metrics_port", "rebalance_interval_s", "rebalance_threshold")
+                   "metrics_port", "rebalance_interval_s", "rebalance_threshold",
+                   "durability", "durability_replicas", "durability_timeout_s")
 _CELL_HELP = {"redis_url": "Redis URL", "prefix": "key prefix", "cell": "cell hash tag; '*': every cell",
               "lease_ms": "lease in ms: a worker silent this long is failed over (one value per cell)"}
 
@@ -120,6 +122,12 @@ def _worker(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
              "session share (sessions/capacity) by which this worker must exceed a target to move sessions")
     _setting(p, "--version-wait", WorkerSettings, "version_wait_s",
              "seconds a step waits for its min_policy_version before it fails with timeout")
+    _setting(p, "--durability", WorkerSettings, "durability", "async: a step's reply goes out with its commit; "
+             "replicated: only once a replica has the commit (Redis WAIT)", choices=DURABILITY_MODES)
+    _setting(p, "--durability-replicas", WorkerSettings, "durability_replicas",
+             "replicated: replicas that must have a commit before its reply goes out")
+    _setting(p, "--durability-timeout", WorkerSettings, "durability_timeout_s",
+             "replicated: seconds a step waits for its replicas before it answers timeout")
     add_metrics_port(p, environ)
 
 

@@ -11,10 +11,11 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
+from typing import Any
 
-from broker.redis.script_replies import Committed, Duplicate, DuplicateUnstored, OutOfOrder
+from broker.redis.script_replies import Committed, Duplicate, OutOfOrder
 from broker.redis.scripts import Scripts
 from schemas.codec import decode, encode
 from schemas.errors import (
@@ -27,9 +28,10 @@ from schemas.errors import (
 )
 from schemas.messages import Latency, StepInput, StepResult, parse_step_input
 from workers.batcher import Batcher
+from workers.durable import ReplicaConfirmation
 from workers.engines.base import Engine, EngineOutput, EngineRequest
 from workers.failure import StepFailed, finish_before_cancel, settled
-from workers.job_scripts import JobScripts
+from workers.job_scripts import CommitAnswer, JobScripts
 from workers.jobs import BadJob, Job
 from workers.rebuild import rebuild_context, records_kept, step_record
 from workers.settings import WorkerSettings
@@ -59,6 +61,7 @@ class StepExecutor:
         self.gate = gate
         self.scripts = scripts
         self.jobs = JobScripts(scripts, settings)
+        self.replicas = ReplicaConfirmation(self.jobs, settings)
         self.engine = engine
         self.batchers = batchers
         self.committed_steps = 0
@@ -144,7 +147,7 @@ class StepExecutor:
     async def _is_next(self, job: Job, state: SessionState) -> bool:
         """Answer a duplicate at once (False); raise for a job out of order; True when it is next."""
         if job.step_id <= state.committed:
-            await self._answer_duplicate(job)
+            await self._answer_duplicate(job, state)
             return False
         if job.step_id != state.committed + 1:
             raise StepFailed(ErrorCode.STEP_OUT_OF_ORDER,
@@ -283,15 +286,19 @@ class StepExecutor:
         record = step_record(job.payload, result.output, version=result.policy_version,
                              context_length=result.context_length, mode=job.mode)
 
-        async def commit_once() -> bool:
-            answer = await self.jobs.commit(job, payload, context_length=result.context_length, record=record,
-                                            keep_records=records_kept(job.mode, job.retention))
-            return self._apply_commit(job, state, answer)
+        def commit_call() -> Coroutine[Any, Any, tuple[CommitAnswer, int]]:
+            return self.jobs.commit(job, payload, context_length=result.context_length, record=record,
+                                    keep_records=records_kept(job.mode, job.retention))
 
-        return await settled(commit_once, f"commit {job.session_id}/{job.step_id}")
+        async def commit_once() -> tuple[bool, int]:
+            answer, acked = await commit_call()
+            return self._apply_commit(job, state, answer), acked
 
-    def _apply_commit(self, job: Job, state: SessionState,
-                      answer: Committed | Duplicate | DuplicateUnstored | OutOfOrder) -> bool:
+        fresh, acked = await settled(commit_once, f"commit {job.session_id}/{job.step_id}")
+        await self.replicas.confirm(job, acked, commit_call)  # replicated durability: then it is published
+        return fresh
+
+    def _apply_commit(self, job: Job, state: SessionState, answer: CommitAnswer) -> bool:
         if isinstance(answer, Committed):
             state.committed = job.step_id
             state.engine_ready = True
@@ -305,16 +312,28 @@ class StepExecutor:
             state.committed = max(state.committed, job.step_id)
             self.metrics.duplicate(job.model)
             return False
+        # Redis is behind this worker (only a lost commit gets here: the lane ran the step after the
+        # one it committed), so the trainer re-sends from Redis's committed step + 1 (the fallback).
         state.committed = answer.committed_step_id
-        raise StepFailed(ErrorCode.STEP_OUT_OF_ORDER, f"step {job.step_id} could not commit "
-                         f"(committed step is {state.committed})", fallback=False)
+        raise StepFailed(ErrorCode.STEP_OUT_OF_ORDER, f"step {job.step_id} could not commit (committed step is "
+                         f"{state.committed}: Redis lost later commits); send the steps again from "
+                         f"{state.committed + 1}", fallback=True)
 
-    async def _answer_duplicate(self, job: Job) -> None:
+    async def _answer_duplicate(self, job: Job, state: SessionState) -> None:
         """A job for a step that is already committed: re-publish the stored result, never re-run."""
-        answer = await settled(lambda: self.jobs.commit(job, b"", context_length=0),
-                               f"duplicate {job.session_id}/{job.step_id}")
+        def republish() -> Coroutine[Any, Any, tuple[CommitAnswer, int]]:
+            return self.jobs.commit(job, b"", context_length=0)
+
+        answer, acked = await settled(republish, f"duplicate {job.session_id}/{job.step_id}")
+        if isinstance(answer, OutOfOrder):  # Redis is behind this worker: it lost the commit
+            state.committed, state.engine_ready = answer.committed_step_id, False
+            self.engine.drop_session(job.session_id)
+            raise StepFailed(ErrorCode.STEP_OUT_OF_ORDER, f"step {job.step_id} is not committed in Redis (committed "
+                             f"step is {answer.committed_step_id}): its commit was lost (a Redis failover before "
+                             "a replica had it, or a restart without persistence); send it again", fallback=True)
         if not isinstance(answer, Duplicate):
             raise StepFailed(ErrorCode.STEP_ALREADY_COMMITTED,
                              f"step {job.step_id} is already committed and its result is no longer stored",
                              fallback=False)
+        await self.replicas.confirm(job, acked, republish)  # a stored result a replica may not have yet
         self.metrics.duplicate(job.model)

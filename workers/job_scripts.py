@@ -4,6 +4,8 @@ or raises ``Fenced``. Callers retry and shield them through ``workers.failure.se
 
 from __future__ import annotations
 
+from typing import Any
+
 from broker.redis.connect import atomic_pipeline
 from broker.redis.keys import INBOX_GROUP
 from broker.redis.layouts import DEAD_LETTER_MAXLEN, ReplyEntry
@@ -17,11 +19,13 @@ from broker.redis.script_replies import (
 )
 from broker.redis.scripts import Scripts
 from schemas.codec import encode
-from schemas.errors import Fenced
+from schemas.errors import ErrorCode, Fenced
 from schemas.messages import StepResult
 from workers.failure import StepFailed
 from workers.jobs import BadJob, Job
 from workers.settings import WorkerSettings
+
+CommitAnswer = Committed | Duplicate | DuplicateUnstored | OutOfOrder
 
 
 class JobScripts:
@@ -32,19 +36,40 @@ class JobScripts:
         self.settings = settings
         self.worker_id = settings.worker_id
         self.reply_bounds = settings.reply_bounds()
+        self.replica_wait = settings.replica_wait()
 
     async def commit(self, job: Job, result: bytes, *, context_length: int, record: bytes = b"",
-                     keep_records: int = -1) -> Committed | Duplicate | DuplicateUnstored | OutOfOrder:
-        """Commit ``result`` as the job's step (``result`` empty: only re-publish a stored one)."""
-        reply = await self.scripts.commit(
+                     keep_records: int = -1) -> tuple[CommitAnswer, int]:
+        """Commit ``result`` as the job's step (``result`` empty: only re-publish a stored one), and
+        how many replicas have it. With durability async the result goes out with the commit (the
+        count is 0: nobody waited); replicated defers it to :meth:`publish_committed`."""
+        args: dict[str, Any] = dict(
             session_id=job.session_id, worker_id=self.worker_id, epoch=job.epoch, step_id=job.step_id,
             entry_id=job.entry_id, result=result, context_length=context_length, job_id=job.job_id,
             reply_to=job.reply_to, reply_ttl_ms=self.settings.reply_ttl_ms, record=record,
             keep_records=keep_records, reply_bounds=self.reply_bounds,
         )
+        if self.replica_wait is None:
+            reply, acked = await self.scripts.commit(**args), 0
+        else:
+            reply, acked = await self.scripts.commit_and_wait(wait=self.replica_wait, **args)
         if isinstance(reply, StaleOwner):
             raise Fenced(job.session_id)
-        return reply
+        return reply, acked
+
+    async def publish_committed(self, job: Job) -> None:
+        """Publish the stored result of the job's committed step and acknowledge the job (after a
+        replica confirmed a deferred commit)."""
+        reply = await self.scripts.commit(
+            session_id=job.session_id, worker_id=self.worker_id, epoch=job.epoch, step_id=job.step_id,
+            entry_id=job.entry_id, result=b"", context_length=0, job_id=job.job_id, reply_to=job.reply_to,
+            reply_ttl_ms=self.settings.reply_ttl_ms, reply_bounds=self.reply_bounds,
+        )
+        if isinstance(reply, StaleOwner):
+            raise Fenced(job.session_id)
+        if not isinstance(reply, Duplicate):  # confirmed on this master a moment ago: only a failover gets here
+            raise StepFailed(ErrorCode.STEP_OUT_OF_ORDER, f"step {job.step_id} is no longer committed "
+                             "(Redis failed over); send it again", fallback=True)
 
     async def report(self, job: Job, result: bytes, *, fallback: bool,
                      dead_letter: dict[str, object] | None) -> None:

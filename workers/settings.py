@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from broker.redis.config import CellConfig
+from broker.redis.durability import DURABILITY_MODES, ReplicaWait
 from broker.redis.layouts import ReplyBounds
 from schemas.limits import DEFAULT_LIMITS, Limits
 
@@ -45,6 +46,12 @@ class WorkerSettings:
     reap: bool = True  # take part in failing over dead workers (workers/reaper.py), no supervisor needed
     rebalance_interval_s: float = 5.0  # how often to check for imbalance (workers/rebalance.py); 0: never
     rebalance_threshold: float = 0.25  # move sessions while our session share exceeds a target's by more
+    # "async": a step's reply goes out with its commit (Redis replicates afterwards); "replicated":
+    # only once durability_replicas replicas have the commit (broker/redis/durability.py), waiting
+    # up to durability_timeout_s before the step answers `timeout` instead of "committed".
+    durability: str = "async"
+    durability_replicas: int = 1
+    durability_timeout_s: float = 30.0
     limits: Limits = DEFAULT_LIMITS
 
     def __post_init__(self) -> None:
@@ -58,8 +65,16 @@ class WorkerSettings:
             raise ValueError("rebalance_interval_s must be >= 0 (0: off) and rebalance_threshold in (0, 1]")
         if self.cell_config.any_cell:
             raise ValueError("a worker joins one cell: give it a cell name (--cell NAME), not '*'")
+        if self.durability not in DURABILITY_MODES:
+            raise ValueError(f"durability must be one of {', '.join(DURABILITY_MODES)}, got {self.durability!r}")
+        if self.durability_replicas < 1 or self.durability_timeout_s <= 0:
+            raise ValueError("durability_replicas and durability_timeout_s must be positive")
         if self.heartbeat_ms >= self.cell_config.lease_ms:
             raise ValueError("heartbeat_ms must be shorter than lease_ms")
+
+    def replica_wait(self) -> ReplicaWait | None:
+        """What a commit waits for before its reply goes out; None: nothing (durability async)."""
+        return ReplicaWait(self.durability_replicas) if self.durability == "replicated" else None
 
     def reply_bounds(self) -> ReplyBounds:
         return ReplyBounds(self.reply_stream_bytes, self.large_reply_bytes, self.large_reply_ttl_ms)

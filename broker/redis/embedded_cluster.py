@@ -84,6 +84,19 @@ class RedisCluster:
             time.sleep(0.2)
         raise TimeoutError(f"the cluster did not reach cluster_state:ok within {timeout}s")
 
+    def wait_synced(self, timeout: float = 60.0) -> None:
+        """Until every running replica's link to its master is up. A master's first sync waits
+        ``repl-diskless-sync-delay`` (5 s) after ``cluster_state:ok``; a replica promoted before
+        it is empty, and one that never synced refuses to fail over at all ("disconnected from
+        master for longer than allowed"). Tests that kill a master wait for this first."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            replicas = [n for n in self.running() if self.role(n) == "slave"]
+            if all("master_link_status:up" in self._cli(n, "INFO", "replication") for n in replicas):
+                return
+            time.sleep(0.1)
+        raise TimeoutError(f"the cluster's replicas did not sync within {timeout}s")
+
     def running(self) -> list[RedisServer]:
         return [n for n in self.nodes if n.process is not None and n.process.poll() is None]
 

@@ -52,7 +52,9 @@ def integer(fields: Fields, name: str, default: int | None = None) -> int:
 @dataclass(frozen=True)
 class SessionHash:
     """A session's record. Written whole by create.lua; enqueue, control, commit, report,
-    apply_control and failover.lua move single fields (their headers say which)."""
+    apply_control and failover.lua move single fields (their headers say which). One field is
+    left out here as it means nothing to a reader: ``unconfirmed_step``, present only between a
+    deferred commit (``durability=replicated``) and the publish after a replica confirmed it."""
 
     mode: Mode
     model: str

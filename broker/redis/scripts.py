@@ -13,9 +13,12 @@ from importlib import resources
 from typing import Any
 
 from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError
 
 from broker.redis.cells import touch_cell
+from broker.redis.connect import is_cluster
+from broker.redis.durability import ReplicaWait, call_then_wait
 from broker.redis.keys import INBOX_GROUP, CellKeys
 from broker.redis.layouts import (
     DEAD_LETTER_MAXLEN,
@@ -129,6 +132,14 @@ class Scripts:
         self._flushing.add(task)
         task.add_done_callback(self._flushing.discard)
 
+    def _as_redis_error(self, exc: Exception) -> Exception:
+        """redis-py 5.3's cluster pipeline reads ``get_default_node().name`` after an error, while a
+        concurrent pipeline's retry may just have closed the client (default node None) to learn
+        the slot map again after a master died: that AttributeError is the failover, retried as one."""
+        if is_cluster(self.redis) and isinstance(exc, AttributeError):
+            return RedisConnectionError(f"cluster client learning its nodes again: {exc}")
+        return exc
+
     async def _flush(self, batch: list[_Pending]) -> None:
         if len(batch) == 1:  # nothing to coalesce: the plain call
             await _settle(batch[0][3], self._direct(*batch[0][:3]))
@@ -139,6 +150,7 @@ class Scripts:
                     pipe.execute_command("EVALSHA", self._scripts[name].sha, len(keys), *keys, *args)
                 results = await pipe.execute(raise_on_error=False)
         except Exception as exc:  # the connection failed: every caller sees it, as it would alone
+            exc = self._as_redis_error(exc)
             for *_, fut in batch:
                 if not fut.done():
                     fut.set_exception(exc)
@@ -197,17 +209,42 @@ class Scripts:
     async def commit(self, *, session_id: str, worker_id: str, epoch: int, step_id: int, entry_id: str,
                      result: bytes, context_length: int, job_id: str, reply_to: str, reply_ttl_ms: int,
                      record: bytes = b"", keep_records: int = -1,
-                     reply_bounds: ReplyBounds = DEFAULT_REPLY_BOUNDS) -> CommitReply:
+                     reply_bounds: ReplyBounds = DEFAULT_REPLY_BOUNDS, deferred: bool = False) -> CommitReply:
         """Commit a step; ``record`` (kept per ``keep_records``: -1 all, N last N, 0 none) is what a
-        new owner replays to rebuild the session's context."""
+        new owner replays to rebuild the session's context. ``deferred``: commit without publishing
+        (see :meth:`commit_and_wait`); a later call with an empty result publishes."""
+        keys, args = self._commit_call(session_id, worker_id, epoch, step_id, entry_id, result, context_length,
+                                       job_id, reply_to, reply_ttl_ms, record, keep_records, reply_bounds, deferred)
+        return decode_commit(await self._call("commit", keys, args))
+
+    async def commit_and_wait(self, *, wait: ReplicaWait, session_id: str, worker_id: str, epoch: int,
+                              step_id: int, entry_id: str, result: bytes, context_length: int, job_id: str,
+                              reply_to: str, reply_ttl_ms: int, record: bytes = b"", keep_records: int = -1,
+                              reply_bounds: ReplyBounds = DEFAULT_REPLY_BOUNDS) -> tuple[CommitReply, int]:
+        """A deferred commit (an empty ``result``: a deferred duplicate) followed by ``WAIT`` on the
+        same connection, never coalesced with other calls: the reply and how many replicas have the
+        commit. Nothing is published until :meth:`commit` with ``result=b""`` runs after it."""
+        keys, args = self._commit_call(session_id, worker_id, epoch, step_id, entry_id, result, context_length,
+                                       job_id, reply_to, reply_ttl_ms, record, keep_records, reply_bounds, True)
+        sha = self._scripts["commit"].sha
+        raw, acked = await call_then_wait(self.redis, keys[0], ["EVALSHA", sha, len(keys), *keys, *args], wait)
+        if isinstance(raw, NoScriptError):  # a master that never ran it (a promoted replica): load, again
+            await self.redis.script_load(lua_source("commit"))
+            raw, acked = await call_then_wait(self.redis, keys[0], ["EVALSHA", sha, len(keys), *keys, *args],
+                                              wait)
+        if isinstance(raw, Exception):
+            raise raw
+        return decode_commit(raw), acked
+
+    def _commit_call(self, session_id: str, worker_id: str, epoch: int, step_id: int, entry_id: str, result: bytes,
+                     context_length: int, job_id: str, reply_to: str, reply_ttl_ms: int, record: bytes,
+                     keep_records: int, reply_bounds: ReplyBounds, deferred: bool) -> tuple[list[str], list[Any]]:
         k = self.keys
-        raw = await self._call(
-            "commit",
+        return (
             [k.session(session_id), k.log(session_id), k.inbox(worker_id), k.reply(reply_to)],
             [worker_id, epoch, step_id, entry_id, result, context_length, job_id, reply_ttl_ms, INBOX_GROUP,
-             record, keep_records, *reply_bounds.args()],
+             record, keep_records, *reply_bounds.args(), "1" if deferred else "0"],
         )
-        return decode_commit(raw)
 
     async def report(self, *, session_id: str, worker_id: str, epoch: int, entry_id: str, job_id: str,
                      result: bytes, fallback_gen: int | None, reply_to: str, reply_ttl_ms: int,

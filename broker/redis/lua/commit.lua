@@ -4,20 +4,31 @@
 -- ARGV: 1 worker id, 2 job epoch, 3 step_id, 4 inbox entry id, 5 result, 6 context_length,
 --       7 job_id, 8 reply ttl ms, 9 inbox group, 10 step record for context rebuild ('' = none),
 --       11 records kept (-1 = all, N = the last N), 12-14 reply stream bounds (bytes, large result
---       bytes, large result ttl ms: ReplyBounds)
+--       bytes, large result ttl ms: ReplyBounds), 15 deferred ('1': durability=replicated, see below)
+-- Deferred (replicated durability, broker/redis/durability.py): the commit is written but the job
+--       stays pending and nothing is published; the session's unconfirmed_step marks it, so a
+--       re-sent step goes to the owner (enqueue.lua) instead of reading an unconfirmed result. A
+--       deferred duplicate rewrites its stored result, a write that makes the WAIT after this call
+--       cover the commit even when another connection wrote it. The worker calls again with
+--       deferred '0' and an empty result once a replica has it: that call publishes and acks.
 -- Fields (broker/redis/layouts.py): reads session owner, epoch, committed_step_id, result_window;
---       writes session committed_step_id, context_length, updated_ms; log result:<step> (the
+--       writes session committed_step_id, context_length, updated_ms, unconfirmed_step (deferred: the
+--       lowest step committed and not yet confirmed; any publish clears it); log result:<step> (the
 --       last result_window kept) and input:<step> (per ARGV 11); adds a reply entry (kind,
 --       job_id, committed, result)
 -- Returns {'committed'} | {'duplicate'} | {'duplicate_unstored', committed}
 --       | {'fenced', owner, epoch} | {'out_of_order', committed}
-local s = redis.call('HMGET', KEYS[1], 'owner', 'epoch', 'committed_step_id', 'result_window')
+local s = redis.call('HMGET', KEYS[1], 'owner', 'epoch', 'committed_step_id', 'result_window', 'unconfirmed_step')
 if fenced(s[1], s[2], ARGV[1], ARGV[2]) then
   return {'fenced', s[1] or '', s[2] or ''}
 end
 local step = tonumber(ARGV[3])
 local committed = tonumber(s[3])
+local deferred = ARGV[15] == '1'
 local function publish(result, current)
+  if s[5] then  -- published after a replica confirmed every earlier write of this master
+    redis.call('HDEL', KEYS[1], 'unconfirmed_step')
+  end
   redis.call('XACK', KEYS[3], ARGV[9], ARGV[4])
   redis.call('XDEL', KEYS[3], ARGV[4])
   add_reply(KEYS[4], ARGV[8], ARGV[12], ARGV[13], ARGV[14], 'step', ARGV[7], current, result)
@@ -27,10 +38,14 @@ if committed >= step then
   if not stored then
     return {'duplicate_unstored', committed}
   end
+  if deferred then
+    redis.call('HSET', KEYS[2], 'result:' .. step_text(step), stored)
+    return {'duplicate'}
+  end
   publish(stored, committed)
   return {'duplicate'}
 end
-if committed ~= step - 1 then
+if committed ~= step - 1 or ARGV[5] == '' then  -- an empty result only re-publishes: never a commit
   return {'out_of_order', committed}
 end
 redis.call('HSET', KEYS[1], 'committed_step_id', step, 'context_length', ARGV[6], 'updated_ms', now_ms())
@@ -45,6 +60,13 @@ if ARGV[10] ~= '' and keep ~= 0 then
   if keep > 0 and step - keep >= 0 then
     redis.call('HDEL', KEYS[2], 'input:' .. step_text(step - keep))
   end
+end
+if deferred then
+  local unconfirmed = tonumber(s[5])
+  if not unconfirmed or step < unconfirmed then
+    redis.call('HSET', KEYS[1], 'unconfirmed_step', step)
+  end
+  return {'committed'}
 end
 publish(ARGV[5], step)
 return {'committed'}

@@ -4,14 +4,16 @@
 -- ARGV: 1 believed owner, 2 step_id, 3 contextual ('1'|'0'), 4 job_id, 5 reply_to, 6 payload,
 --       7 session_id, 8 attempt, 9 minimum policy version
 -- Fields (broker/redis/layouts.py, inbox.py): reads session owner, epoch, committed_step_id,
---       next_step_id, context_length, closed, gen, reset_pending, mode, model, retention; writes
+--       next_step_id, context_length, closed, gen, reset_pending, mode, model, retention,
+--       unconfirmed_step (a committed step no replica has confirmed yet, commit.lua: a re-sent step
+--       from there on is queued for its owner, who answers it once a replica has it); writes
 --       session next_step_id and updated_ms (a step is activity: the idle timeout starts again); reads log result:<step>; adds an inbox entry (kind, job_id,
 --       session_id, step_id, contextual, epoch, gen, mode, model, reply_to, enqueued_ms, attempt,
 --       retention, min_version, payload)
 -- Returns {'queued', entry_id, committed} | {'stored', result, committed}
 --       | {'error', code, message, committed, context_length[, 'in_flight']} | {'moved', owner}
 local s = redis.call('HMGET', KEYS[1], 'owner', 'epoch', 'committed_step_id', 'next_step_id',
-  'context_length', 'closed', 'gen', 'reset_pending', 'mode', 'model', 'retention')
+  'context_length', 'closed', 'gen', 'reset_pending', 'mode', 'model', 'retention', 'unconfirmed_step')
 local owner, committed, ctx = s[1], tonumber(s[3]), s[5]
 local refusal = session_refusal(owner, s[6], committed, ctx, ARGV[1], ARGV[7])
 if refusal then
@@ -19,7 +21,10 @@ if refusal then
 end
 local step = tonumber(ARGV[2])  -- for comparisons only: above 2^53 the double is rounded
 local step_id = ARGV[2]  -- the id exactly as the client sent it (decimal text), written back as is
-if ARGV[3] == '1' then
+local unconfirmed = tonumber(s[12] or '')
+local awaits_replica = ARGV[3] == '1' and unconfirmed ~= nil and step >= unconfirmed and step <= committed
+  and s[8] == '0'
+if ARGV[3] == '1' and not awaits_replica then
   local nxt = tonumber(s[4])
   if step ~= nxt then
     if step <= committed and s[8] == '0' then
