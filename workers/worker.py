@@ -14,14 +14,12 @@ import logging
 from typing import Any
 
 from redis.asyncio import Redis
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from broker.ops.failover import fail_over
 from broker.redis.aio import resolve
 from broker.redis.backoff import REDIS_ERRORS, Backoff, until_redis_answers
-from broker.redis.connect import open_redis
+from broker.redis.connect import blocking_timeouts, open_redis
 from broker.redis.keys import INBOX_GROUP
 from broker.redis.layouts import SessionHash
 from broker.redis.scripts import Scripts
@@ -90,7 +88,8 @@ class Worker:
 
     async def start(self) -> None:
         self.metrics.start()  # first: a taken port fails the start before anything else is open
-        self._redis = open_redis(self.settings.cell_config.redis_url, decode_responses=False)
+        self._redis = open_redis(self.settings.cell_config.redis_url, decode_responses=False,
+                                 **blocking_timeouts(self.settings.block_ms))
         self._scripts = Scripts(self._redis, self.keys)
         await self.engine.start()
         self._batchers = {
@@ -204,7 +203,7 @@ class Worker:
                 if not beat.registered and not self._stop.is_set():
                     await self._reincarnate()
                 await self.executor.stats.tick(self._redis_or_fail(), self.keys, self.id)
-            except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            except REDIS_ERRORS as exc:
                 log.warning("heartbeat failed: %s", exc)
             await asyncio.sleep(self.settings.heartbeat_ms / 1000.0)
 
@@ -250,7 +249,7 @@ class Worker:
                 resp: Any = await redis.xreadgroup(INBOX_GROUP, self.id, {inbox: cursor},
                                                    count=self.settings.read_count, block=self.settings.block_ms)
                 backoff.reset()
-            except (RedisConnectionError, RedisTimeoutError, OSError, ResponseError) as exc:
+            except (*REDIS_ERRORS, ResponseError) as exc:
                 # ResponseError: our inbox was deleted under a blocked read (we were retired as dead);
                 # the heartbeat re-registers us as a new incarnation with a new inbox.
                 log.warning("inbox read failed (%s); retrying in %.2fs", exc, backoff.delay)

@@ -9,6 +9,7 @@ from redis.exceptions import RedisError
 
 from broker.client import FleetClient
 from broker.redis.aio import resolve
+from broker.redis.connect import server_time_ms
 from schemas.messages import Mode
 
 HEALTH_TIMEOUT_S = 2.0
@@ -20,13 +21,12 @@ async def health_problem(fleet: FleetClient, model: str) -> tuple[str | None, in
     pool = keys.pool(Mode.WORLD_MODEL_ENV.value, model)
     try:
         async with asyncio.timeout(HEALTH_TIMEOUT_S):
-            seconds, micros = await resolve(fleet.redis.time())
+            now_ms = await server_time_ms(fleet.redis, keys.workers)
             members: list[str] = [m.decode() for m in await resolve(fleet.redis.zrange(pool, 0, -1))]
             beats = await resolve(fleet.redis.zmscore(keys.workers, members)) if members else []
     except (RedisError, OSError, TimeoutError) as exc:
         # The reason goes to unauthenticated probes: the error type only, not the address in the message.
         return f"redis does not answer ({type(exc).__name__})", 0
-    now_ms = seconds * 1000 + micros // 1000
     live = sum(1 for beat in beats if beat is not None and now_ms - beat <= fleet.lease_ms)
     if not live:
         return f"no live worker serves model {model!r}", 0

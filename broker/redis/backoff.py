@@ -13,12 +13,19 @@ import random
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
+from redis.exceptions import AskError, ClusterError, SlotNotCoveredError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
+# "Redis is unavailable, try again later". On a Redis Cluster a failover shows as more than a
+# refused connection: CLUSTERDOWN / MASTERDOWN (ClusterError), TRYAGAIN during a slot move, a
+# MOVED/ASK the client still chased after its own retries (AskError, MovedError's base), "TTL
+# exhausted" (ClusterError) and a slot no known node serves (SlotNotCoveredError). redis-py's
+# cluster client retries these itself a few times first. A CROSSSLOT error is a bug, not listed.
+REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError, ClusterError, TryAgainError, AskError,
+                SlotNotCoveredError)
 START_S = 0.05
 CAP_S = 2.0
 

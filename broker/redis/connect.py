@@ -27,6 +27,11 @@ from redis.asyncio.connection import parse_url
 CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
 URL_SCHEMES = ("redis://", "rediss://", "unix://", *CLUSTER_SCHEMES)
 DEFAULT_CLUSTER_PORT = 6379
+# A blocked XREAD/XREADGROUP answers when its block time is up; a connection silent for this much
+# longer is half-open (the peer vanished without a FIN, a failed-over master's address went dark)
+# and is dropped with a TimeoutError, which every read loop retries with backoff.
+SOCKET_MARGIN_S = 10.0
+CONNECT_TIMEOUT_S = 5.0  # a TCP (and TLS) connect to a reachable Redis takes milliseconds
 # Connection settings a cluster URL may carry in its query (the same names redis-py reads from
 # ``rediss://`` URLs); anything else is refused rather than silently dropped.
 _CLUSTER_QUERY = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs", "ssl_check_hostname",
@@ -82,6 +87,31 @@ def parse_cluster_url(url: str) -> tuple[list[tuple[str, int]], dict[str, Any]]:
     if tls:
         settings["ssl"] = True
     return nodes, settings
+
+
+def blocking_timeouts(block_ms: int) -> dict[str, float]:
+    """Socket timeouts for a client whose longest blocking read is ``block_ms``: no command, the
+    blocked reads included, waits on a dead connection for more than ``block_ms`` + the margin."""
+    return {"socket_timeout": block_ms / 1000 + SOCKET_MARGIN_S, "socket_connect_timeout": CONNECT_TIMEOUT_S}
+
+
+async def server_time(redis: Redis, near_key: str) -> tuple[int, int]:
+    """``TIME`` (seconds, microseconds) from the node that serves ``near_key``. Leases are written
+    by scripts with that node's clock; on a cluster redis-py would ask its default node, another
+    machine whose clock may be off by more than a lease."""
+    if not is_cluster(redis):
+        secs, micros = await redis.time()
+        return int(secs), int(micros)
+    cluster = cast(RedisCluster, redis)
+    await cluster.initialize()  # the slot map (a no-op once read)
+    answer: Any = await cluster.execute_command("TIME", target_nodes=cluster.get_node_from_key(near_key))
+    return int(answer[0]), int(answer[1])
+
+
+async def server_time_ms(redis: Redis, near_key: str) -> int:
+    """:func:`server_time` in milliseconds."""
+    secs, micros = await server_time(redis, near_key)
+    return secs * 1000 + micros // 1000
 
 
 def atomic_pipeline(redis: Redis) -> Pipeline:

@@ -118,6 +118,13 @@ class CellKeys:
         """STRING lock so that one supervisor at a time runs a reaping pass."""
         return f"{self.base}:lock:reap"
 
+    def pass_claim(self, name: str) -> str:
+        """STRING (SET NX PX, one period long): which supervisor runs this period's ``name`` pass
+        (reap, trim) where no arq schedules them, on a Redis Cluster (broker/ops/pass_loop.py)."""
+        if not name.isalnum():
+            raise ValueError(f"a pass name is letters and digits, got {name!r}")
+        return f"{self.base}:pass:{name}"
+
     @property
     def arq_queue(self) -> str:
         """arq queue of the cell's control-plane jobs (supervisor cron, replays)."""
