@@ -23,6 +23,8 @@ from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.connection import parse_url
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisClusterException
 
 CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
 URL_SCHEMES = ("redis://", "rediss://", "unix://", *CLUSTER_SCHEMES)
@@ -40,6 +42,21 @@ _CLUSTER_QUERY = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs"
 
 class RedisURLError(ValueError):
     """A Redis URL that cannot be used; the message says what is wrong with it."""
+
+
+class _FleetCluster(RedisCluster):
+    """redis-py's cluster client, except that a cluster it cannot reach raises ConnectionError.
+
+    When no seed node answers (every node down, a wrong address, a node without cluster mode),
+    redis-py raises RedisClusterException, which is not a RedisError: every "Redis unavailable,
+    retry" loop and every one-line CLI error would take it for a bug. It is the cluster's
+    "connection refused", so it is raised as one, the cause chained."""
+
+    async def initialize(self) -> RedisCluster:
+        try:
+            return await super().initialize()
+        except RedisClusterException as exc:
+            raise RedisConnectionError(str(exc)) from exc
 
 
 def is_cluster_url(url: str) -> bool:
@@ -60,7 +77,7 @@ def open_redis(url: str, **options: Any) -> Redis:
         single: Redis = Redis.from_url(url, **options)
         return single
     nodes, settings = parse_cluster_url(url)
-    cluster = RedisCluster(startup_nodes=[ClusterNode(host, port) for host, port in nodes], **settings, **options)
+    cluster = _FleetCluster(startup_nodes=[ClusterNode(host, port) for host, port in nodes], **settings, **options)
     return cast(Redis, cluster)  # same command methods (see the module docstring)
 
 

@@ -73,6 +73,7 @@ class RedisCluster:
             self.cleanup()
             raise RuntimeError(f"redis-cli --cluster create failed: {done.stdout.decode()[-2000:]}")
         self.wait_ok(timeout)
+        self.wait_replicas_linked(timeout)
         return self
 
     def wait_ok(self, timeout: float = 60.0) -> None:
@@ -83,6 +84,18 @@ class RedisCluster:
                 return
             time.sleep(0.2)
         raise TimeoutError(f"the cluster did not reach cluster_state:ok within {timeout}s")
+
+    def wait_replicas_linked(self, timeout: float = 60.0) -> None:
+        """Until every running replica has finished its first sync (``master_link_status:up``).
+        ``cluster_state:ok`` comes earlier; a replica still syncing counts its data as stale, and
+        when its master dies then, it never takes over (the slot stays down)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            replicas = [n for n in self.running() if self.role(n) == "slave"]
+            if all("master_link_status:up" in self._cli(n, "INFO", "replication") for n in replicas):
+                return
+            time.sleep(0.2)
+        raise TimeoutError(f"the cluster's replicas did not finish their first sync within {timeout}s")
 
     def running(self) -> list[RedisServer]:
         return [n for n in self.nodes if n.process is not None and n.process.poll() is None]
