@@ -13,9 +13,7 @@ from redis.asyncio.cluster import RedisCluster
 from broker.redis.config import CellConfig, ConfigError
 from broker.redis.connect import (
     DEFAULT_CLUSTER_PORT,
-    SOCKET_MARGIN_S,
     RedisURLError,
-    blocking_timeouts,
     is_cluster,
     is_cluster_url,
     open_redis,
@@ -96,12 +94,6 @@ async def test_a_tls_cluster_url_gives_tls_connections_with_its_settings() -> No
         assert kwargs["connection_class"].__name__ == "SSLConnection"
     finally:
         await cluster.aclose()
-
-
-def test_blocking_timeouts_stay_above_the_block() -> None:
-    timeouts = blocking_timeouts(2500)
-    assert timeouts["socket_timeout"] == 2.5 + SOCKET_MARGIN_S
-    assert 0 < timeouts["socket_connect_timeout"] < timeouts["socket_timeout"]
 
 
 @pytest.mark.parametrize("url", ["redis+cluster://h1:7000,h2:7001", "rediss+cluster://u:p@h1:7000"])

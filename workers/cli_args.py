@@ -139,7 +139,7 @@ def _redis(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
     p.add_argument("--appendonly", action="store_true", help="AOF with appendfsync always")
     p.add_argument("--cluster", action="store_true",
                    help="a local Redis Cluster (3 masters, 1 replica each, on free ports) instead of one node; "
-                        "prints its redis+cluster:// URL (--port and --appendonly do not apply)")
+                        "prints its redis+cluster:// URL (--port, --dir and --appendonly do not apply)")
 
 
 def _status(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:

@@ -19,7 +19,7 @@ from redis.exceptions import ResponseError
 from broker.ops.failover import fail_over
 from broker.redis.aio import resolve
 from broker.redis.backoff import REDIS_ERRORS, Backoff, until_redis_answers
-from broker.redis.connect import blocking_timeouts, open_redis
+from broker.redis.connect import open_redis
 from broker.redis.keys import INBOX_GROUP
 from broker.redis.layouts import SessionHash
 from broker.redis.scripts import Scripts
@@ -88,8 +88,7 @@ class Worker:
 
     async def start(self) -> None:
         self.metrics.start()  # first: a taken port fails the start before anything else is open
-        self._redis = open_redis(self.settings.cell_config.redis_url, decode_responses=False,
-                                 **blocking_timeouts(self.settings.block_ms))
+        self._redis = open_redis(self.settings.cell_config.redis_url, decode_responses=False)
         self._scripts = Scripts(self._redis, self.keys)
         await self.engine.start()
         self._batchers = {

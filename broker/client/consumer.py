@@ -83,8 +83,7 @@ class ResultConsumer:
 
     async def read(self, count: int = 64, block_ms: int = 1000) -> list[Delivery]:
         """Up to ``count`` results not yet handled by the group (may be empty after ``block_ms``:
-        1 to MAX_BLOCK_MS; Redis reads 0 as "for ever", and a longer block would outlast the
-        connection's socket timeout)."""
+        1 to MAX_BLOCK_MS; Redis reads 0 as "for ever")."""
         if isinstance(block_ms, bool) or not isinstance(block_ms, int) or not 1 <= block_ms <= MAX_BLOCK_MS:
             raise ValueError(f"block_ms must be whole milliseconds in 1..{MAX_BLOCK_MS}, got {block_ms!r}")
         try:

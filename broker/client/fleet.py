@@ -17,7 +17,7 @@ from broker.client.replies import ReplyReader
 from broker.client.session import Session, new_id
 from broker.redis.aio import resolve
 from broker.redis.config import CellConfig
-from broker.redis.connect import blocking_timeouts, open_redis
+from broker.redis.connect import open_redis
 from broker.redis.keys import check_session_id
 from broker.redis.layouts import DEFAULT_IDLE_TIMEOUT_S, ReplyEntry, SessionHash, idle_timeout_ms_of
 from broker.redis.script_replies import (
@@ -33,8 +33,7 @@ from schemas.limits import DEFAULT_LIMITS, Limits
 from schemas.messages import Mode, SessionStatus, StepResult, parse_mode
 from schemas.wire_fields import as_result_window, as_retention
 
-# The longest blocking read a client makes (its reply reader blocks 1 s; a results consumer's
-# read at most this): the connection's socket timeout is set above it (blocking_timeouts).
+# The longest blocking read a results consumer may ask for (every wait has a bound).
 MAX_BLOCK_MS = 30_000
 DEFAULT_STEP_TIMEOUT_S = 300.0
 DEFAULT_SESSION_CHECK_S = 2.0
@@ -99,7 +98,7 @@ class FleetClient:
     async def connect(self) -> None:
         if self._redis is not None:
             return
-        self._redis = open_redis(self.url, decode_responses=False, **blocking_timeouts(MAX_BLOCK_MS))
+        self._redis = open_redis(self.url, decode_responses=False)
         await self._redis.ping()
         self._scripts = Scripts(self._redis, self.keys)
         self._replies = ReplyReader(self._redis, self.keys.reply(self.client_id))

@@ -55,8 +55,7 @@ async def run_passes(ctx: dict[str, Any], passes: list[Pass], stop: asyncio.Even
             pause = max(0.0, min(due.values()) - loop.time())
         except REDIS_ERRORS as exc:
             log.warning("supervisor pass: redis unavailable (%s); retrying in %.2fs", exc, backoff.delay)
-            pause = backoff.delay
-            backoff.delay = min(2 * backoff.delay, backoff.cap)
+            pause = backoff.take()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), pause)
 

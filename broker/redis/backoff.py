@@ -47,9 +47,15 @@ class Backoff:
 
     async def wait(self) -> None:
         """Sleep the current delay, then double it (up to the cap)."""
+        await asyncio.sleep(self.take())
+
+    def take(self) -> float:
+        """The current delay (with its jitter), doubling it for next time: for a caller that waits
+        on something else meanwhile (a stop event)."""
         spread = 1.0 + self.jitter * (random.random() - 0.5)
-        await asyncio.sleep(self.delay * spread)
+        delay = self.delay * spread
         self.delay = min(2 * self.delay, self.cap)
+        return delay
 
 
 async def until_redis_answers(call: Callable[[], Awaitable[T]], what: str) -> T:

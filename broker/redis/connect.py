@@ -29,11 +29,6 @@ from redis.exceptions import RedisClusterException
 CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
 URL_SCHEMES = ("redis://", "rediss://", "unix://", *CLUSTER_SCHEMES)
 DEFAULT_CLUSTER_PORT = 6379
-# A blocked XREAD/XREADGROUP answers when its block time is up; a connection silent for this much
-# longer is half-open (the peer vanished without a FIN, a failed-over master's address went dark)
-# and is dropped with a TimeoutError, which every read loop retries with backoff.
-SOCKET_MARGIN_S = 10.0
-CONNECT_TIMEOUT_S = 5.0  # a TCP (and TLS) connect to a reachable Redis takes milliseconds
 # Connection settings a cluster URL may carry in its query (the same names redis-py reads from
 # ``rediss://`` URLs); anything else is refused rather than silently dropped.
 _CLUSTER_QUERY = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs", "ssl_check_hostname",
@@ -104,12 +99,6 @@ def parse_cluster_url(url: str) -> tuple[list[tuple[str, int]], dict[str, Any]]:
     if tls:
         settings["ssl"] = True
     return nodes, settings
-
-
-def blocking_timeouts(block_ms: int) -> dict[str, float]:
-    """Socket timeouts for a client whose longest blocking read is ``block_ms``: no command, the
-    blocked reads included, waits on a dead connection for more than ``block_ms`` + the margin."""
-    return {"socket_timeout": block_ms / 1000 + SOCKET_MARGIN_S, "socket_connect_timeout": CONNECT_TIMEOUT_S}
 
 
 async def server_time(redis: Redis, near_key: str) -> tuple[int, int]:

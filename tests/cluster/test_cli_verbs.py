@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import subprocess
 import sys
 
@@ -104,3 +105,27 @@ def test_demo_runs_on_the_cluster(cluster_url: str) -> None:
 async def test_status_names_a_cluster_that_does_not_answer(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = await _cli(capsys, "status", "--redis-url", "redis+cluster://fleet:pw9@127.0.0.1:1")
     assert code != 0 and "pw9" not in err and err.count("\n") == 1, err
+
+
+def test_redis_cluster_command_serves_until_sigterm() -> None:
+    proc = subprocess.Popen([*CLI, "redis", "--cluster"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()  # after the cluster is up: redis-cli --cluster create, first sync
+        assert line.startswith("redis cluster listening at redis+cluster://"), line
+        url = line.split(" at ", 1)[1].split(";", 1)[0]
+        assert len(url.split(",")) == 6
+
+        async def write_and_read() -> bytes | None:
+            async with FleetClient(url, prefix="try") as fleet:
+                await fleet.redis.set(fleet.keys.session("probe"), b"here", px=60_000)
+                value: bytes | None = await fleet.redis.get(fleet.keys.session("probe"))
+                return value
+
+        assert asyncio.run(write_and_read()) == b"here"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+        if proc.stdout is not None:
+            proc.stdout.close()
+    assert proc.returncode == 0

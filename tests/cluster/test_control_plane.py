@@ -5,6 +5,7 @@ Redis clock read from the cell's own master."""
 from __future__ import annotations
 
 import asyncio
+import signal
 from typing import Any
 
 import pytest
@@ -38,7 +39,7 @@ async def test_the_supervisor_reaps_a_dead_worker_without_arq(cluster_url: str, 
     await workers.kill(doomed)
     procs = Fleet(cluster_url, prefix, lease_ms=FAST["lease_ms"])
     try:
-        procs.supervisor()  # rollout-fleet supervisor --redis-url redis+cluster://...
+        supervisor = procs.supervisor()  # rollout-fleet supervisor --redis-url redis+cluster://...
         for _ in range(600):  # bounded: 60 s for the process to start and reap
             if not await sessions_of(fleet.scripts, doomed.id):
                 break
@@ -48,6 +49,8 @@ async def test_the_supervisor_reaps_a_dead_worker_without_arq(cluster_url: str, 
         assert step.ok and step.committed_step_id == 1
         # the trim pass ran too: its claim for this period is in the cell's slot
         assert await fleet.redis.exists(CellKeys(prefix).pass_claim("trim"))
+        supervisor.send_signal(signal.SIGTERM)  # stops its loop and closes its connections
+        assert await asyncio.to_thread(supervisor.wait, 60) == 0
     finally:
         procs.close()
 
