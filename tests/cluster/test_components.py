@@ -11,7 +11,7 @@ import pytest
 
 from broker import FleetClient, SyncFleetClient
 from broker.client.consumer import ResultConsumer
-from broker.ops.dashboard_data import DashboardData
+from broker.ops.dashboard_data import DashboardSource
 from tests.support import WorkerPool, world_step
 from tests.test_gateway import SESSIONS, GatewayServer, body
 from workers.engines.null import NullEngine
@@ -93,7 +93,7 @@ async def test_dashboard_data_reads_the_cell(fleet: FleetClient, workers: Worker
     running = await workers.add(NullEngine())
     s = await fleet.create_session(model="null-world", mode="world_model_env")
     assert (await s.step(0, **world_step(0))).ok
-    snapshot = await DashboardData(fleet.scripts, lease_ms=fleet.lease_ms).snapshot()
+    snapshot = await DashboardSource(fleet.scripts, lease_ms=fleet.lease_ms).snapshot()
     assert [(w["worker_id"], w["live"]) for w in snapshot["workers"]] == [(running.id, True)]
     assert snapshot["dead_letters"] == {"total": 0, "shown": []}
     assert snapshot["sessions"]["total"] == 1 and snapshot["sessions"]["orphaned"] == 0
