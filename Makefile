@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-engines lint clean
+.PHONY: venv demo test test-cluster test-engines lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
 	$(PY) -m pytest -q -m slow
+
+# Every component against a local Redis Cluster (tests/cluster; needs redis-server and redis-cli).
+test-cluster: $(STAMP)
+	$(PY) -m pytest -q -m cluster
 
 # Real vLLM / vLLM-Omni on CPU: builds (once, cached outside the repo) the engines venv.
 test-engines:

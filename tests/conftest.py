@@ -27,6 +27,17 @@ def root_logging_restored() -> Iterator[None]:
     root.setLevel(level)
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The cluster tier (tests/cluster/, mark ``cluster``) starts a 6-node Redis Cluster: it runs
+    only when ``-m`` names it (``-m cluster``), never in the fast (``-m "not slow"``) or slow tier."""
+    if "cluster" in (config.getoption("markexpr") or ""):
+        return
+    skipped = [item for item in items if item.get_closest_marker("cluster") is not None]
+    if skipped:
+        config.hook.pytest_deselected(items=skipped)
+        items[:] = [item for item in items if item.get_closest_marker("cluster") is None]
+
+
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[RedisServer]:
     with running_redis() as server:

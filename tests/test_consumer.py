@@ -12,6 +12,7 @@ from redis.asyncio import Redis
 
 from broker import FleetClient
 from broker.client.consumer import ResultConsumer
+from broker.client.fleet import MAX_BLOCK_MS
 from broker.redis.embedded import RedisServer
 from tests.procs import Fleet
 from tests.support import WorkerPool
@@ -105,3 +106,11 @@ async def test_producer_and_two_trainers_one_killed_mid_run(redis_server: RedisS
             t.wait(10)
         procs.close()
         await redis.aclose()
+
+
+async def test_a_read_block_is_bounded(fleet: FleetClient) -> None:
+    async with ResultConsumer(fleet, "r", group="g", consumer="c") as results:
+        for bad in (0, -1, MAX_BLOCK_MS + 1, 1.5, True):  # 0 would block for ever
+            with pytest.raises(ValueError, match="block_ms"):
+                await results.read(block_ms=bad)  # type: ignore[arg-type]
+        assert await results.read(block_ms=1) == []

@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -86,6 +87,8 @@ def _cmd_redis(run: Invocation) -> int:
     from broker.redis.embedded import RedisServer
 
     args = run.args
+    if args.cluster:
+        return _run_cluster()
     server = RedisServer(port=args.port, directory=args.dir, appendonly=args.appendonly).start()
     print(f"redis listening at {server.url} (data in {server.directory}); Ctrl-C to stop", flush=True)
     try:
@@ -96,6 +99,24 @@ def _cmd_redis(run: Invocation) -> int:
         pass
     finally:
         server.cleanup()
+    return 0
+
+
+def _run_cluster() -> int:
+    """A local 3+3 Redis Cluster in the foreground, until Ctrl-C / SIGTERM or a node exits."""
+    from broker.redis.embedded_cluster import RedisCluster
+
+    cluster = RedisCluster()
+    try:
+        signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+        cluster.start()
+        print(f"redis cluster listening at {cluster.url}; Ctrl-C to stop", flush=True)
+        while len(cluster.running()) == len(cluster.nodes):
+            time.sleep(1.0)  # Ctrl-C / SIGTERM interrupt the sleep
+    except KeyboardInterrupt:
+        pass
+    finally:
+        cluster.cleanup()
     return 0
 
 

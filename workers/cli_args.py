@@ -150,6 +150,9 @@ def _redis(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
     p.add_argument("--port", type=int, default=6379)
     p.add_argument("--dir", default=None, help="data directory (default: a temporary one)")
     p.add_argument("--appendonly", action="store_true", help="AOF with appendfsync always")
+    p.add_argument("--cluster", action="store_true",
+                   help="a local Redis Cluster (3 masters, 1 replica each, on free ports) instead of one node; "
+                        "prints its redis+cluster:// URL (--port, --dir and --appendonly do not apply)")
 
 
 def _status(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:

@@ -8,11 +8,9 @@ import logging
 from typing import Any
 
 from redis.asyncio import Redis
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from broker.ops.weights import WeightUpdate, weights_error_prefix
-from broker.redis.backoff import raise_if_cancelling
+from broker.redis.backoff import REDIS_ERRORS, raise_if_cancelling
 from broker.redis.keys import CellKeys
 from workers.engines.base import Engine
 from workers.weights_gate import WeightGate
@@ -66,7 +64,7 @@ class WeightControl:
         while True:
             try:
                 resp: Any = await self.redis.xread({self.keys.control: self._cursor}, block=self.block_ms)
-            except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            except REDIS_ERRORS as exc:
                 raise_if_cancelling()
                 log.warning("control stream read failed: %s", exc)
                 await asyncio.sleep(0.5)

@@ -14,9 +14,7 @@ import logging
 from typing import Any
 
 from redis.asyncio import Redis
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from broker.redis.aio import resolve
 from broker.redis.backoff import REDIS_ERRORS, Backoff, raise_if_cancelling, until_redis_answers
@@ -219,7 +217,7 @@ class Worker:
                 if not beat.registered and not self._stop.is_set():
                     await self._reincarnate()
                 await self.executor.stats.tick(self._redis_or_fail(), self.keys, self.id)
-            except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            except REDIS_ERRORS as exc:
                 raise_if_cancelling()
                 log.warning("heartbeat failed: %s", exc)
             await asyncio.sleep(self.settings.heartbeat_ms / 1000.0)
@@ -264,7 +262,7 @@ class Worker:
                 resp: Any = await redis.xreadgroup(INBOX_GROUP, self.id, {inbox: cursor},
                                                    count=self.settings.read_count, block=self.settings.block_ms)
                 backoff.reset()
-            except (RedisConnectionError, RedisTimeoutError, OSError, ResponseError) as exc:
+            except (*REDIS_ERRORS, ResponseError) as exc:
                 # ResponseError: our inbox was deleted under a blocked read (we were retired as dead);
                 # the heartbeat re-registers us as a new incarnation with a new inbox.
                 log.warning("inbox read failed (%s); retrying in %.2fs", exc, backoff.delay)

@@ -26,7 +26,7 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
-from broker.client.fleet import FleetClient
+from broker.client.fleet import MAX_BLOCK_MS, FleetClient
 from broker.redis.aio import resolve
 from broker.redis.keys import CellKeys, check_stream_name
 from broker.redis.layouts import LayoutError, ReplyEntry, handled_field
@@ -97,7 +97,10 @@ class ResultConsumer:
         return None
 
     async def read(self, count: int = 64, block_ms: int = 1000) -> list[Delivery]:
-        """Up to ``count`` results not yet handled by the group (may be empty after ``block_ms``)."""
+        """Up to ``count`` results not yet handled by the group (may be empty after ``block_ms``:
+        1 to MAX_BLOCK_MS; Redis reads 0 as "for ever")."""
+        if isinstance(block_ms, bool) or not isinstance(block_ms, int) or not 1 <= block_ms <= MAX_BLOCK_MS:
+            raise ValueError(f"block_ms must be whole milliseconds in 1..{MAX_BLOCK_MS}, got {block_ms!r}")
         try:
             raw = await self._claim(count) if time.monotonic() >= self._next_claim else []
             if not raw:

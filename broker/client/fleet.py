@@ -34,6 +34,8 @@ from schemas.limits import DEFAULT_LIMITS, Limits
 from schemas.messages import Mode, SessionStatus, StepResult, parse_mode
 from schemas.wire_fields import as_result_window, as_retention
 
+# The longest blocking read a results consumer may ask for (every wait has a bound).
+MAX_BLOCK_MS = 30_000
 DEFAULT_STEP_TIMEOUT_S = 300.0
 DEFAULT_SESSION_CHECK_S = 2.0
 

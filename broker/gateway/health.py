@@ -9,6 +9,7 @@ from redis.exceptions import RedisError
 
 from broker.client import FleetClient
 from broker.redis.aio import resolve
+from broker.redis.connect import server_time_ms
 from broker.redis.keys import CellKeys
 from schemas.messages import Mode
 
@@ -20,18 +21,17 @@ async def health_problem(fleet: FleetClient, model: str) -> tuple[str | None, in
     gateway's cell or, for a gateway of every cell, in every live cell)."""
     try:
         async with asyncio.timeout(HEALTH_TIMEOUT_S):
-            seconds, micros = await resolve(fleet.redis.time())
-            beats: list[float | None] = []
+            live = 0
             for cell in await fleet.live_cells():
                 keys = CellKeys(fleet.config.prefix, cell)
                 pool = keys.pool(Mode.WORLD_MODEL_ENV.value, model)
+                now_ms = await server_time_ms(fleet.redis, keys.workers)  # the clock of the cell's master
                 members: list[str] = [m.decode() for m in await resolve(fleet.redis.zrange(pool, 0, -1))]
-                beats += await resolve(fleet.redis.zmscore(keys.workers, members)) if members else []
+                beats = await resolve(fleet.redis.zmscore(keys.workers, members)) if members else []
+                live += sum(1 for beat in beats if beat is not None and now_ms - beat <= fleet.lease_ms)
     except (RedisError, OSError, TimeoutError) as exc:
         # The reason goes to unauthenticated probes: the error type only, not the address in the message.
         return f"redis does not answer ({type(exc).__name__})", 0
-    now_ms = seconds * 1000 + micros // 1000
-    live = sum(1 for beat in beats if beat is not None and now_ms - beat <= fleet.lease_ms)
     if not live:
         return f"no live worker serves model {model!r}", 0
     return None, live

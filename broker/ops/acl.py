@@ -35,6 +35,8 @@ COMMAND_RULES: tuple[str, ...] = (
     "-@dangerous",
     # arq's worker logs the server's version, memory and client count when it starts (read-only).
     "+info",
+    # On a Redis Cluster, the client reads the slot map (read-only; a single node answers an error).
+    "+cluster|slots",
 )
 
 

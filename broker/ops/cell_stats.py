@@ -19,6 +19,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
+from broker.redis.connect import server_time_ms
 from broker.redis.keys import CellKeys
 from broker.redis.layouts import Fields, LayoutError, integer, text
 
@@ -167,8 +168,7 @@ def summarize(entries: Iterable[tuple[Any, Fields]], window_s: float, now_ms: in
 
 async def read_window(redis: Redis, keys: CellKeys, window_s: float = DEFAULT_WINDOW_S) -> StatsWindow:
     """The last ``window_s`` seconds of the stream (entry ids are the Redis clock's milliseconds)."""
-    seconds, micros = await redis.time()
-    now_ms = int(seconds) * 1000 + int(micros) // 1000
+    now_ms = await server_time_ms(redis, keys.stats)
     start = max(0, now_ms - int(window_s * 1000))
     entries: Any = await redis.xrange(keys.stats, min=f"{start}-0", max="+", count=MAX_READ)
     return summarize(entries, window_s, now_ms)

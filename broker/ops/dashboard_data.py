@@ -14,6 +14,7 @@ from typing import Any
 from broker.ops.cell_stats import DEFAULT_WINDOW_S, read_window
 from broker.ops.replay import ReplayOutcome, list_dead, replay_ids
 from broker.redis.aio import resolve
+from broker.redis.connect import server_time_ms
 from broker.redis.scripts import Scripts
 
 MAX_SESSIONS_READ = 2000  # sessions classified per refresh; the total is exact, the split a sample
@@ -39,8 +40,7 @@ class DashboardSource:
         self._last: tuple[float, dict[str, Any]] | None = None  # (monotonic time, snapshot)
 
     async def _now_ms(self) -> int:
-        seconds, micros = await self.scripts.redis.time()
-        return int(seconds) * 1000 + int(micros) // 1000
+        return await server_time_ms(self.scripts.redis, self.scripts.keys.workers)
 
     async def workers(self, now_ms: int) -> list[dict[str, Any]]:
         redis, keys = self.scripts.redis, self.scripts.keys

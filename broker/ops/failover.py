@@ -14,6 +14,7 @@ from typing import Any
 
 from broker.ops.cell_stats import record_failover
 from broker.redis.aio import resolve
+from broker.redis.connect import server_time_ms
 from broker.redis.layouts import SessionHash
 from broker.redis.script_replies import Alive, FailedOver, Gone, Retired, Skipped
 from broker.redis.scripts import Scripts
@@ -35,8 +36,7 @@ class FailoverReport:
 
 
 async def redis_now_ms(scripts: Scripts) -> int:
-    secs, micros = await scripts.redis.time()
-    return int(secs) * 1000 + int(micros) // 1000
+    return await server_time_ms(scripts.redis, scripts.keys.workers)
 
 
 async def expired_workers(scripts: Scripts, lease_ms: int) -> list[str]:

@@ -18,6 +18,7 @@ from redis.asyncio import Redis
 from broker.client.fleet import FleetClient
 from broker.redis.aio import resolve
 from broker.redis.config import CellConfig
+from broker.redis.connect import server_time_ms
 from broker.redis.keys import CellKeys, check_session_id
 from broker.redis.layouts import LayoutError, SessionHash, log_result_field
 from schemas.codec import decode
@@ -73,9 +74,8 @@ def _row(sid: str, h: SessionHash, indexed: bool, now_ms: int) -> dict[str, Any]
             "idle_timeout_ms": h.idle_timeout_ms, "idle_closed": h.idle_closed}
 
 
-async def _now_ms(redis: Redis) -> int:
-    now_s, now_us = await redis.time()
-    return int(now_s) * 1000 + int(now_us) // 1000
+async def _now_ms(redis: Redis, keys: CellKeys) -> int:
+    return await server_time_ms(redis, keys.sessions)
 
 
 def _glob_escape(text: str) -> str:
@@ -89,7 +89,7 @@ async def list_sessions(redis: Redis, keys: CellKeys, *, model: str | None = Non
     if state is not None and state not in STATES:
         raise ValueError(f"state must be one of {', '.join(STATES)}, got {state!r}")
     stem = keys.session("")
-    now = await _now_ms(redis)
+    now = await _now_ms(redis, keys)
     rows: list[SessionRow] = []
     async for key in redis.scan_iter(match=_glob_escape(stem) + "*", count=SCAN_COUNT):
         sid = (key.decode() if isinstance(key, bytes) else key)[len(stem):]
@@ -127,7 +127,8 @@ async def show_session(redis: Redis, keys: CellKeys, session_id: str) -> Session
         stored: Any = await resolve(redis.hget(keys.log(sid), log_result_field(h.committed_step_id)))
         if stored:
             version = StepResult.from_wire(decode(stored, DEFAULT_LIMITS)).policy_version
-    return SessionDetail(**_row(sid, h, indexed, await _now_ms(redis)), gen=h.gen, context_length=h.context_length,
+    now = await _now_ms(redis, keys)
+    return SessionDetail(**_row(sid, h, indexed, now), gen=h.gen, context_length=h.context_length,
                          retention=h.retention, result_window=h.result_window, created_ms=h.created_ms,
                          results=_span(names, "result"), inputs=_span(names, "input"), policy_version=version)
 

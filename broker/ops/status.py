@@ -21,7 +21,7 @@ from redis.asyncio import Redis
 from broker.redis.aio import resolve
 from broker.redis.cells import cells_of
 from broker.redis.config import CellConfig
-from broker.redis.connect import open_redis
+from broker.redis.connect import open_redis, server_time_ms
 from broker.redis.keys import INBOX_GROUP
 
 DEFAULT_CHECK_WINDOW_S = 300.0  # dead letters newer than this fail --check
@@ -116,8 +116,7 @@ async def cell_status(url: str | None = None, *, prefix: str | None = None, cell
     # Not decoding: dead letters carry binary payloads (read here, only counted).
     redis = open_redis(config.redis_url, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S)
     try:
-        now_s, now_us = await redis.time()
-        now_ms = int(now_s) * 1000 + int(now_us) // 1000
+        now_ms = await server_time_ms(redis, keys.workers)
         beats: Any = await redis.zrange(keys.workers, 0, -1, withscores=True)
         infos = [await _worker_info(redis, config, wid.decode(), now_ms - int(score)) for wid, score in beats]
         window_ms = int(window_s * 1000)

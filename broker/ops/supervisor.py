@@ -1,5 +1,7 @@
 """The supervisor: an arq worker whose cron jobs keep a cell healthy, or every cell (``--cell '*'``:
-each pass runs in every cell of the registry, :func:`broker.redis.cells.known_cells`).
+each pass runs in every cell of the registry, :func:`broker.redis.cells.known_cells`). On a Redis
+Cluster, where arq cannot run, the same passes run on the fleet's own schedule
+(:mod:`broker.ops.pass_loop`).
 
 - ``reap`` (every ``interval`` s): fail over the sessions of workers whose lease expired, then
   retire those workers (see :mod:`broker.ops.failover`).
@@ -18,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -27,18 +30,24 @@ from arq.worker import Worker as ArqWorker
 from broker.ops.arq_queue import arq_pool, pack_arq, unpack_arq
 from broker.ops.failover import reap_exclusively
 from broker.ops.metrics import FleetMetrics, serve_metrics
+from broker.ops.pass_loop import Pass, run_passes
 from broker.ops.replay import list_dead, replay
 from broker.redis.aio import resolve
 from broker.redis.backoff import REDIS_ERRORS
 from broker.redis.cells import cells_of
 from broker.redis.config import CellConfig
-from broker.redis.connect import open_redis
+from broker.redis.connect import is_cluster_url, open_redis
 from broker.redis.keys import CellKeys
 from broker.redis.layouts import DEAD_LETTER_MAXLEN
 from broker.redis.scripts import Scripts
 
 log = logging.getLogger(__name__)
 RESTART_PAUSE_S = 1.0  # between a Redis error that ended arq's loop and the next start
+TRIM_EVERY_S = 30  # arq runs the trim pass at seconds 0 and 30 of every minute
+
+
+class ArqOnClusterError(RuntimeError):
+    """arq's queue cannot run on a Redis Cluster (docs/cluster.md); the message says what to use."""
 
 
 @dataclass(frozen=True)
@@ -155,8 +164,10 @@ def build_worker(settings: SupervisorSettings, *, handle_signals: bool = True,
             # arq's cron job ids are "<name>:<tick>" under its fixed arq:job: / arq:in-progress:
             # keys, shared by every cell on this Redis: the cell's queue in the name keeps one
             # cell's tick from being taken for another's (which then skipped its pass).
-            cron(reap_job, name=f"{queue}:reap", second=every, run_at_startup=True, unique=True, timeout=60),
-            cron(trim_job, name=f"{queue}:trim", second={0, 30}, unique=True, timeout=60),
+            cron(reap_job, name=f"{queue}:reap", second=every, run_at_startup=True, unique=True,
+                 timeout=60),
+            cron(trim_job, name=f"{queue}:trim", second=set(range(0, 60, TRIM_EVERY_S)), unique=True,
+                 timeout=60),
         ],
         queue_name=queue,
         redis_pool=arq_pool(settings.cell_config),  # msgpack jobs, the full URL (TLS, ACL user)
@@ -185,6 +196,9 @@ def run_supervisor(settings: SupervisorSettings) -> None:
 
 
 def _supervise(settings: SupervisorSettings, stop: asyncio.Event, metrics: FleetMetrics) -> None:
+    if is_cluster_url(settings.cell_config.redis_url):
+        asyncio.run(_supervise_cluster(settings, stop, metrics))
+        return
     while not stop.is_set():
         worker = build_worker(settings, metrics=metrics)
         worker.on_stop = lambda _sig: stop.set()
@@ -199,6 +213,25 @@ def _supervise(settings: SupervisorSettings, stop: asyncio.Event, metrics: Fleet
             worker.loop.run_until_complete(asyncio.wait_for(stop.wait(), RESTART_PAUSE_S))
 
 
+async def _supervise_cluster(settings: SupervisorSettings, stop: asyncio.Event, metrics: FleetMetrics) -> None:
+    """The cron passes without arq, until SIGINT/SIGTERM; replays are run by the replay CLI."""
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    config = settings.cell_config
+    # One claim per pass and period: in the cell's slot, or the deployment's for a supervisor of every cell.
+    claim_key = config.deployment_keys.pass_claim if config.any_cell else config.keys.pass_claim
+    ctx: dict[str, Any] = {"settings": settings, "metrics": metrics, "pass_claim": claim_key}
+    await _startup(ctx)
+    log.info("supervisor on a Redis Cluster: reap every %ds, trim every %ds (no arq)", settings.interval_s,
+             TRIM_EVERY_S)
+    try:
+        await run_passes(ctx, [Pass("reap", settings.interval_s, reap_job), Pass("trim", TRIM_EVERY_S, trim_job)],
+                         stop)
+    finally:
+        await _shutdown(ctx)
+
+
 async def _abandon(worker: ArqWorker) -> None:
     """Close what a worker that died on a Redis error left open."""
     for redis in (worker.ctx.get("fleet_redis"), worker.pool):
@@ -208,7 +241,12 @@ async def _abandon(worker: ArqWorker) -> None:
 
 
 async def request_replay(settings: SupervisorSettings, filters: dict[str, Any], *, dry_run: bool = False) -> str:
-    """Ask the supervisors to replay dead letters matching ``filters`` (an arq job); returns its id."""
+    """Ask the supervisors to replay dead letters matching ``filters`` (an arq job); returns its id.
+    Not on a Redis Cluster (ArqOnClusterError): there ``rollout-fleet replay run`` (or
+    :func:`broker.ops.replay.replay`) replays through the cell's scripts directly."""
+    if is_cluster_url(settings.cell_config.redis_url):
+        raise ArqOnClusterError("replay jobs go through arq, which cannot run on a Redis Cluster: "
+                                "use `rollout-fleet replay run` (it replays through the cell's own scripts)")
     pool = arq_pool(settings.cell_config)
     try:
         job = await pool.enqueue_job("replay_dead", filters, dry_run, _queue_name=queue_name(settings.cell_config))

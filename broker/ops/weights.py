@@ -14,6 +14,7 @@ from redis.asyncio import Redis
 from broker.redis.aio import resolve
 from broker.redis.cells import cells_of
 from broker.redis.config import CellConfig
+from broker.redis.connect import server_time_ms
 from broker.redis.keys import CellKeys
 
 CONTROL_MAXLEN = 1000
@@ -93,8 +94,7 @@ def model_version(fields: list[bytes | None], model: str) -> int:
 
 async def live_models(redis: Redis, keys: CellKeys, *, lease_ms: int) -> dict[str, list[str]]:
     """The models of the workers whose heartbeat is younger than ``lease_ms``: model -> worker ids."""
-    now_s, now_us = await redis.time()
-    since = int(now_s) * 1000 + int(now_us) // 1000 - lease_ms
+    since = await server_time_ms(redis, keys.workers) - lease_ms
     ids: Any = await redis.zrangebyscore(keys.workers, since, "+inf")
     served: dict[str, list[str]] = {}
     for raw in ids:

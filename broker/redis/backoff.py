@@ -13,12 +13,19 @@ import random
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
+from redis.exceptions import AskError, ClusterError, SlotNotCoveredError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
+# "Redis is unavailable, try again later". On a Redis Cluster a failover shows as more than a
+# refused connection: CLUSTERDOWN / MASTERDOWN (ClusterError), TRYAGAIN during a slot move, a
+# MOVED/ASK the client still chased after its own retries (AskError, MovedError's base), "TTL
+# exhausted" (ClusterError) and a slot no known node serves (SlotNotCoveredError). redis-py's
+# cluster client retries these itself a few times first. A CROSSSLOT error is a bug, not listed.
+REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError, ClusterError, TryAgainError, AskError,
+                SlotNotCoveredError)
 START_S = 0.05
 CAP_S = 2.0
 
@@ -50,9 +57,15 @@ class Backoff:
     async def wait(self) -> None:
         """Sleep the current delay, then double it (up to the cap)."""
         raise_if_cancelling()
+        await asyncio.sleep(self.take())
+
+    def take(self) -> float:
+        """The current delay (with its jitter), doubling it for next time: for a caller that waits
+        on something else meanwhile (a stop event)."""
         spread = 1.0 + self.jitter * (random.random() - 0.5)
-        await asyncio.sleep(self.delay * spread)
+        delay = self.delay * spread
         self.delay = min(2 * self.delay, self.cap)
+        return delay
 
 
 async def until_redis_answers(call: Callable[[], Awaitable[T]], what: str) -> T:

@@ -23,6 +23,8 @@ from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.connection import parse_url
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisClusterException
 
 CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
 URL_SCHEMES = ("redis://", "rediss://", "unix://", *CLUSTER_SCHEMES)
@@ -35,6 +37,21 @@ _CLUSTER_QUERY = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs"
 
 class RedisURLError(ValueError):
     """A Redis URL that cannot be used; the message says what is wrong with it."""
+
+
+class _FleetCluster(RedisCluster):
+    """redis-py's cluster client, except that a cluster it cannot reach raises ConnectionError.
+
+    When no seed node answers (every node down, a wrong address, a node without cluster mode),
+    redis-py raises RedisClusterException, which is not a RedisError: every "Redis unavailable,
+    retry" loop and every one-line CLI error would take it for a bug. It is the cluster's
+    "connection refused", so it is raised as one, the cause chained."""
+
+    async def initialize(self) -> RedisCluster:
+        try:
+            return await super().initialize()
+        except RedisClusterException as exc:
+            raise RedisConnectionError(str(exc)) from exc
 
 
 def is_cluster_url(url: str) -> bool:
@@ -55,7 +72,7 @@ def open_redis(url: str, **options: Any) -> Redis:
         single: Redis = Redis.from_url(url, **options)
         return single
     nodes, settings = parse_cluster_url(url)
-    cluster = RedisCluster(startup_nodes=[ClusterNode(host, port) for host, port in nodes], **settings, **options)
+    cluster = _FleetCluster(startup_nodes=[ClusterNode(host, port) for host, port in nodes], **settings, **options)
     return cast(Redis, cluster)  # same command methods (see the module docstring)
 
 
@@ -82,6 +99,25 @@ def parse_cluster_url(url: str) -> tuple[list[tuple[str, int]], dict[str, Any]]:
     if tls:
         settings["ssl"] = True
     return nodes, settings
+
+
+async def server_time(redis: Redis, near_key: str) -> tuple[int, int]:
+    """``TIME`` (seconds, microseconds) from the node that serves ``near_key``. Leases are written
+    by scripts with that node's clock; on a cluster redis-py would ask its default node, another
+    machine whose clock may be off by more than a lease."""
+    if not is_cluster(redis):
+        secs, micros = await redis.time()
+        return int(secs), int(micros)
+    cluster = cast(RedisCluster, redis)
+    await cluster.initialize()  # the slot map (a no-op once read)
+    answer: Any = await cluster.execute_command("TIME", target_nodes=cluster.get_node_from_key(near_key))
+    return int(answer[0]), int(answer[1])
+
+
+async def server_time_ms(redis: Redis, near_key: str) -> int:
+    """:func:`server_time` in milliseconds."""
+    secs, micros = await server_time(redis, near_key)
+    return secs * 1000 + micros // 1000
 
 
 def atomic_pipeline(redis: Redis) -> Pipeline:

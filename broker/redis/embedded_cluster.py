@@ -73,6 +73,7 @@ class RedisCluster:
             self.cleanup()
             raise RuntimeError(f"redis-cli --cluster create failed: {done.stdout.decode()[-2000:]}")
         self.wait_ok(timeout)
+        self.wait_synced(timeout)
         return self
 
     def wait_ok(self, timeout: float = 60.0) -> None:
@@ -94,8 +95,8 @@ class RedisCluster:
             replicas = [n for n in self.running() if self.role(n) == "slave"]
             if all("master_link_status:up" in self._cli(n, "INFO", "replication") for n in replicas):
                 return
-            time.sleep(0.1)
-        raise TimeoutError(f"the cluster's replicas did not sync within {timeout}s")
+            time.sleep(0.2)
+        raise TimeoutError(f"the cluster's replicas did not finish their first sync within {timeout}s")
 
     def running(self) -> list[RedisServer]:
         return [n for n in self.nodes if n.process is not None and n.process.poll() is None]

@@ -85,6 +85,17 @@ class DeploymentKeys:
         """SET of the open sessions a gateway of every cell created for one API key."""
         return f"{self.prefix}:gateway:open:{key_digest}"
 
+    def pass_claim(self, name: str) -> str:
+        """STRING (SET NX PX): which supervisor of every cell runs this period's ``name`` pass on a
+        Redis Cluster (the per-cell claim is :meth:`CellKeys.pass_claim`)."""
+        return f"{self.prefix}:pass:{_pass_name(name)}"
+
+
+def _pass_name(name: str) -> str:
+    if not name.isalnum():
+        raise ValueError(f"a pass name is letters and digits, got {name!r}")
+    return name
+
 
 def check_stream_name(name: str) -> None:
     """A results stream or consumer group name a trainer chose (it goes into a key name)."""
@@ -187,6 +198,11 @@ class CellKeys:
     def supervisor_lock(self) -> str:
         """STRING lock so that one supervisor at a time runs a reaping pass."""
         return f"{self.base}:lock:reap"
+
+    def pass_claim(self, name: str) -> str:
+        """STRING (SET NX PX, one period long): which supervisor runs this period's ``name`` pass
+        (reap, trim) where no arq schedules them, on a Redis Cluster (broker/ops/pass_loop.py)."""
+        return f"{self.base}:pass:{_pass_name(name)}"
 
     @property
     def arq_queue(self) -> str:

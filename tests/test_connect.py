@@ -1,0 +1,107 @@
+"""broker/redis/connect.py: which client a URL builds, and cluster URLs parsed or refused with a
+message that names the problem and never shows the password. No server is needed: redis-py's
+clients do not connect until their first command."""
+
+from __future__ import annotations
+
+import ssl
+
+import pytest
+from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
+
+from broker.redis.config import CellConfig, ConfigError
+from broker.redis.connect import (
+    DEFAULT_CLUSTER_PORT,
+    RedisURLError,
+    is_cluster,
+    is_cluster_url,
+    open_redis,
+    parse_cluster_url,
+)
+
+
+def test_seed_nodes_are_every_listed_node_with_the_default_port_where_none_is_given() -> None:
+    nodes, settings = parse_cluster_url("redis+cluster://10.0.0.1:7000,10.0.0.2,[::1]:7002")
+    assert nodes == [("10.0.0.1", 7000), ("10.0.0.2", DEFAULT_CLUSTER_PORT), ("::1", 7002)]
+    assert "ssl" not in settings
+
+
+def test_credentials_reach_every_node() -> None:
+    _, settings = parse_cluster_url("redis+cluster://fleet:s3cret@h1:7000,h2:7001")
+    assert (settings["username"], settings["password"]) == ("fleet", "s3cret")
+
+
+def test_tls_scheme_and_query_settings() -> None:
+    nodes, settings = parse_cluster_url(
+        "rediss+cluster://h1:7000,h2:7001?ssl_ca_certs=/etc/ca.pem&ssl_cert_reqs=required&socket_timeout=3")
+    assert nodes == [("h1", 7000), ("h2", 7001)]
+    assert settings["ssl"] is True
+    assert settings["ssl_ca_certs"] == "/etc/ca.pem"
+    assert settings["ssl_cert_reqs"] == "required"
+    assert settings["socket_timeout"] == 3.0
+
+
+@pytest.mark.parametrize("url", ["redis+cluster://h1:7000/0", "redis+cluster://h1:7000/", "redis+cluster://h1:7000"])
+def test_database_zero_is_the_only_one(url: str) -> None:
+    assert parse_cluster_url(url)[0] == [("h1", 7000)]
+
+
+def test_a_database_other_than_zero_is_refused_without_the_password() -> None:
+    with pytest.raises(RedisURLError, match="only database 0") as caught:
+        parse_cluster_url("redis+cluster://fleet:s3cret@h1:7000/2")
+    assert "s3cret" not in str(caught.value)
+    assert "fleet:***@" in str(caught.value)
+
+
+def test_an_unknown_query_setting_is_refused_without_the_password() -> None:
+    with pytest.raises(RedisURLError, match="max_connections cannot be set") as caught:
+        parse_cluster_url("redis+cluster://fleet:s3cret@h1:7000?max_connections=5")
+    assert "s3cret" not in str(caught.value)
+
+
+@pytest.mark.parametrize("node", ["h1:notaport", "h1:0", "h1:70000", ":7000", "h1:7000,,h2:7001"])
+def test_a_bad_node_is_refused_by_name(node: str) -> None:
+    with pytest.raises(RedisURLError, match="bad node") as caught:
+        parse_cluster_url(f"redis+cluster://u:pw123@{node}")
+    assert "pw123" not in str(caught.value)
+
+
+@pytest.mark.parametrize("url", ["http://h1:7000", "h1:7000", "redis+sentinel://h1:26379", ""])
+def test_other_schemes_are_refused(url: str) -> None:
+    with pytest.raises(RedisURLError, match="expected a"):
+        open_redis(url)
+
+
+async def test_a_cluster_url_builds_the_cluster_client_and_a_plain_one_the_plain_client() -> None:
+    cluster = open_redis("redis+cluster://127.0.0.1:7000,127.0.0.1:7001", decode_responses=True)
+    plain = open_redis("redis://127.0.0.1:6379/3")
+    try:
+        assert isinstance(cluster, RedisCluster) and is_cluster(cluster)
+        assert isinstance(plain, Redis) and not is_cluster(plain)
+        assert is_cluster_url("rediss+cluster://h:1") and not is_cluster_url("rediss://h:1")
+        assert plain.connection_pool.connection_kwargs["db"] == 3
+    finally:
+        await cluster.aclose()
+        await plain.aclose()
+
+
+async def test_a_tls_cluster_url_gives_tls_connections_with_its_settings() -> None:
+    cluster = open_redis("rediss+cluster://127.0.0.1:7000?ssl_cert_reqs=none")
+    try:
+        kwargs = cluster.connection_kwargs  # type: ignore[attr-defined]
+        assert kwargs["ssl_cert_reqs"] in ("none", ssl.CERT_NONE)
+        assert kwargs["connection_class"].__name__ == "SSLConnection"
+    finally:
+        await cluster.aclose()
+
+
+@pytest.mark.parametrize("url", ["redis+cluster://h1:7000,h2:7001", "rediss+cluster://u:p@h1:7000"])
+def test_cell_config_takes_the_cluster_schemes(url: str) -> None:
+    assert CellConfig(redis_url=url).redis_url == url
+    assert CellConfig.from_env({"ROLLOUT_FLEET_REDIS_URL": url}).redis_url == url
+
+
+def test_cell_config_refuses_an_unknown_scheme_by_name() -> None:
+    with pytest.raises(ConfigError, match="redis_url"):
+        CellConfig(redis_url="redis+sentinel://h1:26379")
