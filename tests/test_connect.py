@@ -18,6 +18,7 @@ from broker.redis.connect import (
     is_cluster_url,
     open_redis,
     parse_cluster_url,
+    stream_read_keys,
 )
 
 
@@ -105,3 +106,12 @@ def test_cell_config_takes_the_cluster_schemes(url: str) -> None:
 def test_cell_config_refuses_an_unknown_scheme_by_name() -> None:
     with pytest.raises(ConfigError, match="redis_url"):
         CellConfig(redis_url="redis+sentinel://h1:26379")
+
+
+def test_stream_reads_name_their_keys_after_streams() -> None:
+    assert stream_read_keys("XREAD", ("COUNT", 1, "BLOCK", 10, "STREAMS", "a{c}", "b{c}", "0", "$")) == ["a{c}", "b{c}"]
+    # a group and a consumer called "streams" are not the keyword
+    assert stream_read_keys("XREADGROUP", ("GROUP", "streams", "STREAMS", "COUNT", 1, "STREAMS", b"k", ">")) == [b"k"]
+    assert stream_read_keys("xread", ("STREAMS", "k", "0")) == ["k"]
+    assert stream_read_keys("GET", ("k",)) == []
+    assert stream_read_keys("XREAD", ("COUNT", 1)) == []

@@ -45,13 +45,38 @@ class _FleetCluster(RedisCluster):
     When no seed node answers (every node down, a wrong address, a node without cluster mode),
     redis-py raises RedisClusterException, which is not a RedisError: every "Redis unavailable,
     retry" loop and every one-line CLI error would take it for a bug. It is the cluster's
-    "connection refused", so it is raised as one, the cause chained."""
+    "connection refused", so it is raised as one, the cause chained.
+
+    And stream reads are routed by their keys here: redis-py finds the keys of XREAD/XREADGROUP
+    (they follow ``STREAMS``) by asking one fixed node ``COMMAND GETKEYS`` before every read, so at
+    fleet scale that one node pays for every worker's blocked read (docs/sizing.md)."""
 
     async def initialize(self) -> RedisCluster:
         try:
             return await super().initialize()
         except RedisClusterException as exc:
             raise RedisConnectionError(str(exc)) from exc
+
+    async def _determine_slot(self, command: str, *args: Any) -> int:
+        slots = {self.keyslot(key) for key in stream_read_keys(command, args)}
+        if len(slots) == 1:
+            return slots.pop()
+        return await super()._determine_slot(command, *args)  # other commands; cross-slot reads: its error
+
+
+def stream_read_keys(command: str, args: tuple[Any, ...]) -> list[Any]:
+    """The stream keys of an XREAD / XREADGROUP (empty for any other command): the first half of
+    what follows ``STREAMS``. XREADGROUP's ``GROUP name consumer`` comes first and is skipped, so a
+    group or consumer called "streams" is not taken for the keyword."""
+    name = (command.decode() if isinstance(command, bytes) else str(command)).upper()
+    if name not in ("XREAD", "XREADGROUP"):
+        return []
+    for i in range(3 if name == "XREADGROUP" else 0, len(args)):
+        word = args[i].decode() if isinstance(args[i], bytes) else str(args[i])
+        if word.upper() == "STREAMS":
+            rest = args[i + 1:]
+            return list(rest[: len(rest) // 2])
+    return []
 
 
 def is_cluster_url(url: str) -> bool:

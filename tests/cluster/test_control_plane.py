@@ -5,6 +5,7 @@ Redis clock read from the cell's own master."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 from typing import Any
 
@@ -118,3 +119,26 @@ def _time_calls(commandstats: str) -> int:
         if line.startswith("cmdstat_time:"):
             return int(line.split("calls=", 1)[1].split(",", 1)[0])
     return 0
+
+
+async def test_stream_reads_are_routed_without_asking_a_server_for_their_keys(
+        cluster_url: str, redis_cluster: RedisCluster) -> None:
+    """redis-py's cluster client asks one fixed node ``COMMAND GETKEYS`` before every XREAD and
+    XREADGROUP (their keys follow STREAMS); at fleet scale that node pays for every blocked read
+    of every worker (docs/sizing.md). The fleet's client reads the keys itself."""
+    redis: Any = open_redis(cluster_url)
+    keys = CellKeys()
+    try:
+        await redis.xadd(keys.control, {"k": "v"})
+        with contextlib.suppress(ResponseError):
+            await redis.xgroup_create(keys.inbox("getkeys-test"), "g", id="0", mkstream=True)
+        await redis.execute_command("CONFIG", "RESETSTAT", target_nodes="all")
+        for _ in range(5):
+            assert await redis.xread({keys.control: "0"}, count=1)
+            await redis.xreadgroup("g", "c", {keys.inbox("getkeys-test"): ">"}, count=1, block=10)
+        stats = {node.port: redis_cluster._cli(node, "INFO", "commandstats") for node in redis_cluster.running()}
+        assert not any("cmdstat_command|getkeys:" in text for text in stats.values()), stats
+        owner = redis_cluster.master_of_slot(cell_slot())
+        assert "cmdstat_xread:calls=5" in stats[owner.port].replace("\r", "")
+    finally:
+        await redis.aclose()
