@@ -42,8 +42,10 @@ async def _case(url: str, cells: int, every: bool, n: int) -> list[Row]:
     names = [f"c{i}" for i in range(cells)]
     workers = []
     for name in names:
+        # drain_timeout_s 0: at the end every worker of the bench stops together, so a drain would
+        # wait its whole timeout for room elsewhere (workers/drain.py) for sessions nobody needs.
         settings = WorkerSettings.from_mapping({"redis_url": url, "prefix": prefix, "cell": name,
-                                                "capacity": 1_000_000})
+                                                "capacity": 1_000_000, "drain_timeout_s": 0.0})
         worker = Worker(NullEngine(), settings)
         await worker.start()
         workers.append((worker, asyncio.create_task(worker.serve())))

@@ -11,6 +11,7 @@ from bench import run_all
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # every benchmark in turn, ~5 minutes at smoke size on 2 cores
 def test_bench_smoke_runs_every_benchmark(tmp_path: Path) -> None:
     results, plot = tmp_path / "latest.json", tmp_path / "latency.png"
     code = run_all.main(["--size", "smoke", "--no-progress", "--results", str(results), "--plot", str(plot)])
