@@ -30,7 +30,24 @@ def _text(value: Any) -> str:
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else "" if value is None else str(value)
 
 
-class DashboardSource:
+class CachedSnapshot:
+    """A snapshot reused for SNAPSHOT_REUSE_S: several open dashboards cost Redis one read a second."""
+
+    _last: tuple[float, dict[str, Any]] | None = None  # (monotonic time, snapshot)
+
+    async def snapshot(self) -> dict[str, Any]:
+        """Everything the page shows, as JSON-ready data (reused for SNAPSHOT_REUSE_S)."""
+        if self._last is not None and time.monotonic() - self._last[0] < SNAPSHOT_REUSE_S:
+            return self._last[1]
+        snapshot = await self._read_snapshot()
+        self._last = (time.monotonic(), snapshot)
+        return snapshot
+
+    async def _read_snapshot(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class DashboardSource(CachedSnapshot):
     """One cell's dashboard data over a Redis connection someone else owns (the gateway's fleet
     client, or the ``dashboard`` verb's own)."""
 
@@ -90,14 +107,6 @@ class DashboardSource:
                   "reason": j.reason, "attempts": j.attempts, "failed_ms": j.failed_ms, "model": j.model,
                   "replayable": j.replayable} for j in jobs]
         return {"total": total, "shown": shown}
-
-    async def snapshot(self) -> dict[str, Any]:
-        """Everything the page shows, as JSON-ready data (reused for SNAPSHOT_REUSE_S)."""
-        if self._last is not None and time.monotonic() - self._last[0] < SNAPSHOT_REUSE_S:
-            return self._last[1]
-        snapshot = await self._read_snapshot()
-        self._last = (time.monotonic(), snapshot)
-        return snapshot
 
     async def _read_snapshot(self) -> dict[str, Any]:
         now_ms = await self._now_ms()

@@ -8,13 +8,12 @@ dead letter's cell by its entry id.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from redis.asyncio import Redis
 
 from broker.ops.cell_stats import DEFAULT_WINDOW_S, StatsWindow, read_window
-from broker.ops.dashboard_data import MAX_DEAD_SHOWN, SNAPSHOT_REUSE_S, DashboardSource
+from broker.ops.dashboard_data import MAX_DEAD_SHOWN, CachedSnapshot, DashboardSource
 from broker.ops.replay import show
 from broker.redis.cells import cells_of, redis_now_ms
 from broker.redis.config import CellConfig
@@ -35,8 +34,8 @@ def _merge_windows(windows: list[StatsWindow], window_s: float) -> StatsWindow:
     return total
 
 
-class FleetDashboardSource:
-    """Dashboard data of every known cell, over a Redis connection someone else owns."""
+class FleetDashboardSource(CachedSnapshot):
+    """Dashboard data of every known cell added up, over a Redis connection someone else owns."""
 
     label = "every cell"
 
@@ -50,14 +49,6 @@ class FleetDashboardSource:
             scripts = Scripts(self.redis, CellKeys(self.config.prefix, cell))
             self._cells[cell] = DashboardSource(scripts, self.config.lease_ms, self.window_s)
         return self._cells[cell]
-
-    async def snapshot(self) -> dict[str, Any]:
-        """Everything the page shows, for every cell together (reused for SNAPSHOT_REUSE_S)."""
-        if self._last is not None and time.monotonic() - self._last[0] < SNAPSHOT_REUSE_S:
-            return self._last[1]
-        snapshot = await self._read_snapshot()
-        self._last = (time.monotonic(), snapshot)
-        return snapshot
 
     async def _read_snapshot(self) -> dict[str, Any]:
         now_ms = await redis_now_ms(self.redis)
