@@ -141,3 +141,14 @@ def world_step(i: int, prompt: str = "pick the cup", seed: int = 0) -> dict[str,
         },
         "action": {"joint_positions": [0.1 * ((i + j) % 5) for j in range(7)], "gripper_position": [0.5]},
     }
+
+
+async def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    """``rollout-fleet ARGV`` in a thread (it runs its own event loop), with no environment:
+    exit code, stdout, stderr."""
+    from workers.cli import main  # the CLI pulls in every verb: only the tests that run it pay
+
+    capsys.readouterr()
+    code = await asyncio.to_thread(main, list(argv), {})
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err

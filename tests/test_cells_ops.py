@@ -26,8 +26,9 @@ from broker.redis.embedded import RedisServer
 from broker.redis.keys import CellKeys
 from broker.redis.slots import cell_slot
 from tests.support import FAST, WorkerPool, world_step
+from tests.support import run_cli as _cli
 from tests.test_gateway import SESSIONS, GatewayServer, body
-from workers.cli import main, parse_invocation
+from workers.cli import parse_invocation
 from workers.engines.null import NullEngine
 
 pytestmark = pytest.mark.asyncio
@@ -54,14 +55,6 @@ async def two_cells(workers: WorkerPool, anywhere: FleetClient) -> dict[str, Ses
         assert not (await s.step(1, **world_step(1, prompt="fail"))).ok
         sessions[cell] = s
     return sessions
-
-
-async def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    """The CLI in a thread (it runs its own event loop): exit code, stdout, stderr."""
-    capsys.readouterr()
-    code = await asyncio.to_thread(main, list(argv), {})
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 async def test_supervisor_passes_cover_every_cell(workers: WorkerPool, anywhere: FleetClient,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import subprocess
 import sys
@@ -13,18 +12,10 @@ from broker import FleetClient
 from broker.redis.embedded import RedisServer
 from schemas.errors import ErrorCode
 from tests.support import WorkerPool, world_step
-from workers.cli import main
+from tests.support import run_cli as _cli
 from workers.engines.null import NullEngine
 
 CLI = [sys.executable, "-m", "workers.cli"]
-
-
-async def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    """The CLI in a thread (it runs its own event loop): exit code, stdout, stderr."""
-    capsys.readouterr()
-    code = await asyncio.to_thread(main, list(argv), {})
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 @pytest.mark.asyncio

@@ -16,8 +16,7 @@ import pytest
 from broker import FleetClient
 from broker.redis.embedded import RedisServer
 from schemas.errors import ErrorCode
-from tests.support import WorkerPool, world_step
-from workers.cli import main
+from tests.support import WorkerPool, run_cli, world_step
 from workers.engines.base import EngineOutput, EngineRequest
 from workers.engines.null import NullEngine
 
@@ -32,10 +31,9 @@ class BrokenEngine(NullEngine):
 
 
 async def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
-    """The CLI in a thread (it runs its own event loop), its exit code and stdout."""
-    capsys.readouterr()
-    code = await asyncio.to_thread(main, list(argv), {})
-    return code, capsys.readouterr().out
+    """The CLI's exit code and stdout."""
+    code, out, _ = await run_cli(capsys, *argv)
+    return code, out
 
 
 async def _cli_until(capsys: pytest.CaptureFixture[str], done: Callable[[str], bool], *argv: str) -> tuple[int, str]:

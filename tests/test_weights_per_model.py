@@ -14,19 +14,12 @@ from broker import FleetClient
 from broker.ops.weights import update_weights, workers_at_version
 from broker.redis.embedded import RedisServer
 from tests.support import WorkerPool, world_step
+from tests.support import run_cli as _cli
 from tests.test_metrics import scrape, value
 from tests.test_weights import TOKENS, direct, engine
-from workers.cli import main
 from workers.engines.null import NullEngine
 
 pytestmark = pytest.mark.asyncio
-
-
-async def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    capsys.readouterr()
-    code = await asyncio.to_thread(main, list(argv), {})
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 async def test_updating_the_lm_leaves_the_world_model_weights_and_version(

@@ -17,19 +17,11 @@ from broker.redis.keys import CellKeys
 from schemas.errors import ErrorCode
 from tests.procs import Fleet
 from tests.support import WorkerPool, world_step
+from tests.support import run_cli as _cli
 from tests.test_replay import BreakableEngine
-from workers.cli import main
 
 pytestmark = pytest.mark.cluster
 CLI = [sys.executable, "-m", "workers.cli"]
-
-
-async def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    """The CLI in a thread (it runs its own event loop): exit code, stdout, stderr."""
-    capsys.readouterr()
-    code = await asyncio.to_thread(main, list(argv), {})
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 async def test_worker_process_status_sessions_and_update_weights(
