@@ -85,6 +85,24 @@ async def test_fenced_entry_warnings_are_rate_limited(
     assert 1 <= len(warnings) <= 5
 
 
+async def test_malformed_entry_warnings_are_rate_limited(
+    fleet: FleetClient, workers: WorkerPool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Broken entries (not fenced ones: a step id that is no number) by the dozen: each is still
+    dead-lettered, but the log gets a few lines, the last of which counts what it left out."""
+    w = await workers.add(NullEngine())
+    s = await fleet.create_session(model="null-world", mode="world_model_env")
+    with caplog.at_level("WARNING", logger="workers"):
+        for i in range(50):
+            await fleet.redis.xadd(fleet.keys.inbox(w.id), {"kind": "step", "job_id": f"junk-{i}",
+                                                             "session_id": s.session_id, "step_id": "zero"})
+        assert await settled_inbox(fleet, w) == (0, 0)
+        assert await fleet.redis.xlen(fleet.keys.dead) == 50  # every one is still accounted for
+        assert (await s.step(0, **world_step(0))).ok  # the live session is untouched
+    warnings = [r.getMessage() for r in caplog.records if "malformed job" in r.getMessage()]
+    assert 1 <= len(warnings) <= 5, warnings
+
+
 async def test_a_forged_reset_at_the_live_epoch_cannot_desynchronise_the_session(
     fleet: FleetClient, workers: WorkerPool
 ) -> None:
