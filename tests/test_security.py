@@ -19,16 +19,27 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoPermissionError
 
 from broker import FleetClient
+from broker.client.fleet import DEFAULT_SESSION_CHECK_S, DEFAULT_STEP_TIMEOUT_S
+from broker.gateway.settings import GatewaySettings
 from broker.ops.acl import fleet_acl_rules
+from broker.ops.arq_queue import MAX_ARQ_JOB_BYTES
 from broker.ops.replay_cli import run_replay_command
 from broker.ops.status import cell_status
 from broker.ops.supervisor import SupervisorSettings, build_worker, request_replay
 from broker.redis.config import CellConfig
 from broker.redis.embedded import RedisServer
+from broker.redis.keys import MAX_NAME_LENGTH
+from broker.redis.layouts import (
+    DEAD_LETTER_MAXLEN,
+    DEAD_LETTER_PAYLOAD_BYTES,
+    DEFAULT_IDLE_TIMEOUT_S,
+    MAX_IDLE_TIMEOUT_S,
+)
 from tests.support import FAST, WorkerPool, worker_pool, world_step
 from tests.test_gateway import SESSIONS, GatewayServer
 from tests.tls import TlsRedis, make_certificates, tls_redis_server
 from workers.engines.null import NullEngine
+from workers.settings import WorkerSettings
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "security.md"
 
@@ -156,6 +167,41 @@ def test_the_acl_refuses_a_prefix_that_would_widen_it() -> None:
 def test_docs_show_the_acl_the_code_builds() -> None:
     shown = re.findall(r"^ACL SETUSER fleet on >\S+ (.+)$", DOCS.read_text(), flags=re.MULTILINE)
     assert shown == [" ".join(fleet_acl_rules("rf"))]
+
+
+def _documented_defaults() -> dict[str, str]:
+    """The "other bounds" table of docs/security.md: bound -> its default column."""
+    table = DOCS.read_text().split("The other bounds", 1)[1]
+    rows = [line.split(" | ") for line in table.splitlines() if line.startswith("| ") and "---" not in line]
+    return {cells[0].lstrip("| "): cells[1] for cells in rows[1:]}
+
+
+def test_docs_state_the_defaults_the_code_has() -> None:
+    mib, kib = 1024 * 1024, 1024
+    dead_payloads = DEAD_LETTER_MAXLEN * DEAD_LETTER_PAYLOAD_BYTES // mib
+    gateway, worker = GatewaySettings(), WorkerSettings()
+    expected = {
+        "gateway request body": f"{gateway.max_body_bytes // mib} MiB ({gateway.max_body_bytes:,} bytes)",
+        "gateway open sessions per key": f"{gateway.max_sessions_per_key}",
+        "gateway step wait": f"{gateway.step_timeout_s:.0f} s",
+        "client step / reset wait": f"{DEFAULT_STEP_TIMEOUT_S:.0f} s",
+        "session idle timeout": f"{DEFAULT_IDLE_TIMEOUT_S:.0f} s, at most {MAX_IDLE_TIMEOUT_S / 86400:.0f} days",
+        "wait for `min_policy_version`": f"{worker.version_wait_s:.0f} s",
+        "dead letters": f"a payload kept up to {DEAD_LETTER_PAYLOAD_BYTES // kib} KiB, {DEAD_LETTER_MAXLEN:,} letters "
+                        f"({dead_payloads} MiB of payloads, about 130 MiB in all)",
+        "reply stream of a reader that left": f"{worker.reply_stream_bytes // mib} MiB; a result of "
+                                              f"{worker.large_reply_bytes // mib} MiB or more sets a "
+                                              f"{worker.large_reply_ttl_ms // 60_000} min TTL (else "
+                                              f"{worker.reply_ttl_ms // 3_600_000} h)",
+        "arq job": f"{MAX_ARQ_JOB_BYTES // mib} MiB",
+        "results stream, consumer group, session id": f"{MAX_NAME_LENGTH} characters, without braces, colons, "
+                                                      "spaces or control characters",
+    }
+    documented = _documented_defaults()
+    assert {bound: documented.get(bound) for bound in expected} == expected
+    text = DOCS.read_text()
+    assert f"decodes run in {gateway.decode_threads} threads" in text
+    assert f"every {DEFAULT_SESSION_CHECK_S:.0f} s" in text
 
 
 async def test_tls_with_the_ca_in_the_url_reaches_every_component(tls_redis: TlsRedis, prefix: str) -> None:
