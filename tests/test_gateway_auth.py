@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import time
 from collections.abc import AsyncIterator
 
 import httpx
@@ -112,10 +111,8 @@ async def test_health_answers_503_in_bounded_time_when_redis_is_gone(prefix: str
         async with GatewayServer(private.url, prefix) as server, \
                 httpx.AsyncClient(base_url=server.url, timeout=30.0) as http:
             private.stop(kill=True)
-            started = time.perf_counter()
-            gone = await http.get("/health")
+            gone = await asyncio.wait_for(http.get("/health"), 10)  # a hang fails here, not at httpx's 30 s
             assert "redis does not answer" in error_body(gone, 503)["message"]
-            assert time.perf_counter() - started < 5.0
 
 
 def test_cli_keys_from_flags_or_the_variable() -> None:

@@ -91,11 +91,9 @@ async def test_a_200mb_body_is_refused_before_it_is_read(http: httpx.AsyncClient
     status, response, sent = await asyncio.to_thread(post_raw, port, path, 200 * MB, declare=True)
     assert status == 413 and b"limit is 67108864" in response, response[:300]
     assert sent < 32 * MB  # refused from the header: the body was never taken in
-    started = time.perf_counter()
     status, response, sent = await asyncio.to_thread(post_raw, port, path, 200 * MB, declare=False)
     assert status == 413 and b"limit is 67108864" in response, response[:300]
     assert sent < 64 * MB + 32 * MB  # counted while streaming: reading stopped at the limit, not at 200 MB
-    assert time.perf_counter() - started < 10.0
     assert (await http.get(f"{SESSIONS}/{sid}/status")).json()["committed_step_id"] == -1
 
 
@@ -190,9 +188,7 @@ async def test_a_step_the_fleet_never_answers_is_a_504(redis_server: RedisServer
     async with GatewayServer(redis_server.url, prefix, step_timeout=0.5) as server, \
             httpx.AsyncClient(base_url=server.url, timeout=30.0) as http:
         sid = await create(http, model="null-world")
-        started = time.perf_counter()
         r = await http.post(f"{SESSIONS}/{sid}/step", json=body(0))
         data = step_error(r, 504, "timeout")
-        assert time.perf_counter() - started < 5.0
         assert data["error"]["committed_step_id"] == -1 and "no result within 0.5s" in data["error"]["message"]
 

@@ -54,10 +54,9 @@ async def test_a_step_whose_worker_is_gone_times_out_and_is_not_lost(
     a = await workers.add(NullEngine(), **FAST)
     s = await quick_fleet.create_session(model="null-world", mode="world_model_env")
     await workers.kill(a)  # no other worker exists: the session cannot move
-    started = time.monotonic()
     r = await asyncio.wait_for(s.step(0, **world_step(0)), 10)  # no timeout given: the client's bound
     assert r.error is not None and r.error.code == ErrorCode.TIMEOUT, r.error
-    assert time.monotonic() - started < 4.0
+    assert "no result within 1.5s" in r.error.message  # ended by quick_fleet's step_timeout
     await workers.add(NullEngine(), **FAST)  # a worker appears; the queued step moves and commits
     deadline = time.monotonic() + 15
     while (await s.status()).committed_step_id < 0 and time.monotonic() < deadline:
