@@ -36,7 +36,7 @@ from broker.redis.layouts import (
     MAX_IDLE_TIMEOUT_S,
 )
 from tests.support import FAST, WorkerPool, worker_pool, world_step
-from tests.test_gateway import SESSIONS, GatewayServer
+from tests.test_gateway import SESSIONS, GatewayServer, body
 from tests.tls import TlsRedis, make_certificates, tls_redis_server
 from workers.engines.null import NullEngine
 from workers.settings import WorkerSettings
@@ -134,11 +134,19 @@ async def test_every_component_runs_under_the_documented_minimal_acl(
                                          newer_than=None, limit=100, json=False, ids=[], dry_run=False)
         assert await run_replay_command(CellConfig(redis_url=acl_url, prefix=prefix), replay_args) == 0
         assert "0 dead-lettered jobs" in capsys.readouterr().out
-        async with GatewayServer(acl_url, prefix) as gateway, httpx.AsyncClient(base_url=gateway.url) as http:
+        # With a key, so that its per-key session count (<prefix>:gateway:open:*) runs under the user too.
+        keyed = GatewaySettings(api_keys=frozenset({"acl-key"}))
+        async with GatewayServer(acl_url, prefix, settings=keyed) as gateway, \
+                httpx.AsyncClient(base_url=gateway.url, headers={"Authorization": "Bearer acl-key"},
+                                  timeout=30.0) as http:
             created = await http.post(SESSIONS, json={"model": "null-world"})
             assert created.status_code == 200, created.text
-            status = await http.get(f"{SESSIONS}/{created.json()['session_id']}/status")
+            sid = created.json()["session_id"]
+            stepped = await http.post(f"{SESSIONS}/{sid}/step", json=body(0))
+            assert stepped.status_code == 200 and stepped.json()["error"] is None, stepped.text
+            status = await http.get(f"{SESSIONS}/{sid}/status")
             assert status.status_code == 200, status.text
+            assert (await http.post(f"{SESSIONS}/{sid}/close")).status_code == 200
     assert await _refusals(redis_server, prefix) == []  # nothing any component sent was denied
 
 
