@@ -29,6 +29,9 @@ from workers.engines.null import NullEngine
 
 EXAMPLES = int(os.environ.get("ROLLOUT_FLEET_FUZZ_EXAMPLES", "200"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# The long variant's map fuzz alone takes minutes (20,000 examples: ~6 min on 2 busy cores), past the
+# suite's 300 s per test: the bound grows with the count asked for.
+pytestmark = pytest.mark.timeout(300 + EXAMPLES // 20)
 SMALL = Limits(max_payload_bytes=1 << 20, max_array_elements=1 << 12, max_container_len=1 << 12)
 CLEAR = (InvalidRequestError, PayloadTooLargeError)
 
@@ -114,7 +117,10 @@ def _mutated_entry(rng: random.Random, valid: dict[str, bytes], job_id: str) -> 
 
 @pytest.mark.asyncio
 async def test_random_inbox_entries_never_stop_the_worker(fleet: FleetClient, workers: WorkerPool) -> None:
-    w = await workers.add(NullEngine())
+    # A fuzzed min_version names a policy version nobody announces: such a step waits at the weight
+    # gate for version_wait_s (300 s by default) and then answers timeout. A short wait keeps the
+    # drain bound below about what the entries cost, however many of them draw such a version.
+    w = await workers.add(NullEngine(), version_wait_s=1.0)
     s = await fleet.create_session(model="null-world", mode="world_model_env")
     assert (await s.step(0, **world_step(0))).ok
     valid = {"kind": b"step", "session_id": s.session_id.encode(), "step_id": b"1", "contextual": b"1",
