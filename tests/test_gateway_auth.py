@@ -1,10 +1,15 @@
 """The gateway's API keys: 401 without one, a session bound to the key that created it (403 for
-another), a per-key cap on open sessions (429), /health open to probes, and the CLI's key flags."""
+another), a per-key cap on open sessions (429), /health open to probes, and the CLI's key flags
+and default model."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
+import os
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator
 
@@ -14,12 +19,13 @@ import pytest
 from broker import FleetClient
 from broker.gateway.settings import GatewaySettings
 from broker.redis.config import CellConfig
-from broker.redis.embedded import RedisServer, running_redis
+from broker.redis.embedded import RedisServer, free_port, running_redis
 from tests.support import FAST, WorkerPool
 from tests.test_gateway import SESSIONS, GatewayServer, body, error_body
 from tests.test_gateway_limits import MB, post_raw
 from tests.test_multiturn import reference_engine
 from workers.cli_args import build_parser, gateway_settings
+from workers.engines.null import NullEngine
 
 ALPHA, BETA = {"Authorization": "Bearer alpha-key"}, {"Authorization": "Bearer beta-key"}
 
@@ -128,3 +134,34 @@ def test_cli_keys_from_flags_or_the_variable() -> None:
     default = gateway_settings(build_parser({}).parse_args(["gateway"]))
     assert default.api_keys == frozenset() and default.step_timeout_s == 60.0
     assert "env-a" not in build_parser(env).format_help() and "env-a" not in repr(from_env)
+
+
+async def test_the_gateway_verbs_default_model_is_the_one_health_needs(
+        redis_server: RedisServer, prefix: str, fleet: FleetClient, workers: WorkerPool) -> None:
+    """`gateway --default-model` (or its variable): sessions created without a model get it, and
+    /health is 200 once a live worker serves it, not only when one serves reference-world."""
+    await workers.add(NullEngine())
+    port = free_port()
+    env = {**os.environ, "ROLLOUT_FLEET_REDIS_URL": redis_server.url, "ROLLOUT_FLEET_PREFIX": prefix,
+           "ROLLOUT_FLEET_DEFAULT_MODEL": "null-world"}
+    proc = subprocess.Popen([sys.executable, "-m", "workers.cli", "gateway", "--port", str(port)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10.0) as http:
+            health = None
+            for _ in range(300):  # bounded: the process starts (imports, uvicorn) within a minute
+                if proc.poll() is not None:
+                    break
+                with contextlib.suppress(httpx.TransportError):
+                    health = await http.get("/health")
+                    if health.status_code == 200:
+                        break
+                await asyncio.sleep(0.2)
+            assert health is not None, proc.stderr.read() if proc.stderr and proc.poll() is not None else "no answer"
+            assert health.status_code == 200 and health.json()["model"] == "null-world", health.text
+            created = await http.post(SESSIONS, json={})
+            assert created.status_code == 200, created.text
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=30)
+    assert (await fleet.attach(created.json()["session_id"])).model == "null-world"
