@@ -5,11 +5,7 @@ and default model."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
-import os
-import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator
 
@@ -19,8 +15,8 @@ import pytest
 from broker import FleetClient
 from broker.gateway.settings import GatewaySettings
 from broker.redis.config import CellConfig
-from broker.redis.embedded import RedisServer, free_port, running_redis
-from tests.support import FAST, WorkerPool
+from broker.redis.embedded import RedisServer, running_redis
+from tests.support import FAST, WorkerPool, cli_http_server
 from tests.test_gateway import SESSIONS, GatewayServer, body, error_body
 from tests.test_gateway_limits import MB, post_raw
 from tests.test_multiturn import reference_engine
@@ -141,27 +137,10 @@ async def test_the_gateway_verbs_default_model_is_the_one_health_needs(
     """`gateway --default-model` (or its variable): sessions created without a model get it, and
     /health is 200 once a live worker serves it, not only when one serves reference-world."""
     await workers.add(NullEngine())
-    port = free_port()
-    env = {**os.environ, "ROLLOUT_FLEET_REDIS_URL": redis_server.url, "ROLLOUT_FLEET_PREFIX": prefix,
+    env = {"ROLLOUT_FLEET_REDIS_URL": redis_server.url, "ROLLOUT_FLEET_PREFIX": prefix,
            "ROLLOUT_FLEET_DEFAULT_MODEL": "null-world"}
-    proc = subprocess.Popen([sys.executable, "-m", "workers.cli", "gateway", "--port", str(port)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10.0) as http:
-            health = None
-            for _ in range(300):  # bounded: the process starts (imports, uvicorn) within a minute
-                if proc.poll() is not None:
-                    break
-                with contextlib.suppress(httpx.TransportError):
-                    health = await http.get("/health")
-                    if health.status_code == 200:
-                        break
-                await asyncio.sleep(0.2)
-            assert health is not None, proc.stderr.read() if proc.stderr and proc.poll() is not None else "no answer"
-            assert health.status_code == 200 and health.json()["model"] == "null-world", health.text
-            created = await http.post(SESSIONS, json={})
-            assert created.status_code == 200, created.text
-    finally:
-        proc.terminate()
-        proc.communicate(timeout=30)
+    async with cli_http_server(["gateway"], env, "/health", lambda r: r.status_code == 200) as http:
+        assert (await http.get("/health")).json()["model"] == "null-world"
+        created = await http.post(SESSIONS, json={})
+        assert created.status_code == 200, created.text
     assert (await fleet.attach(created.json()["session_id"])).model == "null-world"
