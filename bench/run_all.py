@@ -16,7 +16,7 @@ import platform
 import subprocess
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ from tqdm import tqdm
 from bench import batch_fill, cells, failover, memory, round_trip, throughput, transport, weight_update
 from bench.common import SIZES, BenchFn, Row, format_markdown, format_table, tune_malloc
 from bench.targets import evaluate
+from workers.cli_env import EnvError, apply_env, attach_env
 
 BENCHMARKS: dict[str, BenchFn] = {
     "round_trip": round_trip.run,
@@ -100,8 +101,21 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(argv: Sequence[str] | None, environ: Mapping[str, str]) -> argparse.Namespace:
+    """Flags, else ROLLOUT_FLEET_<DEST> (as every verb of rollout-fleet: ``rollout-fleet bench``
+    passes its arguments here), else the defaults; a bad variable is one line and exit 2."""
+    parser = _parser()
+    attach_env(parser, environ)
+    args = parser.parse_args(argv)
+    try:
+        apply_env(parser, args)
+    except EnvError as exc:
+        parser.error(str(exc))
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = parse_args(argv, os.environ)
     if args.malloc_tuned:
         tune_malloc()
     names = args.only or list(BENCHMARKS)

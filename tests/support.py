@@ -5,14 +5,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 
 from broker.ops.failover import reap, sessions_of
+from broker.redis.embedded import free_port
 from broker.redis.scripts import Scripts
 from workers.engines.base import Engine
 from workers.settings import WorkerSettings
@@ -152,3 +157,34 @@ async def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, 
     code = await asyncio.to_thread(main, list(argv), {})
     captured = capsys.readouterr()
     return code, captured.out, captured.err
+
+
+@contextlib.asynccontextmanager
+async def cli_http_server(argv: list[str], env: dict[str, str], path: str,
+                          ready: Callable[[httpx.Response], bool]) -> AsyncIterator[httpx.AsyncClient]:
+    """``rollout-fleet ARGV --port P`` (gateway, dashboard) as its own process, on a free port: a
+    client for it once ``GET path`` answers as ``ready`` says (at most 60 s, or until the process
+    exits); the process is stopped on the way out."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "workers.cli", *argv, "--port", str(port)],
+                            env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10.0) as http:
+            last = "no answer"
+            for _ in range(300):  # bounded: imports and uvicorn's start take seconds
+                if proc.poll() is not None:
+                    break
+                with contextlib.suppress(httpx.TransportError):
+                    answer = await http.get(path)
+                    if ready(answer):
+                        break
+                    last = f"{answer.status_code} {answer.text}"
+                await asyncio.sleep(0.2)
+            else:
+                raise AssertionError(f"{argv[0]}: GET {path} never answered as expected: {last}")
+            if proc.poll() is not None:
+                raise AssertionError(f"{argv[0]} exited {proc.returncode}: {proc.communicate(timeout=10)[1]}")
+            yield http
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=30)

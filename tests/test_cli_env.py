@@ -47,7 +47,8 @@ OPTIONS: dict[str, dict[str, tuple[list[str], str]]] = {
     "supervisor": {**_CELL, "--interval": (["3"], "3"), "--metrics-port": (["9401"], "9401")},
     "gateway": {**_CELL, "--host": (["0.0.0.0"], "0.0.0.0"), "--port": (["8081"], "8081"),
                 "--api-key": (["k1", "--api-key", "k2"], "k1,k2"), "--max-sessions-per-key": (["4"], "4"),
-                "--step-timeout": (["9.5"], "9.5"), "--max-body-bytes": (["1024"], "1024")},
+                "--step-timeout": (["9.5"], "9.5"), "--max-body-bytes": (["1024"], "1024"),
+                "--default-model": (["null-world"], "null-world")},
     "dashboard": {**_CELL, "--host": (["0.0.0.0"], "0.0.0.0"), "--port": (["8082"], "8082"),
                   "--api-key": (["k1", "--api-key", "k2"], "k1,k2")},
     "update-weights": {**_NO_LEASE, "--model": (["lm"], "lm"), "--version": (["4"], "4"),
@@ -58,7 +59,7 @@ OPTIONS: dict[str, dict[str, tuple[list[str], str]]] = {
                "--dry-run": ([], "1"), "--json": ([], "1")},
     "cells": {**{k: v for k, v in _CELL.items() if k != "--cell"}, "--count": (["3"], "3"),
               "--stem": (["gpu"], "gpu"), "--json": ([], "1")},
-    "bench": {},  # its options are bench.run_all's, passed through
+    "bench": {},  # its options are bench.run_all's, passed through (and read there: the last test)
 }
 # What a verb needs besides the option under test: positionals, and required options (from their
 # variables, so that the row's flag or variable replaces them).
@@ -176,3 +177,20 @@ def test_a_bad_variable_is_one_line_naming_it(argv: list[str], environ: dict[str
 
 def test_a_bad_variable_of_another_verb_does_not_stop_this_one() -> None:
     assert parse_invocation(["status"], {"ROLLOUT_FLEET_CAPACITY": "many"}).args.command == "status"
+
+
+def test_the_bench_verbs_options_read_the_environment_too(capsys: pytest.CaptureFixture[str]) -> None:
+    """`rollout-fleet bench` passes its options to bench.run_all, which reads the same variables."""
+    from bench import run_all
+
+    env = {"ROLLOUT_FLEET_SIZE": "full", "ROLLOUT_FLEET_ONLY": "round_trip memory", "ROLLOUT_FLEET_NO_PROGRESS": "1",
+           "ROLLOUT_FLEET_RESULTS": "/tmp/r.json"}
+    args = run_all.parse_args([], env)
+    assert (args.size, args.only, args.no_progress, str(args.results)) == ("full", ["round_trip", "memory"], True,
+                                                                           "/tmp/r.json")
+    assert run_all.parse_args(["--size", "smoke", "--only", "memory"], env).only == ["memory"]  # the flag wins
+    assert run_all.parse_args([], {}).size == "smoke"
+    with pytest.raises(SystemExit) as exited:
+        run_all.parse_args([], {"ROLLOUT_FLEET_SIZE": "huge"})
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "ROLLOUT_FLEET_SIZE: 'huge' is not one of" in err

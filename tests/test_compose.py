@@ -186,6 +186,17 @@ def test_every_image_has_the_extras_its_commands_need() -> None:
         assert extras <= extras_defined
 
 
+def test_each_profile_builds_the_images_its_services_run() -> None:
+    """`docker compose --profile P up` builds what it runs: an image only another profile's
+    service builds would be pulled, and rollout-fleet:* is on no registry."""
+    services = _fleet_services()
+    for name, svc in services.items():
+        active = set(svc.get("profiles", [])) | {""}  # "": the default profile, up with every profile
+        builders = [other for other, o in services.items() if o["image"] == svc["image"] and "build" in o
+                    and (set(o.get("profiles", [""])) & active)]
+        assert builders, f"{name}: nothing in its profiles builds {svc['image']}"
+
+
 def test_compose_has_a_service_per_real_engine_behind_profiles() -> None:
     services = _compose()["services"]
     engines = {name: _option(svc["command"], "--engine") for name, svc in services.items()

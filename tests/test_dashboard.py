@@ -25,7 +25,7 @@ from broker.ops.replay import list_dead
 from broker.redis.config import CellConfig
 from broker.redis.embedded import RedisServer
 from broker.redis.scripts import Scripts
-from tests.support import FAST, WorkerPool, reap_until_moved, world_step
+from tests.support import FAST, WorkerPool, cli_http_server, reap_until_moved, world_step
 from tests.test_cell_stats import until
 from tests.test_gateway import AppServer, GatewayServer
 from workers.cli_args import build_parser, dashboard_settings
@@ -106,6 +106,18 @@ async def test_standalone_dashboard_verb(redis_server: RedisServer, prefix: str,
     async with AppServer(app) as server, httpx.AsyncClient(base_url=server.url, timeout=30.0) as http:
         assert running.id in (await http.get("/dashboard")).text
         assert (await http.get("/dashboard/data")).json()["workers"][0]["worker_id"] == running.id
+
+
+@pytest.mark.asyncio
+async def test_the_dashboard_verb_serves_the_page_in_its_own_process(
+        redis_server: RedisServer, prefix: str, workers: WorkerPool) -> None:
+    """`rollout-fleet dashboard --port P` end to end: the verb, its keys from the environment, the page."""
+    running = await workers.add(NullEngine(), **FAST)
+    env = {"ROLLOUT_FLEET_REDIS_URL": redis_server.url, "ROLLOUT_FLEET_PREFIX": prefix, "ROLLOUT_FLEET_API_KEY": KEY}
+    async with cli_http_server(["dashboard"], env, "/dashboard/data", lambda r: r.status_code == 401) as http:
+        data = (await http.get("/dashboard/data", headers=BEARER)).json()
+        assert [w["worker_id"] for w in data["workers"]] == [running.id]
+        assert running.id in (await http.get("/dashboard", params={"key": KEY})).text
 
 
 @pytest.mark.asyncio

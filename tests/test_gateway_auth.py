@@ -1,5 +1,6 @@
 """The gateway's API keys: 401 without one, a session bound to the key that created it (403 for
-another), a per-key cap on open sessions (429), /health open to probes, and the CLI's key flags."""
+another), a per-key cap on open sessions (429), /health open to probes, and the CLI's key flags
+and default model."""
 
 from __future__ import annotations
 
@@ -14,11 +15,12 @@ from broker import FleetClient
 from broker.gateway.settings import GatewaySettings
 from broker.redis.config import CellConfig
 from broker.redis.embedded import RedisServer, running_redis
-from tests.support import FAST, WorkerPool
+from tests.support import FAST, WorkerPool, cli_http_server
 from tests.test_gateway import SESSIONS, GatewayServer, body, error_body
 from tests.test_gateway_limits import MB, post_raw
 from tests.test_multiturn import reference_engine
 from workers.cli_args import build_parser, gateway_settings
+from workers.engines.null import NullEngine
 
 ALPHA, BETA = {"Authorization": "Bearer alpha-key"}, {"Authorization": "Bearer beta-key"}
 
@@ -125,3 +127,17 @@ def test_cli_keys_from_flags_or_the_variable() -> None:
     default = gateway_settings(build_parser({}).parse_args(["gateway"]))
     assert default.api_keys == frozenset() and default.step_timeout_s == 60.0
     assert "env-a" not in build_parser(env).format_help() and "env-a" not in repr(from_env)
+
+
+async def test_the_gateway_verbs_default_model_is_the_one_health_needs(
+        redis_server: RedisServer, prefix: str, fleet: FleetClient, workers: WorkerPool) -> None:
+    """`gateway --default-model` (or its variable): sessions created without a model get it, and
+    /health is 200 once a live worker serves it, not only when one serves reference-world."""
+    await workers.add(NullEngine())
+    env = {"ROLLOUT_FLEET_REDIS_URL": redis_server.url, "ROLLOUT_FLEET_PREFIX": prefix,
+           "ROLLOUT_FLEET_DEFAULT_MODEL": "null-world"}
+    async with cli_http_server(["gateway"], env, "/health", lambda r: r.status_code == 200) as http:
+        assert (await http.get("/health")).json()["model"] == "null-world"
+        created = await http.post(SESSIONS, json={})
+        assert created.status_code == 200, created.text
+    assert (await fleet.attach(created.json()["session_id"])).model == "null-world"

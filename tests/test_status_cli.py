@@ -142,6 +142,23 @@ async def test_check_fails_when_a_live_worker_says_its_engine_is_not_ready(
     assert json.loads(out)["workers"][0]["registry"]["engine_ready"] == "0"
 
 
+class MultiLineEngine(NullEngine):
+    """A readiness probe whose exception text spans lines (a server's error page, a chained cause)."""
+
+    async def ready(self) -> bool:
+        raise RuntimeError("vLLM server answered 500:\n<html>\n  loading\n</html>")
+
+
+@pytest.mark.asyncio
+async def test_check_answers_in_one_line_when_the_engines_reason_spans_lines(
+        workers: WorkerPool, redis_server: RedisServer, prefix: str, capsys: pytest.CaptureFixture[str]) -> None:
+    w = await workers.add(MultiLineEngine(), heartbeat_ms=100)
+    argv = ["status", "--redis-url", redis_server.url, "--prefix", prefix, "--check"]
+    code, out = await _cli_until(capsys, lambda out: "unhealthy: engine" in out, *argv)
+    assert code == 1 and out.splitlines() == [f"unhealthy: engine not ready on 1 live worker(s): {w.id} "
+                                              "(RuntimeError: vLLM server answered 500: <html> loading </html>)"], out
+
+
 def test_status_without_redis_is_one_line_and_exit_2() -> None:
     url = "redis://fleet:hunter2@127.0.0.1:1/0"
     for flags in ([], ["--json"], ["--check"]):

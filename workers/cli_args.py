@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from broker.gateway.settings import API_KEY_ENV, GatewaySettings, parse_api_keys
+from broker.gateway.settings import API_KEY_ENV, DEFAULT_MODEL, GatewaySettings, parse_api_keys
 from broker.ops.metrics import metrics_port
 from broker.ops.sessions import STATES as SESSION_STATES
 from broker.ops.status import DEFAULT_CHECK_WINDOW_S
@@ -199,6 +199,9 @@ def _listen_and_keys(p: argparse.ArgumentParser, environ: Mapping[str, str], *, 
 def _gateway(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
     _listen_and_keys(p, environ, port=8000, what="the gateway",
                      key_use="a client must send as 'Authorization: Bearer KEY'")
+    p.add_argument("--default-model", default=DEFAULT_MODEL, metavar="MODEL",
+                   help="model of a session created without one; GET /health is 200 only while a live "
+                        "worker serves it (default: %(default)s)")
     _setting(p, "--max-sessions-per-key", GatewaySettings, "max_sessions_per_key",
              "open sessions one API key may hold", type=_positive(int))
     _setting(p, "--step-timeout", GatewaySettings, "step_timeout_s",

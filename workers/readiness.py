@@ -44,7 +44,8 @@ class Readiness:
         except TimeoutError:
             ok, reason = False, f"readiness check took over {READY_TIMEOUT_S:g}s"
         except Exception as exc:  # any failure of the probe means "not ready", with its reason
-            ok, reason = False, f"{type(exc).__name__}: {exc}"[:300]
+            # One line: the registry's reason ends up in status's table row and --check's answer.
+            ok, reason = False, " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
         if ok != self.ready:
             if ok:
                 log.info("engine ready again; taking new sessions")

@@ -8,7 +8,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from broker.gateway.app import DEFAULT_MODEL, create_app, serve
+    from broker.gateway.app import create_app, serve
+    from broker.gateway.settings import DEFAULT_MODEL
 
 __all__ = ["DEFAULT_MODEL", "create_app", "serve"]
 

@@ -58,7 +58,7 @@ from broker.gateway.models import (
     RolloutStepResponse,
     SessionStatusResponse,
 )
-from broker.gateway.settings import GatewaySettings
+from broker.gateway.settings import DEFAULT_MODEL, GatewaySettings
 from broker.gateway.step_metrics import GatewayMetrics
 from broker.gateway.tenancy import Tenancy
 from broker.redis.config import CellConfig
@@ -75,7 +75,6 @@ from schemas.messages import StepResult
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL = "reference-world"
 MSGPACK = "application/msgpack"
 DUPLICATE_HEADER = "X-Rollout-Duplicate"
 _ERRORS: dict[int | str, dict[str, Any]] = {

@@ -8,6 +8,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 API_KEY_ENV = "ROLLOUT_FLEET_API_KEY"  # comma-separated keys; `--api-key` (repeatable) wins over it
+# The model of a session created without one, and the model GET /health needs a live worker for.
+# Here rather than in the app so that the CLI's --default-model reads it without FastAPI.
+DEFAULT_MODEL = "reference-world"
 
 
 def parse_api_keys(values: Iterable[str]) -> frozenset[str]:
