@@ -23,6 +23,7 @@ class ErrorCode(StrEnum):
     PAYLOAD_TOO_LARGE = "payload_too_large"
     CONTEXT_LOST = "context_lost"
     TIMEOUT = "timeout"
+    STALE_POLICY = "stale_policy"
 
 
 class FleetError(Exception):
@@ -98,6 +99,13 @@ class FleetTimeoutError(FleetError):
     code = ErrorCode.TIMEOUT
 
 
+class StalePolicyError(FleetError):
+    """The session's trajectory started on a policy version more than its ``max_staleness`` behind
+    the version announced for its model: the trainer drops or resets the trajectory."""
+
+    code = ErrorCode.STALE_POLICY
+
+
 # ---------------------------------------------------------------------- raised inside the fleet
 
 
@@ -135,7 +143,7 @@ _BY_CODE: dict[ErrorCode, type[FleetError]] = {
     for cls in (
         SessionNotFoundError, SessionClosedError, StepAlreadyCommittedError, StepOutOfOrderError,
         InvalidRequestError, InferenceError, CapacityExhaustedError, PayloadTooLargeError, ContextLost,
-        FleetTimeoutError,
+        FleetTimeoutError, StalePolicyError,
     )
 }
 

@@ -184,6 +184,12 @@ class CellKeys:
         return f"{self.base}:control"
 
     @property
+    def announced(self) -> str:
+        """HASH model -> the highest policy version announced on the control stream (only ever
+        raised): what max_staleness compares against (broker/ops/weights.py)."""
+        return f"{self.base}:announced"
+
+    @property
     def dead(self) -> str:
         """STREAM of dead-lettered jobs."""
         return f"{self.base}:dead"

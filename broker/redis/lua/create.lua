@@ -5,10 +5,12 @@
 -- Uses: prelude.lua (now_ms, share_with_room)
 -- KEYS: 1 workers zset, 2 capacity hash, 3 pool zset (mode, model), 4 session hash, 5 sessions hash
 --       (session id -> owner), 6 owned hash (worker -> sessions), 7 pressure hash (worker -> 0..1)
--- ARGV: 1 session_id, 2 mode, 3 model, 4 lease_ms, 5 retention, 6 result_window, 7 idle timeout ms
+-- ARGV: 1 session_id, 2 mode, 3 model, 4 lease_ms, 5 retention, 6 result_window, 7 idle timeout ms,
+--       8 max_staleness ('' = none)
 -- Fields (broker/redis/layouts.py SessionHash): writes the whole session hash: mode, model, owner,
 --       epoch, committed_step_id, next_step_id, context_length, closed, gen, reset_pending,
---       retention, result_window, idle_timeout_ms, idle_closed, created_ms, updated_ms
+--       retention, result_window, idle_timeout_ms, idle_closed, created_ms, updated_ms,
+--       max_staleness (only when set)
 -- Returns {'created', owner} | {'error', code, message}
 local now = now_ms()
 local lease = tonumber(ARGV[4])
@@ -46,5 +48,8 @@ redis.call('HSET', KEYS[4],
   'gen', 0, 'reset_pending', 0, 'retention', ARGV[5], 'result_window', ARGV[6],
   'idle_timeout_ms', ARGV[7] or 0, 'idle_closed', 0,
   'created_ms', now, 'updated_ms', now)
+if ARGV[8] and ARGV[8] ~= '' then
+  redis.call('HSET', KEYS[4], 'max_staleness', ARGV[8])
+end
 redis.call('HSET', KEYS[5], ARGV[1], chosen)
 return {'created', chosen}
