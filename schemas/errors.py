@@ -24,6 +24,7 @@ class ErrorCode(StrEnum):
     CONTEXT_LOST = "context_lost"
     TIMEOUT = "timeout"
     STALE_POLICY = "stale_policy"
+    ADMISSION_CLOSED = "admission_closed"
 
 
 class FleetError(Exception):
@@ -106,6 +107,12 @@ class StalePolicyError(FleetError):
     code = ErrorCode.STALE_POLICY
 
 
+class AdmissionClosedError(FleetError):
+    """A producer's admission bound is reached: no new trajectory until a later version is announced."""
+
+    code = ErrorCode.ADMISSION_CLOSED
+
+
 # ---------------------------------------------------------------------- raised inside the fleet
 
 
@@ -143,7 +150,7 @@ _BY_CODE: dict[ErrorCode, type[FleetError]] = {
     for cls in (
         SessionNotFoundError, SessionClosedError, StepAlreadyCommittedError, StepOutOfOrderError,
         InvalidRequestError, InferenceError, CapacityExhaustedError, PayloadTooLargeError, ContextLost,
-        FleetTimeoutError, StalePolicyError,
+        FleetTimeoutError, StalePolicyError, AdmissionClosedError,
     )
 }
 

@@ -1,6 +1,7 @@
-"""Staleness (docs/async_rl.md): a session with ``max_staleness`` answers ``stale_policy`` once
-the announced version passed its trajectory's first version by more than the bound, at enqueue
-and for steps queued before the announcement, and steps again after a reset."""
+"""Staleness and admission (docs/async_rl.md): a session with ``max_staleness`` answers
+``stale_policy`` once the announced version passed its trajectory's first version by more than
+the bound, at enqueue and for steps queued before the announcement, and steps again after a reset;
+a producer's admission bound refuses or waits, shared by every client that names it."""
 
 from __future__ import annotations
 
@@ -10,11 +11,13 @@ from typing import Any
 
 import pytest
 
-from broker import FleetClient
+from broker import FleetClient, SyncFleetClient
+from broker.client import Admission
+from broker.client.admission import admission_state
 from broker.ops.weights import update_weights, workers_at_version
 from broker.redis.embedded import RedisServer
 from broker.redis.layouts import SessionHash
-from schemas.errors import ErrorCode, InvalidRequestError
+from schemas.errors import AdmissionClosedError, ErrorCode, InvalidRequestError
 from schemas.messages import StepResult
 from tests.procs import Fleet
 from tests.support import WorkerPool, world_step
@@ -116,6 +119,94 @@ async def test_a_bad_max_staleness_creates_nothing(fleet: FleetClient, workers: 
     with pytest.raises(InvalidRequestError, match="max_staleness"):
         await fleet.create_session("null-world", "world_model_env", max_staleness=bad)
     assert await fleet.redis.hlen(fleet.keys.sessions) == 0
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"name": "a:b", "batch_size": 1}, {"name": "a", "batch_size": 0}, {"name": "a", "batch_size": 1.0},
+    {"name": "a", "batch_size": 1, "max_offpolicyness": -1},
+    {"name": "a", "batch_size": 1, "wait_s": float("nan")}, {"name": "a", "batch_size": 1, "wait_s": -1},
+])
+async def test_a_bad_admission_is_refused_before_anything_is_sent(kwargs: dict[str, Any]) -> None:
+    with pytest.raises(InvalidRequestError, match="admission"):
+        Admission(**kwargs)
+
+
+async def test_admission_needs_a_client_of_one_cell(redis_server: RedisServer, prefix: str,
+                                                    workers: WorkerPool) -> None:
+    await workers.add(NullEngine())
+    async with FleetClient(redis_server.url, prefix=prefix, cell="*") as every:
+        with pytest.raises(InvalidRequestError, match="one cell"):
+            await every.create_session("null-world", "world_model_env", admission=Admission("p", 1))
+    async with FleetClient(redis_server.url, prefix=prefix) as fleet:
+        assert await fleet.redis.hlen(fleet.keys.sessions) == 0
+
+
+async def test_admission_refuses_over_the_bound_until_a_version_is_announced(
+        fleet: FleetClient, workers: WorkerPool) -> None:
+    """batch 2, max_offpolicyness 1: (0 + 1 + 1) x 2 = 4 trajectories at version 0, 6 at version 1."""
+    await workers.add(NullEngine())
+    gate = Admission("producer", batch_size=2, max_offpolicyness=1)
+    for _ in range(4):
+        await fleet.create_session("null-world", "world_model_env", admission=gate)
+    with pytest.raises(AdmissionClosedError, match=r"admission producer .* is closed") as refused:
+        await fleet.create_session("null-world", "world_model_env", admission=gate)
+    assert refused.value.code is ErrorCode.ADMISSION_CLOSED
+    assert await fleet.redis.hlen(fleet.keys.sessions) == 4
+    state = await admission_state(fleet.redis, fleet.keys, gate, "null-world")
+    assert (state.admitted, state.version, state.bound, state.open) == (4, 0, 4, False)
+    other = await fleet.create_session("null-world", "world_model_env")  # outside the bound: unaffected
+    assert other.session_id
+    await announce(fleet, "null-world", 1)
+    for _ in range(2):
+        await fleet.create_session("null-world", "world_model_env", admission=gate)
+    with pytest.raises(AdmissionClosedError):
+        await fleet.create_session("null-world", "world_model_env", admission=gate)
+
+
+async def test_a_waiting_create_is_admitted_after_an_announcement(fleet: FleetClient, workers: WorkerPool) -> None:
+    await workers.add(NullEngine())
+    gate = Admission("waiter", batch_size=1, wait_s=60)
+    await fleet.create_session("null-world", "world_model_env", admission=gate)
+    waiting = asyncio.create_task(fleet.create_session("null-world", "world_model_env", admission=gate))
+    await asyncio.sleep(0.3)
+    assert not waiting.done()  # over the bound: it waits for a version
+    await update_weights(fleet.redis, fleet.keys, model="null-world", version=1, path="-")
+    s = await asyncio.wait_for(waiting, 30)
+    assert (await s.step(0, **world_step(0))).ok
+    short = Admission("waiter", batch_size=1, wait_s=0.2)
+    with pytest.raises(AdmissionClosedError, match=r"waited 0.2s"):
+        await fleet.create_session("null-world", "world_model_env", admission=short)
+
+
+async def test_two_clients_share_one_bound(redis_server: RedisServer, prefix: str, workers: WorkerPool) -> None:
+    await workers.add(NullEngine())
+    gate = Admission("shared", batch_size=3)
+    async with FleetClient(redis_server.url, prefix=prefix) as a, FleetClient(redis_server.url, prefix=prefix) as b:
+        for client in (a, b, a):
+            await client.create_session("null-world", "world_model_env", admission=gate)
+        for client in (a, b):
+            with pytest.raises(AdmissionClosedError):
+                await client.create_session("null-world", "world_model_env", admission=gate)
+        # Another producer's name has its own count.
+        await b.create_session("null-world", "world_model_env", admission=Admission("other", batch_size=1))
+
+
+async def test_the_sync_client_takes_both_options(redis_server: RedisServer, prefix: str,
+                                                  workers: WorkerPool) -> None:
+    await workers.add(NullEngine())
+
+    def trainer() -> tuple[int | None, bool]:
+        with SyncFleetClient(redis_server.url, prefix=prefix) as fleet:
+            gate = Admission("sync", batch_size=1)
+            s = fleet.create_session("null-world", "world_model_env", max_staleness=2, admission=gate)
+            assert s.step(0, **world_step(0)).ok
+            try:
+                fleet.create_session("null-world", "world_model_env", admission=gate)
+            except AdmissionClosedError:
+                return s.status().committed_step_id, True
+            return None, False
+
+    assert await asyncio.to_thread(trainer) == (0, True)
 
 
 async def test_the_announced_version_only_goes_up(fleet: FleetClient) -> None:

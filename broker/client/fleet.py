@@ -14,9 +14,11 @@ from typing import Any
 
 from redis.asyncio import Redis
 
+from broker.client.admission import admitted
 from broker.client.cells import placement_order
 from broker.client.replies import ReplyReader
 from broker.client.session import Session, new_id
+from broker.redis.admission import Admission
 from broker.redis.aio import resolve
 from broker.redis.cells import known_cells, live_cells
 from broker.redis.config import CellConfig
@@ -62,6 +64,7 @@ class CreateOptions:
     result_window: int
     idle_timeout_ms: int
     max_staleness: int | None
+    admission: Admission | None
 
 
 @dataclass
@@ -215,6 +218,7 @@ class FleetClient:
         result_window: int = 4,
         idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
         max_staleness: int | None = None,
+        admission: Admission | None = None,
     ) -> Session:
         """Place a new session on the least loaded live worker serving (model, mode) — for a client
         of every cell, in the live cell with the most free capacity for it (the next one when that
@@ -227,8 +231,9 @@ class FleetClient:
         retries of a lost reply. ``idle_timeout_s``: the owner closes the session (freeing its
         capacity) after that long without a step, reset or close. ``max_staleness``: once the
         version announced for the model passes the version the trajectory's first step ran on by
-        more than this, steps answer ``stale_policy`` (None: no bound; docs/async_rl.md). Raises
-        CapacityExhaustedError or InvalidRequestError.
+        more than this, steps answer ``stale_policy`` (None: no bound). ``admission``: count the
+        session against a producer's bound (client of one cell only; docs/async_rl.md). Raises
+        CapacityExhaustedError, AdmissionClosedError or InvalidRequestError.
         """
         mode = parse_mode(mode)
         if not isinstance(model, str) or not model:
@@ -236,7 +241,14 @@ class FleetClient:
         as_retention(retention)
         as_result_window(result_window)
         options = CreateOptions(retention, result_window, idle_timeout_ms_of(idle_timeout_s),
-                                max_staleness_of(max_staleness))
+                                max_staleness_of(max_staleness), admission)
+        if admission is not None:
+            if not isinstance(admission, Admission):
+                raise InvalidRequestError(f"admission must be an Admission, got {type(admission).__name__}")
+            if self.cell is None:
+                raise InvalidRequestError("admission counts in one cell: use a client of one cell")
+            return await admitted(self.redis, self.keys, admission, model,
+                                  lambda: self._create(session_id, mode, model, options))
         return await self._create(session_id, mode, model, options)
 
     async def _create(self, session_id: str | None, mode: Mode, model: str, options: CreateOptions) -> Session:
@@ -247,7 +259,7 @@ class FleetClient:
             reply = await self.link(cell).scripts.create(
                 sid, mode.value, model, lease_ms=self.lease_ms, retention=options.retention,
                 result_window=options.result_window, idle_timeout_ms=options.idle_timeout_ms,
-                max_staleness=options.max_staleness)
+                max_staleness=options.max_staleness, admission=options.admission)
             if isinstance(reply, Created):
                 return Session(self, sid, model=model, mode=mode, owner=reply.owner)
             if reply.code is not ErrorCode.CAPACITY_EXHAUSTED:

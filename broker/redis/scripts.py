@@ -16,6 +16,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError
 
+from broker.redis.admission import Admission
 from broker.redis.cells import touch_cell
 from broker.redis.connect import is_cluster
 from broker.redis.durability import ReplicaWait, call_then_wait
@@ -168,13 +169,19 @@ class Scripts:
     # ------------------------------------------------------------------ trainer side
 
     async def create(self, session_id: str, mode: str, model: str, *, lease_ms: int, retention: str,
-                     result_window: int, idle_timeout_ms: int = 0, max_staleness: int | None = None) -> CreateReply:
+                     result_window: int, idle_timeout_ms: int = 0, max_staleness: int | None = None,
+                     admission: Admission | None = None) -> CreateReply:
         """``idle_timeout_ms``: its owner closes the session after that long unused (0: never).
-        ``max_staleness``: the session's staleness bound (None: none; docs/async_rl.md)."""
+        ``max_staleness``: the session's staleness bound (None: none); ``admission``: count the
+        session against a producer's admission bound (docs/async_rl.md)."""
         k = self.keys
-        keys = [k.workers, k.capacity, k.pool(mode, model), k.session(session_id), k.sessions, k.owned, k.pressure]
+        keys = [k.workers, k.capacity, k.pool(mode, model), k.session(session_id), k.sessions, k.owned, k.pressure,
+                k.announced]
         args: list[Any] = [session_id, mode, model, lease_ms, retention, result_window, idle_timeout_ms,
                            "" if max_staleness is None else max_staleness]
+        if admission is not None:
+            keys.append(k.admission(admission.name))
+            args += [admission.batch_size, admission.max_offpolicyness, admission.name]
         return decode_create(await self._call("create", keys, args))
 
     async def enqueue(self, session_id: str, owner: str, *, step_id: int, contextual: bool, job_id: str,
