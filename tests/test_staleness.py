@@ -10,17 +10,22 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 
 from broker import FleetClient, SyncFleetClient
 from broker.client import Admission
 from broker.client.admission import admission_state
-from broker.ops.weights import update_weights, workers_at_version
+from broker.ops.weights import CONTROL_MAXLEN, WeightUpdate, update_weights, workers_at_version
 from broker.redis.embedded import RedisServer
+from broker.redis.keys import CellKeys
 from broker.redis.layouts import SessionHash
+from broker.redis.scripts import lua_source
+from broker.rollouts.multiturn import MultiTurnConfig, RolloutStatus, run_multiturn
 from schemas.errors import AdmissionClosedError, ErrorCode, InvalidRequestError
 from schemas.messages import StepResult
 from tests.procs import Fleet
 from tests.support import WorkerPool, world_step
+from tests.test_multiturn import QUESTION, MathEnv, ScriptedLM
 from tests.test_weights import SHAPE, TOKENS, engine
 from workers.engines.null import NullEngine
 
@@ -214,3 +219,32 @@ async def test_the_announced_version_only_goes_up(fleet: FleetClient) -> None:
         await update_weights(fleet.redis, fleet.keys, model="m", version=version, path="-")
     assert await fleet.redis.hget(fleet.keys.announced, "m") == b"3"
     assert await fleet.redis.xlen(fleet.keys.control) == 3  # every announcement reaches the workers
+
+
+class AnnouncingEnv(MathEnv):
+    """Announces a new version of the policy while the trainer scores a turn (as an async trainer
+    publishing weights meanwhile would): the announcement goes through the real announce.lua."""
+
+    def __init__(self, url: str, keys: CellKeys) -> None:
+        super().__init__()
+        self.redis, self.keys = redis.Redis.from_url(url), keys
+
+    def step(self, response: str) -> tuple[str, bool, dict[str, Any]]:
+        fields = WeightUpdate("scripted-lm", 1, "-").fields()
+        self.redis.eval(lua_source("announce"), 2, self.keys.control, self.keys.announced, "scripted-lm", 1,
+                        CONTROL_MAXLEN, *[item for pair in fields.items() for item in pair])
+        return super().step(response)
+
+    def close(self) -> None:
+        super().close()
+        self.redis.close()
+
+
+async def test_the_multiturn_driver_aborts_a_sample_past_its_staleness(
+        redis_server: RedisServer, fleet: FleetClient, workers: WorkerPool) -> None:
+    await workers.add(ScriptedLM(["I think 5<|eos|>", "It is 4<|eos|>"]))
+    env = AnnouncingEnv(redis_server.url, fleet.keys)
+    sample = await run_multiturn(fleet, env, QUESTION, MultiTurnConfig(model="scripted-lm", max_staleness=0))
+    assert sample.status is RolloutStatus.ABORTED and sample.turns == 2
+    assert sample.metadata["error"]["code"] == "stale_policy" and sample.weight_versions == [0]
+    assert env.closes == 1 and (await fleet.status(sample.session_id)).closed
