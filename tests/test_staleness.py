@@ -72,6 +72,8 @@ async def test_worker_process_bounds_staleness_and_a_reset_starts_a_new_trajecto
             st = await s.status()
             assert (st.committed_step_id, st.next_step_id) == (1, 2)  # the commit never moved
             assert stale(await s.step(2, **TOKENS))  # a retry gets the same answer
+            assert stale(await s.step(3, **TOKENS))  # and so does any later step of the trajectory
+            assert (await s.step(1, **TOKENS)).duplicate  # a committed step still answers its stored result
             assert await s.reset() == -1
             assert (await session_hash(fleet, s.session_id)).first_version is None
             again = await s.step(0, **TOKENS)

@@ -30,6 +30,17 @@ local awaits_replica = ARGV[3] == '1' and unconfirmed ~= nil and step >= unconfi
   and s[8] == '0'
 if ARGV[3] == '1' and not awaits_replica then
   local nxt = tonumber(s[4])
+  -- Any step of a trajectory past its bound, in order or not: not a re-sent committed one (its
+  -- stored result still answers) nor one behind a pending reset (it starts a new trajectory).
+  if s[13] and s[14] and step > committed and s[8] == '0' then
+    local announced = tonumber(redis.call('HGET', KEYS[4], s[10]) or '0') or 0
+    local first = tonumber(s[14])
+    if announced > first + tonumber(s[13]) then
+      return {'error', 'stale_policy', 'the trajectory started on policy version ' .. step_text(first)
+        .. ' and version ' .. step_text(announced) .. ' of ' .. s[10] .. ' is announced, more than max_staleness '
+        .. s[13] .. ' ahead: drop the trajectory or reset the session', committed, ctx}
+    end
+  end
   if step ~= nxt then
     if step <= committed and s[8] == '0' then
       local stored = redis.call('HGET', KEYS[3], 'result:' .. step_text(step))
@@ -45,15 +56,6 @@ if ARGV[3] == '1' and not awaits_replica then
               'step ' .. step_id .. ' is already queued; expected step_id ' .. step_text(nxt), committed, ctx, 'in_flight'}
     end
     return {'error', 'step_out_of_order', 'expected step_id ' .. step_text(nxt) .. ', got ' .. step_id, committed, ctx}
-  end
-  if s[13] and s[14] then
-    local announced = tonumber(redis.call('HGET', KEYS[4], s[10]) or '0') or 0
-    local first = tonumber(s[14])
-    if announced > first + tonumber(s[13]) then
-      return {'error', 'stale_policy', 'the trajectory started on policy version ' .. step_text(first)
-        .. ' and version ' .. step_text(announced) .. ' of ' .. s[10] .. ' is announced, more than max_staleness '
-        .. s[13] .. ' ahead: drop the trajectory or reset the session', committed, ctx}
-    end
   end
   redis.call('HSET', KEYS[1], 'next_step_id', nxt + 1)
 end
