@@ -21,7 +21,7 @@ from broker.redis.keys import CellKeys
 from broker.redis.layouts import SessionHash
 from broker.redis.scripts import lua_source
 from broker.rollouts.multiturn import MultiTurnConfig, RolloutStatus, run_multiturn
-from schemas.errors import AdmissionClosedError, ErrorCode, InvalidRequestError
+from schemas.errors import AdmissionClosedError, CapacityExhaustedError, ErrorCode, InvalidRequestError
 from schemas.messages import StepResult
 from tests.procs import Fleet
 from tests.support import WorkerPool, world_step
@@ -168,6 +168,15 @@ async def test_admission_refuses_over_the_bound_until_a_version_is_announced(
         await fleet.create_session("null-world", "world_model_env", admission=gate)
     with pytest.raises(AdmissionClosedError):
         await fleet.create_session("null-world", "world_model_env", admission=gate)
+
+
+async def test_a_create_refused_for_capacity_counts_nothing(fleet: FleetClient, workers: WorkerPool) -> None:
+    await workers.add(NullEngine(), capacity=1)
+    gate = Admission("full", batch_size=5)
+    await fleet.create_session("null-world", "world_model_env", admission=gate)
+    with pytest.raises(CapacityExhaustedError):
+        await fleet.create_session("null-world", "world_model_env", admission=gate)
+    assert (await admission_state(fleet.redis, fleet.keys, gate, "null-world")).admitted == 1
 
 
 async def test_a_waiting_create_is_admitted_after_an_announcement(fleet: FleetClient, workers: WorkerPool) -> None:
