@@ -23,6 +23,8 @@ class ErrorCode(StrEnum):
     PAYLOAD_TOO_LARGE = "payload_too_large"
     CONTEXT_LOST = "context_lost"
     TIMEOUT = "timeout"
+    STALE_POLICY = "stale_policy"
+    ADMISSION_CLOSED = "admission_closed"
 
 
 class FleetError(Exception):
@@ -98,6 +100,19 @@ class FleetTimeoutError(FleetError):
     code = ErrorCode.TIMEOUT
 
 
+class StalePolicyError(FleetError):
+    """The session's trajectory started on a policy version more than its ``max_staleness`` behind
+    the version announced for its model: the trainer drops or resets the trajectory."""
+
+    code = ErrorCode.STALE_POLICY
+
+
+class AdmissionClosedError(FleetError):
+    """A producer's admission bound is reached: no new trajectory until a later version is announced."""
+
+    code = ErrorCode.ADMISSION_CLOSED
+
+
 # ---------------------------------------------------------------------- raised inside the fleet
 
 
@@ -135,7 +150,7 @@ _BY_CODE: dict[ErrorCode, type[FleetError]] = {
     for cls in (
         SessionNotFoundError, SessionClosedError, StepAlreadyCommittedError, StepOutOfOrderError,
         InvalidRequestError, InferenceError, CapacityExhaustedError, PayloadTooLargeError, ContextLost,
-        FleetTimeoutError,
+        FleetTimeoutError, StalePolicyError, AdmissionClosedError,
     )
 }
 

@@ -35,6 +35,7 @@ from workers.job_scripts import CommitAnswer, JobScripts
 from workers.jobs import BadJob, Job
 from workers.rebuild import rebuild_context, records_kept, step_record
 from workers.settings import WorkerSettings
+from workers.staleness import StalenessCheck
 from workers.stats_publisher import StepStats
 from workers.weights_gate import VersionWaitEnded, WeightGate
 from workers.worker_metrics import WorkerMetrics
@@ -51,6 +52,8 @@ class SessionState:
     epoch: int
     engine_ready: bool = False  # the engine holds the context of every committed step
     model: str = ""  # the session's model (the sessions gauge counts by model)
+    max_staleness: int | None = None  # the session's staleness bound (workers/staleness.py)
+    checked_version: int = 0  # the engine's version at the last staleness check
 
 
 class StepExecutor:
@@ -63,6 +66,7 @@ class StepExecutor:
         self.jobs = JobScripts(scripts, settings)
         self.replicas = ReplicaConfirmation(self.jobs, settings)
         self.engine = engine
+        self.staleness = StalenessCheck(scripts.redis, scripts.keys, engine)
         self.batchers = batchers
         self.committed_steps = 0
         self.failed_steps = 0
@@ -149,6 +153,7 @@ class StepExecutor:
         if job.step_id <= state.committed:
             await self._answer_duplicate(job, state)
             return False
+        state.checked_version = await self.staleness.before_run(job, state.max_staleness)
         if job.step_id != state.committed + 1:
             raise StepFailed(ErrorCode.STEP_OUT_OF_ORDER,
                              f"expected step_id {state.committed + 1}, got {job.step_id} "
@@ -161,6 +166,8 @@ class StepExecutor:
         on the new weights (the engine left the session's context as it was)."""
         while True:
             async with self._gate(job) as version:
+                if state is not None:  # an update it waited for at the gate may have made it stale
+                    await self.staleness.in_gate(job, state.max_staleness, state.checked_version, version)
                 try:
                     if state is not None and state.committed >= 0 and not state.engine_ready:
                         await self._rebuild(job, state)
@@ -288,7 +295,8 @@ class StepExecutor:
 
         def commit_call() -> Coroutine[Any, Any, tuple[CommitAnswer, int]]:
             return self.jobs.commit(job, payload, context_length=result.context_length, record=record,
-                                    keep_records=records_kept(job.mode, job.retention))
+                                    keep_records=records_kept(job.mode, job.retention),
+                                    version=result.policy_version)
 
         async def commit_once() -> tuple[bool, int]:
             answer, acked = await commit_call()

@@ -39,7 +39,7 @@ class JobScripts:
         self.replica_wait = settings.replica_wait()
 
     async def commit(self, job: Job, result: bytes, *, context_length: int, record: bytes = b"",
-                     keep_records: int = -1) -> tuple[CommitAnswer, int]:
+                     keep_records: int = -1, version: int | None = None) -> tuple[CommitAnswer, int]:
         """Commit ``result`` as the job's step (``result`` empty: only re-publish a stored one), and
         how many replicas have it. With durability async the result goes out with the commit (the
         count is 0: nobody waited); replicated defers it to :meth:`publish_committed`."""
@@ -47,7 +47,7 @@ class JobScripts:
             session_id=job.session_id, worker_id=self.worker_id, epoch=job.epoch, step_id=job.step_id,
             entry_id=job.entry_id, result=result, context_length=context_length, job_id=job.job_id,
             reply_to=job.reply_to, reply_ttl_ms=self.settings.reply_ttl_ms, record=record,
-            keep_records=keep_records, reply_bounds=self.reply_bounds,
+            keep_records=keep_records, reply_bounds=self.reply_bounds, version=version,
         )
         if self.replica_wait is None:
             reply, acked = await self.scripts.commit(**args), 0

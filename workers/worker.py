@@ -377,7 +377,8 @@ class Worker:
             raise Fenced(job.session_id)
         # A new epoch means the engine's context (if any) may be stale: rebuild before the next step.
         self.engine.drop_session(job.session_id)
-        state = SessionState(committed=session.committed_step_id, epoch=job.epoch, model=session.model)
+        state = SessionState(committed=session.committed_step_id, epoch=job.epoch, model=session.model,
+                             max_staleness=session.max_staleness)
         self._sessions[job.session_id] = state
         return state
 

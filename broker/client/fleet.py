@@ -14,15 +14,23 @@ from typing import Any
 
 from redis.asyncio import Redis
 
+from broker.client.admission import admitted
 from broker.client.cells import placement_order
 from broker.client.replies import ReplyReader
 from broker.client.session import Session, new_id
+from broker.redis.admission import Admission
 from broker.redis.aio import resolve
 from broker.redis.cells import known_cells, live_cells
 from broker.redis.config import CellConfig
 from broker.redis.connect import open_redis
 from broker.redis.keys import CELL_MARK, DEFAULT_CELL, CellKeys, cell_named_by, check_session_id, session_id_in
-from broker.redis.layouts import DEFAULT_IDLE_TIMEOUT_S, ReplyEntry, SessionHash, idle_timeout_ms_of
+from broker.redis.layouts import (
+    DEFAULT_IDLE_TIMEOUT_S,
+    ReplyEntry,
+    SessionHash,
+    idle_timeout_ms_of,
+    max_staleness_of,
+)
 from broker.redis.script_replies import Created, Refused
 from broker.redis.scripts import Scripts
 from schemas.errors import (
@@ -46,6 +54,17 @@ def _positive_or_none(name: str, value: float | None) -> float | None:
     if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
         raise ValueError(f"{name} must be a positive number of seconds or None, got {value!r}")
     return float(value)
+
+
+@dataclass(frozen=True)
+class CreateOptions:
+    """A new session's options as create.lua takes them (checked by create_session)."""
+
+    retention: str
+    result_window: int
+    idle_timeout_ms: int
+    max_staleness: int | None
+    admission: Admission | None
 
 
 @dataclass
@@ -198,6 +217,8 @@ class FleetClient:
         retention: str = "full",
         result_window: int = 4,
         idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
+        max_staleness: int | None = None,
+        admission: Admission | None = None,
     ) -> Session:
         """Place a new session on the least loaded live worker serving (model, mode) — for a client
         of every cell, in the live cell with the most free capacity for it (the next one when that
@@ -208,22 +229,37 @@ class FleetClient:
         or, for a client of every cell, gets ``@<cell>`` appended (the returned Session's id).
         ``result_window`` is how many of the latest committed results stay stored for idempotent
         retries of a lost reply. ``idle_timeout_s``: the owner closes the session (freeing its
-        capacity) after that long without a step, reset or close. Raises CapacityExhaustedError or
-        InvalidRequestError.
+        capacity) after that long without a step, reset or close. ``max_staleness``: once the
+        version announced for the model passes the version the trajectory's first step ran on by
+        more than this, steps answer ``stale_policy`` (None: no bound). ``admission``: count the
+        session against a producer's bound (client of one cell only; docs/async_rl.md). Raises
+        CapacityExhaustedError, AdmissionClosedError or InvalidRequestError.
         """
         mode = parse_mode(mode)
         if not isinstance(model, str) or not model:
             raise InvalidRequestError("model must be a non-empty string")
         as_retention(retention)
         as_result_window(result_window)
-        idle_timeout_ms = idle_timeout_ms_of(idle_timeout_s)
+        options = CreateOptions(retention, result_window, idle_timeout_ms_of(idle_timeout_s),
+                                max_staleness_of(max_staleness), admission)
+        if admission is not None:
+            if not isinstance(admission, Admission):
+                raise InvalidRequestError(f"admission must be an Admission, got {type(admission).__name__}")
+            if self.cell is None:
+                raise InvalidRequestError("admission counts in one cell: use a client of one cell")
+            return await admitted(self.redis, self.keys, admission, model,
+                                  lambda: self._create(session_id, mode, model, options))
+        return await self._create(session_id, mode, model, options)
+
+    async def _create(self, session_id: str | None, mode: Mode, model: str, options: CreateOptions) -> Session:
         cells = await self._cells_for(session_id, mode, model)
         refused: Refused | None = None
         for cell in cells:
             sid = f"{new_id()}{CELL_MARK}{cell}" if session_id is None else self._chosen_id(session_id, cell)
             reply = await self.link(cell).scripts.create(
-                sid, mode.value, model, lease_ms=self.lease_ms, retention=retention, result_window=result_window,
-                idle_timeout_ms=idle_timeout_ms)
+                sid, mode.value, model, lease_ms=self.lease_ms, retention=options.retention,
+                result_window=options.result_window, idle_timeout_ms=options.idle_timeout_ms,
+                max_staleness=options.max_staleness, admission=options.admission)
             if isinstance(reply, Created):
                 return Session(self, sid, model=model, mode=mode, owner=reply.owner)
             if reply.code is not ErrorCode.CAPACITY_EXHAUSTED:

@@ -10,6 +10,8 @@ Fleet settings come from ``args`` attributes, all optional:
 - ``fleet_redis_url`` (default ``redis://127.0.0.1:6379/0``), ``fleet_prefix`` (``rf``),
   ``fleet_cell`` (``0``): one FleetClient per (url, prefix, cell) and event loop, reused;
 - ``fleet_model`` (``reference-lm``), ``fleet_step_timeout`` (seconds, none by default),
+  ``fleet_max_staleness`` (the sessions' ``max_staleness``, none by default: a sample that runs
+  past it comes back ``aborted``, docs/async_rl.md),
   ``fleet_tokenizer`` (an HF-like tokenizer; default the reference tokenizer);
 - for prompts with images (``sample.multimodal_inputs["images"]``): ``fleet_render_url`` (a vLLM
   server of the policy; default vime's router at ``vllm_router_ip``:``vllm_router_port``) and
@@ -156,6 +158,7 @@ def _config(args: Any, sample: Any, sampling_params: dict[str, Any]) -> MultiTur
         tools=sample.metadata.get("tools"),
         chat_template_kwargs=dict(getattr(args, "apply_chat_template_kwargs", None) or {}),
         step_timeout=getattr(args, "fleet_step_timeout", None),
+        max_staleness=getattr(args, "fleet_max_staleness", None),
     )
 
 

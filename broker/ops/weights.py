@@ -16,6 +16,7 @@ from broker.redis.cells import cells_of
 from broker.redis.config import CellConfig
 from broker.redis.connect import server_time_ms
 from broker.redis.keys import CellKeys
+from broker.redis.scripts import Scripts
 
 CONTROL_MAXLEN = 1000
 
@@ -58,15 +59,16 @@ class WeightUpdate:
 async def update_weights(redis: Redis, keys: CellKeys, *, model: str, version: int, path: str,
                          in_flight: str = "finish") -> str:
     """Ask every worker serving ``model`` (now or later) to load ``path`` as policy ``version``;
-    ``in_flight="abort"`` aborts the steps running then (they run again on the new weights)."""
+    ``in_flight="abort"`` aborts the steps running then (they run again on the new weights). The
+    cell's announced version of ``model`` rises to ``version`` with it (docs/async_rl.md)."""
     if version <= 0:
         raise ValueError("policy versions start at 1")
     if in_flight not in IN_FLIGHT:
         raise ValueError(f"in_flight must be one of {IN_FLIGHT}, got {in_flight!r}")
     update = WeightUpdate(model, version, path, in_flight)
-    entry: Any = await redis.xadd(keys.control, update.fields(),  # type: ignore[arg-type]
-                                  maxlen=CONTROL_MAXLEN, approximate=True)
-    return entry.decode() if isinstance(entry, bytes) else str(entry)
+    # The entry and the model's announced version (what max_staleness and admission read) move together.
+    return await Scripts(redis, keys, coalesce=False).announce(update.fields(), model=model, version=version,
+                                                               maxlen=CONTROL_MAXLEN)
 
 
 class WeightUpdateFailed(RuntimeError):

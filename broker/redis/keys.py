@@ -184,6 +184,16 @@ class CellKeys:
         return f"{self.base}:control"
 
     @property
+    def announced(self) -> str:
+        """HASH model -> the highest policy version announced on the control stream (only ever
+        raised): what max_staleness and admission compare against (broker/ops/weights.py)."""
+        return f"{self.base}:announced"
+
+    def admission(self, name: str) -> str:
+        """HASH model -> trajectories admitted under one producer's admission bound (create.lua)."""
+        return f"{self.base}:admission:{name}"
+
+    @property
     def dead(self) -> str:
         """STREAM of dead-lettered jobs."""
         return f"{self.base}:dead"

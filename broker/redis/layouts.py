@@ -47,11 +47,17 @@ def integer(fields: Fields, name: str, default: int | None = None) -> int:
         raise LayoutError(f"field {name!r} is not an integer: {raw!r}") from exc
 
 
+def optional_integer(fields: Fields, name: str) -> int | None:
+    """An integer field that may be absent or empty (None then)."""
+    return integer(fields, name) if text(fields, name, "") else None
+
+
 # ---------------------------------------------------------------------- rf:{c}:session:<sid> HASH
 
 @dataclass(frozen=True)
 class SessionHash:
-    """A session's record. Written whole by create.lua; enqueue, control, commit, report,
+    """A session's record. Written whole by create.lua (but ``first_version``, which the
+    trajectory's first commit writes); enqueue, control, commit, report,
     apply_control and failover.lua move single fields (their headers say which). One field is
     left out here as it means nothing to a reader: ``unconfirmed_step``, present only between a
     deferred commit (``durability=replicated``) and the publish after a replica confirmed it."""
@@ -72,6 +78,10 @@ class SessionHash:
     updated_ms: int = 0  # the last activity: create, a step enqueued or committed, a reset or close
     idle_timeout_ms: int = 0  # its owner closes it after this long unused (0: never)
     idle_closed: bool = False  # closed by its idle timeout (close_idle.lua)
+    # The staleness bound (create.lua; None: none) and the policy version the trajectory's first
+    # committed step ran on (commit.lua sets it, a reset clears it: docs/async_rl.md).
+    max_staleness: int | None = None
+    first_version: int | None = None
 
     @classmethod
     def from_fields(cls, fields: Fields) -> SessionHash:
@@ -87,6 +97,8 @@ class SessionHash:
             retention=text(fields, "retention", "full"), result_window=integer(fields, "result_window", 1),
             created_ms=integer(fields, "created_ms", 0), updated_ms=integer(fields, "updated_ms", 0),
             idle_timeout_ms=integer(fields, "idle_timeout_ms", 0), idle_closed=text(fields, "idle_closed", "0") == "1",
+            max_staleness=optional_integer(fields, "max_staleness"),
+            first_version=optional_integer(fields, "first_version"),
         )
 
     def status(self, session_id: str) -> SessionStatus:
@@ -109,6 +121,21 @@ def idle_timeout_ms_of(idle_timeout_s: object) -> int:
         raise InvalidRequestError(f"idle_timeout_s must be a number of seconds in (0, {MAX_IDLE_TIMEOUT_S:.0f}], "
                                   f"got {idle_timeout_s!r}")
     return max(1, round(idle_timeout_s * 1000))
+
+
+MAX_STALENESS_LIMIT = 1_000_000_000  # policy versions a trajectory may fall behind, at most
+
+
+def max_staleness_of(max_staleness: object) -> int | None:
+    """A session's staleness bound as given to create_session: None (no bound) or an int in
+    [0, 1e9]; InvalidRequestError otherwise (nothing is created)."""
+    if max_staleness is None:
+        return None
+    if (isinstance(max_staleness, bool) or not isinstance(max_staleness, int)
+            or not 0 <= max_staleness <= MAX_STALENESS_LIMIT):
+        raise InvalidRequestError(f"max_staleness must be None or an int in [0, {MAX_STALENESS_LIMIT}], "
+                                  f"got {max_staleness!r}")
+    return max_staleness
 
 
 # ---------------------------------------------------------------------- rf:{c}:log:<sid> HASH

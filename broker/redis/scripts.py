@@ -16,6 +16,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError
 
+from broker.redis.admission import Admission
 from broker.redis.cells import touch_cell
 from broker.redis.connect import is_cluster
 from broker.redis.durability import ReplicaWait, call_then_wait
@@ -86,7 +87,7 @@ class Scripts:
     NAMES = (
         "create", "enqueue", "control", "commit", "report", "apply_control",
         "register", "heartbeat", "leave_pools", "failover", "retire", "ack_result", "close_idle",
-        "set_capacity", "unplaced",
+        "set_capacity", "unplaced", "announce",
     )
 
     def __init__(self, redis: Redis, keys: CellKeys, *, coalesce: bool = True) -> None:
@@ -168,22 +169,27 @@ class Scripts:
     # ------------------------------------------------------------------ trainer side
 
     async def create(self, session_id: str, mode: str, model: str, *, lease_ms: int, retention: str,
-                     result_window: int, idle_timeout_ms: int = 0) -> CreateReply:
-        """``idle_timeout_ms``: its owner closes the session after that long unused (0: never)."""
+                     result_window: int, idle_timeout_ms: int = 0, max_staleness: int | None = None,
+                     admission: Admission | None = None) -> CreateReply:
+        """``idle_timeout_ms``: its owner closes the session after that long unused (0: never).
+        ``max_staleness``: the session's staleness bound (None: none); ``admission``: count the
+        session against a producer's admission bound (docs/async_rl.md)."""
         k = self.keys
-        raw = await self._call(
-            "create",
-            [k.workers, k.capacity, k.pool(mode, model), k.session(session_id), k.sessions, k.owned, k.pressure],
-            [session_id, mode, model, lease_ms, retention, result_window, idle_timeout_ms],
-        )
-        return decode_create(raw)
+        keys = [k.workers, k.capacity, k.pool(mode, model), k.session(session_id), k.sessions, k.owned, k.pressure,
+                k.announced]
+        args: list[Any] = [session_id, mode, model, lease_ms, retention, result_window, idle_timeout_ms,
+                           "" if max_staleness is None else max_staleness]
+        if admission is not None:
+            keys.append(k.admission(admission.name))
+            args += [admission.batch_size, admission.max_offpolicyness, admission.name]
+        return decode_create(await self._call("create", keys, args))
 
     async def enqueue(self, session_id: str, owner: str, *, step_id: int, contextual: bool, job_id: str,
                       reply_to: str, payload: bytes, attempt: int = 0, min_version: int = 0) -> EnqueueReply:
         k = self.keys
         raw = await self._call(
             "enqueue",
-            [k.session(session_id), k.inbox(owner), k.log(session_id)],
+            [k.session(session_id), k.inbox(owner), k.log(session_id), k.announced],
             [owner, step_id, "1" if contextual else "0", job_id, reply_to, payload, session_id, attempt,
              min_version],
         )
@@ -197,6 +203,14 @@ class Scripts:
         )
         return decode_control(raw)
 
+    async def announce(self, fields: dict[str, str], *, model: str, version: int, maxlen: int) -> str:
+        """Add a weight update to the control stream and raise the model's announced version (only
+        ever up), in one script; the entry's id."""
+        k = self.keys
+        flat = [item for pair in fields.items() for item in pair]
+        raw = await self._call("announce", [k.control, k.announced], [model, version, maxlen, *flat])
+        return raw.decode() if isinstance(raw, bytes) else str(raw)
+
     async def ack_result(self, *, stream: str, group: str, entry_id: str, session_id: str, step_id: int,
                          handled_ttl_ms: int) -> bool:
         k = self.keys
@@ -209,23 +223,27 @@ class Scripts:
     async def commit(self, *, session_id: str, worker_id: str, epoch: int, step_id: int, entry_id: str,
                      result: bytes, context_length: int, job_id: str, reply_to: str, reply_ttl_ms: int,
                      record: bytes = b"", keep_records: int = -1,
-                     reply_bounds: ReplyBounds = DEFAULT_REPLY_BOUNDS, deferred: bool = False) -> CommitReply:
+                     reply_bounds: ReplyBounds = DEFAULT_REPLY_BOUNDS, deferred: bool = False,
+                     version: int | None = None) -> CommitReply:
         """Commit a step; ``record`` (kept per ``keep_records``: -1 all, N last N, 0 none) is what a
         new owner replays to rebuild the session's context. ``deferred``: commit without publishing
-        (see :meth:`commit_and_wait`); a later call with an empty result publishes."""
+        (see :meth:`commit_and_wait`); a later call with an empty result publishes. ``version``:
+        the policy version the step ran on (a session with max_staleness records its first one)."""
         keys, args = self._commit_call(session_id, worker_id, epoch, step_id, entry_id, result, context_length,
                                        job_id, reply_to, reply_ttl_ms, record, keep_records, reply_bounds, deferred)
-        return decode_commit(await self._call("commit", keys, args))
+        return decode_commit(await self._call("commit", keys, [*args, "" if version is None else version]))
 
     async def commit_and_wait(self, *, wait: ReplicaWait, session_id: str, worker_id: str, epoch: int,
                               step_id: int, entry_id: str, result: bytes, context_length: int, job_id: str,
                               reply_to: str, reply_ttl_ms: int, record: bytes = b"", keep_records: int = -1,
-                              reply_bounds: ReplyBounds = DEFAULT_REPLY_BOUNDS) -> tuple[CommitReply, int]:
+                              reply_bounds: ReplyBounds = DEFAULT_REPLY_BOUNDS,
+                              version: int | None = None) -> tuple[CommitReply, int]:
         """A deferred commit (an empty ``result``: a deferred duplicate) followed by ``WAIT`` on the
         same connection, never coalesced with other calls: the reply and how many replicas have the
         commit. Nothing is published until :meth:`commit` with ``result=b""`` runs after it."""
         keys, args = self._commit_call(session_id, worker_id, epoch, step_id, entry_id, result, context_length,
                                        job_id, reply_to, reply_ttl_ms, record, keep_records, reply_bounds, True)
+        args.append("" if version is None else version)
         sha = self._scripts["commit"].sha
         raw, acked = await call_then_wait(self.redis, keys[0], ["EVALSHA", sha, len(keys), *keys, *args], wait)
         if isinstance(raw, NoScriptError):  # a master that never ran it (a promoted replica): load, again

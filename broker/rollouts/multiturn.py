@@ -38,7 +38,7 @@ from broker.rollouts.chat_tokens import (
     template_ids,
 )
 from broker.rollouts.render import ChatRenderer, has_images
-from schemas.errors import FleetError
+from schemas.errors import ErrorCode, FleetError
 from schemas.messages import StepResult
 from schemas.reference_tokenizer import ReferenceTokenizer
 
@@ -85,6 +85,9 @@ class MultiTurnConfig:
     tools: Sequence[Any] | None = None
     chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
     step_timeout: float | None = None
+    # The session's staleness bound (docs/async_rl.md): a turn answering stale_policy ends the
+    # sample as aborted (the trainer drops it), with the error in metadata.
+    max_staleness: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_turns, bool) or not isinstance(self.max_turns, int) or self.max_turns <= 0:
@@ -224,7 +227,8 @@ class _Rollout:
             error = result.error
             self.sample.metadata["error"] = {"code": error.code.value if error else "unknown",
                                              "message": error.message if error else "", "step_id": turn_index}
-            self.finish(RolloutStatus.FAILED)
+            stale = error is not None and error.code is ErrorCode.STALE_POLICY
+            self.finish(RolloutStatus.ABORTED if stale else RolloutStatus.FAILED)
             return None
         turn = _parse_output(result, self.tokenizer)
         self.sample.weight_versions.append(result.policy_version)
@@ -300,7 +304,8 @@ async def run_multiturn(fleet: FleetClient, env: Environment, messages: Sequence
     tokenizer; prompts with images need one, and their features go with step 0. Observations of
     later turns are text, tokenized here.
 
-    A failed step ends the sample with status ``failed`` (``metadata["error"]``); bad
+    A failed step ends the sample with status ``failed`` (``metadata["error"]``; ``aborted`` for
+    ``stale_policy``, past ``config.max_staleness``); bad
     configuration, a malformed engine answer or a session that cannot be created raise.
     """
     config = config or MultiTurnConfig()
@@ -338,7 +343,8 @@ async def _run_session(fleet: FleetClient, env: Environment, prompt: list[int], 
                        tokenizer: ChatTokenizer, session_id: str | None,
                        features: dict[str, Any] | None = None) -> RolloutSample:
     seed = config.seed if config.seed is not None else random.SystemRandom().randrange(_SEED_SPACE)
-    session = await fleet.create_session(config.model, "tokens", session_id=session_id)
+    session = await fleet.create_session(config.model, "tokens", session_id=session_id,
+                                         max_staleness=config.max_staleness)
     sample = RolloutSample(tokens=list(prompt), prompt_length=len(prompt), session_id=session.session_id,
                            metadata={"fleet_session_id": session.session_id, "sampling_seed": seed},
                            multimodal_features=features)

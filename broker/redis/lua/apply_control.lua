@@ -6,7 +6,8 @@
 -- ARGV: 1 worker id, 2 job epoch, 3 inbox entry id, 4 job_id, 5 kind, 6 grace ttl ms,
 --       7 reply ttl ms, 8 inbox group, 9 session_id, 10-12 reply stream bounds (ReplyBounds)
 -- Fields (broker/redis/layouts.py): reads session owner, epoch, committed_step_id, reset_pending;
---       writes session committed_step_id, context_length, reset_pending (reset); drops the log
+--       writes session committed_step_id, context_length, reset_pending (reset), drops first_version
+--       (reset: the next committed step starts a new trajectory, docs/async_rl.md); drops the log
 --       (reset); adds a reply entry (kind, job_id, committed, result '') unless job_id is 
 -- A reset that control.lua never enqueued (reset_pending 0: a forged or replayed entry) is refused
 -- like a fenced job: applied, it would move committed to -1 while next_step_id stays put. A retry
@@ -32,6 +33,7 @@ if s[1] then
     local pending = tonumber(s[4] or '1') - 1
     if pending < 0 then pending = 0 end
     redis.call('HSET', KEYS[1], 'committed_step_id', -1, 'context_length', 0, 'reset_pending', pending)
+    redis.call('HDEL', KEYS[1], 'first_version')
   else
     -- Only while the worker is in the pool: a draining or not-ready worker left it, and ZINCRBY
     -- would add it back at -1, the least-loaded place of all.

@@ -4,21 +4,26 @@
 -- ARGV: 1 worker id, 2 job epoch, 3 step_id, 4 inbox entry id, 5 result, 6 context_length,
 --       7 job_id, 8 reply ttl ms, 9 inbox group, 10 step record for context rebuild ('' = none),
 --       11 records kept (-1 = all, N = the last N), 12-14 reply stream bounds (bytes, large result
---       bytes, large result ttl ms: ReplyBounds), 15 deferred ('1': durability=replicated, see below)
+--       bytes, large result ttl ms: ReplyBounds), 15 deferred ('1': durability=replicated, see below),
+--       16 the policy version the step ran on ('' = not given)
+-- A session with max_staleness records the version its trajectory's first committed step ran on
+--       (first_version; a reset clears it) for the staleness check of enqueue.lua and the worker.
 -- Deferred (replicated durability, broker/redis/durability.py): the commit is written but the job
 --       stays pending and nothing is published; the session's unconfirmed_step marks it, so a
 --       re-sent step goes to the owner (enqueue.lua) instead of reading an unconfirmed result. A
 --       deferred duplicate rewrites its stored result, a write that makes the WAIT after this call
 --       cover the commit even when another connection wrote it. The worker calls again with
 --       deferred '0' and an empty result once a replica has it: that call publishes and acks.
--- Fields (broker/redis/layouts.py): reads session owner, epoch, committed_step_id, result_window;
+-- Fields (broker/redis/layouts.py): reads session owner, epoch, committed_step_id, result_window,
+--       max_staleness, first_version; writes first_version (when absent and max_staleness is set);
 --       writes session committed_step_id, context_length, updated_ms, unconfirmed_step (deferred: the
 --       lowest step committed and not yet confirmed; any publish clears it); log result:<step> (the
 --       last result_window kept) and input:<step> (per ARGV 11); adds a reply entry (kind,
 --       job_id, committed, result)
 -- Returns {'committed'} | {'duplicate'} | {'duplicate_unstored', committed}
 --       | {'fenced', owner, epoch} | {'out_of_order', committed}
-local s = redis.call('HMGET', KEYS[1], 'owner', 'epoch', 'committed_step_id', 'result_window', 'unconfirmed_step')
+local s = redis.call('HMGET', KEYS[1], 'owner', 'epoch', 'committed_step_id', 'result_window', 'unconfirmed_step',
+  'max_staleness', 'first_version')
 if fenced(s[1], s[2], ARGV[1], ARGV[2]) then
   return {'fenced', s[1] or '', s[2] or ''}
 end
@@ -49,6 +54,9 @@ if committed ~= step - 1 or ARGV[5] == '' then  -- an empty result only re-publi
   return {'out_of_order', committed}
 end
 redis.call('HSET', KEYS[1], 'committed_step_id', step, 'context_length', ARGV[6], 'updated_ms', now_ms())
+if s[6] and not s[7] and ARGV[16] and ARGV[16] ~= '' then
+  redis.call('HSET', KEYS[1], 'first_version', ARGV[16])
+end
 redis.call('HSET', KEYS[2], 'result:' .. step_text(step), ARGV[5])
 local window = tonumber(s[4] or '1')
 if step - window >= 0 then

@@ -2,13 +2,21 @@
 -- Load score: the worker's session share (owned over all its pools / its capacity) plus the engine
 -- pressure its heartbeat published (0..1); the lowest wins, the pool's order breaks ties. One pass
 -- over the pool: O(pool size).
--- Uses: prelude.lua (now_ms, share_with_room)
+-- Uses: prelude.lua (now_ms, share_with_room, step_text)
+-- Admission (docs/async_rl.md): with ARGV 9 set, the session is a new trajectory of a producer
+-- bounded AReaL-style: at most (version + max_offpolicyness + 1) x batch_size admitted for the
+-- model under the producer's name, version being the highest announced for the model; over it,
+-- admission_closed and nothing changes. The count moves in the same script as the create.
 -- KEYS: 1 workers zset, 2 capacity hash, 3 pool zset (mode, model), 4 session hash, 5 sessions hash
---       (session id -> owner), 6 owned hash (worker -> sessions), 7 pressure hash (worker -> 0..1)
--- ARGV: 1 session_id, 2 mode, 3 model, 4 lease_ms, 5 retention, 6 result_window, 7 idle timeout ms
+--       (session id -> owner), 6 owned hash (worker -> sessions), 7 pressure hash (worker -> 0..1),
+--       8 announced hash (model -> version), 9 admission hash (model -> admitted; with ARGV 9 only)
+-- ARGV: 1 session_id, 2 mode, 3 model, 4 lease_ms, 5 retention, 6 result_window, 7 idle timeout ms,
+--       8 max_staleness ('' = none), 9 admission batch_size ('' = no admission), 10 admission
+--       max_offpolicyness, 11 admission name (for the message)
 -- Fields (broker/redis/layouts.py SessionHash): writes the whole session hash: mode, model, owner,
 --       epoch, committed_step_id, next_step_id, context_length, closed, gen, reset_pending,
---       retention, result_window, idle_timeout_ms, idle_closed, created_ms, updated_ms
+--       retention, result_window, idle_timeout_ms, idle_closed, created_ms, updated_ms,
+--       max_staleness (only when set); reads announced <model>; reads and moves admission <model>
 -- Returns {'created', owner} | {'error', code, message}
 local now = now_ms()
 local lease = tonumber(ARGV[4])
@@ -38,6 +46,18 @@ if not chosen then
   return {'error', 'capacity_exhausted',
           'no live worker with free capacity serves model ' .. ARGV[3] .. ' in mode ' .. ARGV[2]}
 end
+if ARGV[9] and ARGV[9] ~= '' then
+  local version = tonumber(redis.call('HGET', KEYS[8], ARGV[3]) or '0') or 0
+  local count = tonumber(redis.call('HGET', KEYS[9], ARGV[3]) or '0') or 0
+  local bound = (version + tonumber(ARGV[10]) + 1) * tonumber(ARGV[9])
+  if count >= bound then
+    return {'error', 'admission_closed', 'admission ' .. ARGV[11] .. ' of model ' .. ARGV[3] .. ' is closed: '
+      .. step_text(count) .. ' trajectories admitted, the bound at policy version ' .. step_text(version)
+      .. ' is (version + ' .. ARGV[10] .. ' + 1) x ' .. ARGV[9] .. ' = ' .. step_text(bound)
+      .. '; it opens when a later version is announced'}
+  end
+  redis.call('HINCRBY', KEYS[9], ARGV[3], 1)
+end
 redis.call('ZINCRBY', KEYS[3], 1, chosen)
 redis.call('HINCRBY', KEYS[6], chosen, 1)
 redis.call('HSET', KEYS[4],
@@ -46,5 +66,8 @@ redis.call('HSET', KEYS[4],
   'gen', 0, 'reset_pending', 0, 'retention', ARGV[5], 'result_window', ARGV[6],
   'idle_timeout_ms', ARGV[7] or 0, 'idle_closed', 0,
   'created_ms', now, 'updated_ms', now)
+if ARGV[8] and ARGV[8] ~= '' then
+  redis.call('HSET', KEYS[4], 'max_staleness', ARGV[8])
+end
 redis.call('HSET', KEYS[5], ARGV[1], chosen)
 return {'created', chosen}

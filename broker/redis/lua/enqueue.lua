@@ -1,19 +1,23 @@
 -- Enqueue one step job into its owner's inbox, enforcing the step-id rules atomically.
 -- Uses: prelude.lua (now_ms, session_refusal, step_text)
--- KEYS: 1 session hash, 2 inbox of the owner the client believes in, 3 log hash
+-- A session with max_staleness refuses a new contextual step with stale_policy once the version
+-- announced for its model passed first_version + max_staleness (docs/async_rl.md); nothing changes.
+-- KEYS: 1 session hash, 2 inbox of the owner the client believes in, 3 log hash, 4 announced hash
+--       (model -> highest announced policy version)
 -- ARGV: 1 believed owner, 2 step_id, 3 contextual ('1'|'0'), 4 job_id, 5 reply_to, 6 payload,
 --       7 session_id, 8 attempt, 9 minimum policy version
 -- Fields (broker/redis/layouts.py, inbox.py): reads session owner, epoch, committed_step_id,
 --       next_step_id, context_length, closed, gen, reset_pending, mode, model, retention,
---       unconfirmed_step (a committed step no replica has confirmed yet, commit.lua: a re-sent step
+--       max_staleness, first_version, unconfirmed_step (a committed step no replica has confirmed yet, commit.lua: a re-sent step
 --       from there on is queued for its owner, who answers it once a replica has it); writes
---       session next_step_id and updated_ms (a step is activity: the idle timeout starts again); reads log result:<step>; adds an inbox entry (kind, job_id,
+--       session next_step_id and updated_ms (a step is activity: the idle timeout starts again); reads log result:<step> and announced <model>; adds an inbox entry (kind, job_id,
 --       session_id, step_id, contextual, epoch, gen, mode, model, reply_to, enqueued_ms, attempt,
 --       retention, min_version, payload)
 -- Returns {'queued', entry_id, committed} | {'stored', result, committed}
 --       | {'error', code, message, committed, context_length[, 'in_flight']} | {'moved', owner}
 local s = redis.call('HMGET', KEYS[1], 'owner', 'epoch', 'committed_step_id', 'next_step_id',
-  'context_length', 'closed', 'gen', 'reset_pending', 'mode', 'model', 'retention', 'unconfirmed_step')
+  'context_length', 'closed', 'gen', 'reset_pending', 'mode', 'model', 'retention', 'unconfirmed_step',
+  'max_staleness', 'first_version')
 local owner, committed, ctx = s[1], tonumber(s[3]), s[5]
 local refusal = session_refusal(owner, s[6], committed, ctx, ARGV[1], ARGV[7])
 if refusal then
@@ -26,6 +30,17 @@ local awaits_replica = ARGV[3] == '1' and unconfirmed ~= nil and step >= unconfi
   and s[8] == '0'
 if ARGV[3] == '1' and not awaits_replica then
   local nxt = tonumber(s[4])
+  -- Any step of a trajectory past its bound, in order or not: not a re-sent committed one (its
+  -- stored result still answers) nor one behind a pending reset (it starts a new trajectory).
+  if s[13] and s[14] and step > committed and s[8] == '0' then
+    local announced = tonumber(redis.call('HGET', KEYS[4], s[10]) or '0') or 0
+    local first = tonumber(s[14])
+    if announced > first + tonumber(s[13]) then
+      return {'error', 'stale_policy', 'the trajectory started on policy version ' .. step_text(first)
+        .. ' and version ' .. step_text(announced) .. ' of ' .. s[10] .. ' is announced, more than max_staleness '
+        .. s[13] .. ' ahead: drop the trajectory or reset the session', committed, ctx}
+    end
+  end
   if step ~= nxt then
     if step <= committed and s[8] == '0' then
       local stored = redis.call('HGET', KEYS[3], 'result:' .. step_text(step))
