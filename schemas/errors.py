@@ -23,6 +23,7 @@ class ErrorCode(StrEnum):
     PAYLOAD_TOO_LARGE = "payload_too_large"
     CONTEXT_LOST = "context_lost"
     TIMEOUT = "timeout"
+    TRAINER_CAP_REACHED = "trainer_cap_reached"
 
 
 class FleetError(Exception):
@@ -77,6 +78,13 @@ class StepOutOfOrderError(FleetError):
 
 class CapacityExhaustedError(FleetError):
     code = ErrorCode.CAPACITY_EXHAUSTED
+
+
+class TrainerCapReachedError(FleetError):
+    """``create_session`` refused: the trainer already has as many open sessions in the cell as the
+    operator's cap for it allows (``rollout-fleet trainers set-cap``). Close one, or ask for more."""
+
+    code = ErrorCode.TRAINER_CAP_REACHED
 
 
 class InferenceError(FleetError):
@@ -135,7 +143,7 @@ _BY_CODE: dict[ErrorCode, type[FleetError]] = {
     for cls in (
         SessionNotFoundError, SessionClosedError, StepAlreadyCommittedError, StepOutOfOrderError,
         InvalidRequestError, InferenceError, CapacityExhaustedError, PayloadTooLargeError, ContextLost,
-        FleetTimeoutError,
+        FleetTimeoutError, TrainerCapReachedError,
     )
 }
 
