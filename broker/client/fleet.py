@@ -27,11 +27,13 @@ from broker.redis.script_replies import Created, Refused
 from broker.redis.scripts import Scripts
 from schemas.errors import (
     ErrorCode,
+    FleetError,
     InvalidRequestError,
     error_for,
 )
 from schemas.limits import DEFAULT_LIMITS, Limits
 from schemas.messages import Mode, SessionStatus, StepResult, parse_mode
+from schemas.sharing import DEFAULT_PRIORITY, Priority, as_priority, as_trainer
 from schemas.wire_fields import as_result_window, as_retention
 
 # The longest blocking read a results consumer may ask for (every wait has a bound).
@@ -46,6 +48,25 @@ def _positive_or_none(name: str, value: float | None) -> float | None:
     if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
         raise ValueError(f"{name} must be a positive number of seconds or None, got {value!r}")
     return float(value)
+
+
+def _default_trainer(client_id: str) -> str:
+    """The trainer of a client given none: its client id where that is a trainer name."""
+    try:
+        return as_trainer(client_id)
+    except InvalidRequestError:
+        return "default"
+
+
+def _refusal(refused: Refused, cells: list[str], pool: str, trainer: str) -> FleetError:
+    """The error of a create every cell tried refused (the last refusal's code)."""
+    if len(cells) == 1:
+        return error_for(refused.code, refused.message)
+    if refused.code is ErrorCode.TRAINER_CAP_REACHED:
+        return error_for(refused.code, f"trainer {trainer} is at its cap, or the cell is full, in every one of the "
+                         f"cells {', '.join(cells)}; last: {refused.message}")
+    return error_for(refused.code, f"no live worker with free capacity serves {pool} in any of the cells "
+                     f"{', '.join(cells)}")
 
 
 @dataclass
@@ -67,7 +88,9 @@ class FleetClient:
     one cell stays in it and refuses ids naming another. ``step_timeout`` bounds every step and
     reset called without a ``timeout`` (None: no bound); while waiting, the client checks every
     ``session_check_s`` that the session still exists and fails the wait with
-    ``session_not_found`` once it is gone."""
+    ``session_not_found`` once it is gone. ``trainer`` names whose open sessions this client's new
+    sessions count in (an operator may cap them per cell: ``rollout-fleet trainers set-cap``);
+    default: the client id, or ``default`` for a client id that is no trainer name."""
 
     def __init__(
         self,
@@ -83,6 +106,7 @@ class FleetClient:
         config: CellConfig | None = None,
         step_timeout: float | None = DEFAULT_STEP_TIMEOUT_S,
         session_check_s: float = DEFAULT_SESSION_CHECK_S,
+        trainer: str | None = None,
     ) -> None:
         self.config = (config or CellConfig()).with_overrides(redis_url=url, prefix=prefix, cell=cell,
                                                               lease_ms=lease_ms)
@@ -91,6 +115,7 @@ class FleetClient:
         self.cell: str | None = None if self.config.any_cell else self.config.cell
         self.limits = limits
         self.client_id = client_id or f"client-{new_id()[:12]}"
+        self.trainer = as_trainer(trainer) if trainer is not None else _default_trainer(self.client_id)
         self.lease_ms = self.config.lease_ms
         self.reply_ttl_ms = reply_ttl_ms
         self.reconnect_s = reconnect_s
@@ -198,6 +223,8 @@ class FleetClient:
         retention: str = "full",
         result_window: int = 4,
         idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
+        priority: str | Priority = DEFAULT_PRIORITY,
+        trainer: str | None = None,
     ) -> Session:
         """Place a new session on the least loaded live worker serving (model, mode) — for a client
         of every cell, in the live cell with the most free capacity for it (the next one when that
@@ -208,8 +235,10 @@ class FleetClient:
         or, for a client of every cell, gets ``@<cell>`` appended (the returned Session's id).
         ``result_window`` is how many of the latest committed results stay stored for idempotent
         retries of a lost reply. ``idle_timeout_s``: the owner closes the session (freeing its
-        capacity) after that long without a step, reset or close. Raises CapacityExhaustedError or
-        InvalidRequestError.
+        capacity) after that long without a step, reset or close. ``priority``: ``interactive``
+        steps run before ``bulk`` ones (the default) on a busy worker. ``trainer`` (default: the
+        client's) is whose open sessions it counts in. Raises CapacityExhaustedError,
+        TrainerCapReachedError (the trainer is at its cap in every cell tried) or InvalidRequestError.
         """
         mode = parse_mode(mode)
         if not isinstance(model, str) or not model:
@@ -217,24 +246,24 @@ class FleetClient:
         as_retention(retention)
         as_result_window(result_window)
         idle_timeout_ms = idle_timeout_ms_of(idle_timeout_s)
+        rank = as_priority(priority)
+        owner = self.trainer if trainer is None else as_trainer(trainer)
         cells = await self._cells_for(session_id, mode, model)
         refused: Refused | None = None
         for cell in cells:
             sid = f"{new_id()}{CELL_MARK}{cell}" if session_id is None else self._chosen_id(session_id, cell)
             reply = await self.link(cell).scripts.create(
                 sid, mode.value, model, lease_ms=self.lease_ms, retention=retention, result_window=result_window,
-                idle_timeout_ms=idle_timeout_ms)
+                idle_timeout_ms=idle_timeout_ms, priority=rank.value, trainer=owner)
             if isinstance(reply, Created):
                 return Session(self, sid, model=model, mode=mode, owner=reply.owner)
-            if reply.code is not ErrorCode.CAPACITY_EXHAUSTED:
+            if reply.code not in (ErrorCode.CAPACITY_EXHAUSTED, ErrorCode.TRAINER_CAP_REACHED):
                 raise error_for(reply.code, reply.message)
-            refused = reply
+            refused = reply  # caps and capacity are per cell: the next cell may have room
         if refused is None:
             raise InvalidRequestError(f"unknown model or mode: no live worker in any cell serves model {model} "
                                       f"in mode {mode.value}")
-        raise error_for(refused.code, refused.message if len(cells) == 1 else
-                        f"no live worker with free capacity serves model {model} in mode {mode.value} "
-                        f"in any of the cells {', '.join(cells)}")
+        raise _refusal(refused, cells, f"model {model} in mode {mode.value}", owner)
 
     def _chosen_id(self, session_id: str, cell: str) -> str:
         """The id as it will be stored (checked again: ``@<cell>`` may take it past the length limit)."""

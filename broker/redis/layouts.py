@@ -17,6 +17,7 @@ from schemas.codec import decode
 from schemas.errors import InvalidRequestError
 from schemas.limits import Limits
 from schemas.messages import Mode, SessionStatus, StepResult
+from schemas.sharing import DEFAULT_PRIORITY, Priority, stored_priority
 
 Fields = Mapping[bytes, bytes]  # as read
 Entry = dict[FieldT, EncodableT]  # as written (what redis-py takes)
@@ -72,6 +73,8 @@ class SessionHash:
     updated_ms: int = 0  # the last activity: create, a step enqueued or committed, a reset or close
     idle_timeout_ms: int = 0  # its owner closes it after this long unused (0: never)
     idle_closed: bool = False  # closed by its idle timeout (close_idle.lua)
+    priority: Priority = DEFAULT_PRIORITY  # its steps' class on a busy worker (enqueue.lua copies it)
+    trainer: str = ""  # whose open-session count it is in (create.lua); "" for sessions from before
 
     @classmethod
     def from_fields(cls, fields: Fields) -> SessionHash:
@@ -87,6 +90,8 @@ class SessionHash:
             retention=text(fields, "retention", "full"), result_window=integer(fields, "result_window", 1),
             created_ms=integer(fields, "created_ms", 0), updated_ms=integer(fields, "updated_ms", 0),
             idle_timeout_ms=integer(fields, "idle_timeout_ms", 0), idle_closed=text(fields, "idle_closed", "0") == "1",
+            priority=stored_priority(text(fields, "priority", "")),
+            trainer=text(fields, "trainer", ""),
         )
 
     def status(self, session_id: str) -> SessionStatus:

@@ -168,13 +168,16 @@ class Scripts:
     # ------------------------------------------------------------------ trainer side
 
     async def create(self, session_id: str, mode: str, model: str, *, lease_ms: int, retention: str,
-                     result_window: int, idle_timeout_ms: int = 0) -> CreateReply:
-        """``idle_timeout_ms``: its owner closes the session after that long unused (0: never)."""
+                     result_window: int, idle_timeout_ms: int = 0, priority: str = "bulk",
+                     trainer: str = "default") -> CreateReply:
+        """``idle_timeout_ms``: its owner closes the session after that long unused (0: never).
+        ``trainer``: whose open sessions it counts in (refused over that trainer's cap)."""
         k = self.keys
         raw = await self._call(
             "create",
-            [k.workers, k.capacity, k.pool(mode, model), k.session(session_id), k.sessions, k.owned, k.pressure],
-            [session_id, mode, model, lease_ms, retention, result_window, idle_timeout_ms],
+            [k.workers, k.capacity, k.pool(mode, model), k.session(session_id), k.sessions, k.owned, k.pressure,
+             k.trainer_caps, k.trainer_open],
+            [session_id, mode, model, lease_ms, retention, result_window, idle_timeout_ms, priority, trainer],
         )
         return decode_create(raw)
 
@@ -289,7 +292,7 @@ class Scripts:
         raw = await self._call(
             "apply_control",
             [k.session(session_id), k.log(session_id), k.inbox(worker_id), k.reply(reply_to),
-             k.pool(mode, model), k.sessions, k.owned],
+             k.pool(mode, model), k.sessions, k.owned, k.trainer_open],
             [worker_id, epoch, entry_id, job_id, kind, grace_ms, reply_ttl_ms, INBOX_GROUP, session_id,
              *reply_bounds.args()],
         )

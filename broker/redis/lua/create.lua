@@ -3,17 +3,29 @@
 -- pressure its heartbeat published (0..1); the lowest wins, the pool's order breaks ties. One pass
 -- over the pool: O(pool size).
 -- Uses: prelude.lua (now_ms, share_with_room)
+-- The trainer's cap (KEYS[8] field trainer, else field '*'; none: no cap) is checked first: a
+-- trainer with as many open sessions as its cap (KEYS[9]) is refused before placement.
 -- KEYS: 1 workers zset, 2 capacity hash, 3 pool zset (mode, model), 4 session hash, 5 sessions hash
---       (session id -> owner), 6 owned hash (worker -> sessions), 7 pressure hash (worker -> 0..1)
--- ARGV: 1 session_id, 2 mode, 3 model, 4 lease_ms, 5 retention, 6 result_window, 7 idle timeout ms
+--       (session id -> owner), 6 owned hash (worker -> sessions), 7 pressure hash (worker -> 0..1),
+--       8 trainer caps hash, 9 trainer open hash (trainer -> open sessions)
+-- ARGV: 1 session_id, 2 mode, 3 model, 4 lease_ms, 5 retention, 6 result_window, 7 idle timeout ms,
+--       8 priority ('interactive'|'bulk'), 9 trainer
 -- Fields (broker/redis/layouts.py SessionHash): writes the whole session hash: mode, model, owner,
 --       epoch, committed_step_id, next_step_id, context_length, closed, gen, reset_pending,
---       retention, result_window, idle_timeout_ms, idle_closed, created_ms, updated_ms
+--       retention, result_window, idle_timeout_ms, idle_closed, created_ms, updated_ms, priority,
+--       trainer
 -- Returns {'created', owner} | {'error', code, message}
 local now = now_ms()
 local lease = tonumber(ARGV[4])
 if redis.call('EXISTS', KEYS[4]) == 1 then
   return {'error', 'invalid_request', 'session ' .. ARGV[1] .. ' already exists'}
+end
+local trainer = ARGV[9]
+local cap = redis.call('HGET', KEYS[8], trainer) or redis.call('HGET', KEYS[8], '*')
+local open = tonumber(redis.call('HGET', KEYS[9], trainer) or '0') or 0
+if cap and open >= (tonumber(cap) or 0) then
+  return {'error', 'trainer_cap_reached', 'trainer ' .. trainer .. ' has ' .. open .. ' open sessions in this cell, '
+          .. 'its cap is ' .. cap .. ': close one first, or ask the operator for a higher cap'}
 end
 local members = redis.call('ZRANGE', KEYS[3], 0, -1, 'WITHSCORES')
 local chosen, best = nil, nil
@@ -40,11 +52,12 @@ if not chosen then
 end
 redis.call('ZINCRBY', KEYS[3], 1, chosen)
 redis.call('HINCRBY', KEYS[6], chosen, 1)
+redis.call('HINCRBY', KEYS[9], trainer, 1)
 redis.call('HSET', KEYS[4],
   'mode', ARGV[2], 'model', ARGV[3], 'owner', chosen, 'epoch', 1,
   'committed_step_id', -1, 'next_step_id', 0, 'context_length', 0, 'closed', 0,
   'gen', 0, 'reset_pending', 0, 'retention', ARGV[5], 'result_window', ARGV[6],
   'idle_timeout_ms', ARGV[7] or 0, 'idle_closed', 0,
-  'created_ms', now, 'updated_ms', now)
+  'created_ms', now, 'updated_ms', now, 'priority', ARGV[8], 'trainer', trainer)
 redis.call('HSET', KEYS[5], ARGV[1], chosen)
 return {'created', chosen}
