@@ -34,6 +34,7 @@ from workers.inbox_repair import recreate_inbox
 from workers.jobs import BadJob, Job, parse_job
 from workers.placement import pool_caps, pressure
 from workers.rate_limit import WarningLimiter
+from workers.read_order import interactive_first
 from workers.readiness import Readiness
 from workers.reaper import reap_loop
 from workers.rebalance import Movable, Rebalancer
@@ -274,7 +275,7 @@ class Worker:
             entries = resp[0][1] if resp else []
             if cursor != ">":
                 cursor = entries[-1][0] if entries else ">"
-            for entry_id, fields in entries:
+            for entry_id, fields in interactive_first(entries):  # cursor above: the read's own order
                 eid = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
                 if not fields or eid in self._running:  # deleted while pending, or already running here
                     continue
