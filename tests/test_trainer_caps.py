@@ -115,6 +115,18 @@ async def test_the_count_follows_close_idle_close_and_a_workers_loss(
         await until_count(alice, "alice", 2)
 
 
+async def test_a_client_of_every_cell_goes_on_to_a_cell_where_its_trainer_has_room(
+        redis_server: RedisServer, prefix: str, workers: WorkerPool, capsys: pytest.CaptureFixture[str]) -> None:
+    for cell, capacity in (("a", 10), ("b", 5)):  # a has more room: every create tries it first
+        await workers.add(NullEngine(), cell=cell, capacity=capacity)
+    assert (await cli(capsys, redis_server, prefix, "set-cap", "alice", "1", "--cell", "*"))[0] == 0
+    async with FleetClient(redis_server.url, prefix=prefix, cell="*", trainer="alice") as alice:
+        placed = sorted([(await alice.create_session(model=MODEL, mode=MODE)).cell for _ in range(2)])
+        assert placed == ["a", "b"]  # a refused the second (its cap there), b took it
+        with pytest.raises(TrainerCapReachedError, match="in every one of the cells"):
+            await alice.create_session(model=MODEL, mode=MODE)
+
+
 @pytest.mark.parametrize("argv", [
     ("set-cap", "bad name", "3"), ("set-cap", "a*b", "3"), ("set-cap", "alice", "-1"), ("set-cap", "alice", "x"),
     ("set-cap", "alice", "99999999999"), ("set-cap", "alice"), ("set-default-cap",),
