@@ -5,7 +5,7 @@ the engine holds each batch until the test lets it go, so what waits is known.""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 
@@ -47,10 +47,10 @@ class HeldEngine(NullEngine):
         return await super().run_batch(model, requests)
 
 
-async def until(check: object, what: str) -> None:
+async def until(check: Callable[[], bool], what: str) -> None:
     """Poll ``check()`` (bounded) until it is true."""
     for _ in range(int(WAIT_S / 0.01)):
-        if check():  # type: ignore[operator]
+        if check():
             return
         await asyncio.sleep(0.01)
     pytest.fail(f"{what} did not happen within {WAIT_S}s")
