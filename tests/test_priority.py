@@ -13,13 +13,14 @@ from broker import FleetClient
 from broker.ops.sessions import list_sessions
 from broker.redis.inbox import BadEntry, InboxEntry, parse_inbox_entry
 from schemas.errors import InvalidRequestError
+from schemas.messages import Mode
 from schemas.sharing import Priority
 from tests.support import WorkerPool, world_step
 from tests.test_batcher import request
+from workers.admission import Admission
 from workers.batcher import Batcher
 from workers.engines.base import EngineOutput, EngineRequest
 from workers.engines.null import NullEngine
-from workers.read_order import interactive_first
 
 MODEL, MODE = "null-world", "world_model_env"
 WAIT_S = 20.0  # every wait of these tests is bounded by this
@@ -80,6 +81,32 @@ async def test_an_interactive_step_runs_before_the_bulk_steps_queued_ahead_of_it
         assert ran_in == len(engine.batches) - 1 > 1
 
 
+@pytest.mark.parametrize("priority", ["interactive", "bulk"])
+async def test_an_interactive_step_takes_the_next_free_slot_ahead_of_bulk_steps_read_before_it(
+        fleet: FleetClient, workers: WorkerPool, priority: str) -> None:
+    engine = HeldEngine(max_batch=1)
+    w = await workers.add(engine, capacity=16, max_inflight=2)  # two jobs read and running at most
+    admission = w.worker._inflight
+    bulk = [await fleet.create_session(model=MODEL, mode=MODE) for _ in range(4)]
+    futs = [s.submit(0, **world_step(0)) for s in bulk]
+    await until(lambda: admission.backlog == 2, "two bulk steps waiting for a slot")
+    late = await fleet.create_session(model=MODEL, mode=MODE, priority=priority)
+    futs.append(late.submit(0, **world_step(0)))
+    waiting = (lambda: admission.interactive_waiting == 1) if priority == "interactive" else (
+        lambda: admission.backlog == 3)
+    await until(waiting, "the late step read")
+    engine.release_all()
+    results = await asyncio.wait_for(asyncio.gather(*futs), WAIT_S)
+    assert all(r.ok for r in results), [r.error for r in results]
+    order = [batch[0] for batch in engine.batches]
+    later_bulk = [s.session_id for s in bulk if not any(s.session_id in b for b in engine.batches[:2])]
+    assert len(later_bulk) == 2  # the two that waited for a slot
+    if priority == "interactive":  # the first slot freed went to it, not to the bulk steps read earlier
+        assert order.index(late.session_id) < min(order.index(sid) for sid in later_bulk)
+    else:
+        assert order[-1] == late.session_id
+
+
 async def test_the_batcher_takes_interactive_requests_first_and_each_class_in_arrival_order() -> None:
     engine = HeldEngine(max_batch=3)
     batcher = Batcher(engine, MODEL, max_batch=3)
@@ -98,20 +125,47 @@ async def test_the_batcher_takes_interactive_requests_first_and_each_class_in_ar
     assert engine.batches == [["b0"], ["i1", "i2", "b1"], ["b2", "b3", "b4"]]
 
 
-def entry(sid: str, kind: str = "step", priority: str | None = None) -> tuple[bytes, dict[bytes, bytes]]:
-    fields = {b"kind": kind.encode(), b"session_id": sid.encode()}
-    if priority is not None:
-        fields[b"priority"] = priority.encode()
-    return (f"{sid}-{kind}".encode(), fields)
+def job(sid: str, n: int, priority: Priority = Priority.BULK, kind: str = "step") -> InboxEntry:
+    return InboxEntry(entry_id=f"{sid}-{n}", kind=kind, job_id=f"j{n}", session_id=sid,
+                      step_id=n if kind == "step" else -1, contextual=True, epoch=1, gen=0,
+                      mode=Mode.WORLD_MODEL_ENV, model=MODEL, reply_to="r", enqueued_ms=0, attempt=0,
+                      payload=b"", priority=priority)
 
 
-def test_a_read_hands_interactive_sessions_first_and_keeps_each_sessions_order() -> None:
-    entries = [entry("a", priority="bulk"), entry("b", "reset"), entry("b", priority="interactive"),
-               entry("a", "close"), entry("c", priority="interactive"), entry("gone")]
-    entries.append((b"deleted", {}))  # an entry deleted while pending: no fields at all
-    ordered = [eid for eid, _ in interactive_first(entries)]
-    # b's reset carries no class but belongs to an interactive session: it stays ahead of b's step.
-    assert ordered == [b"b-reset", b"b-step", b"c-step", b"a-step", b"a-close", b"gone-step", b"deleted"]
+async def test_admission_gives_a_freed_slot_to_interactive_then_to_the_backlog_in_order() -> None:
+    admission, ran = Admission(2, backlog=8), []
+
+    def run(j: InboxEntry | BadEntry) -> None:
+        ran.append(j.entry_id)
+
+    for j in (job("a", 0), job("b", 0), job("a", 1), job("b", 1)):
+        await admission.admit(j, run)  # two run, two wait in the backlog; the reader reads on
+    assert ran == ["a-0", "b-0"] and admission.backlog == 2 and admission.holds("a-1")
+    # An interactive step of a session with an entry in the backlog keeps its place behind it.
+    await admission.admit(job("a", 2, Priority.INTERACTIVE), run)
+    assert admission.backlog == 3
+    reader = asyncio.create_task(admission.admit(job("i", 0, Priority.INTERACTIVE), run))
+    await until(lambda: admission.interactive_waiting == 1, "the interactive entry waiting")
+    admission.release()
+    await asyncio.wait_for(reader, WAIT_S)
+    assert ran == ["a-0", "b-0", "i-0"]
+    for _ in range(3):
+        admission.release()
+    assert ran == ["a-0", "b-0", "i-0", "a-1", "b-1", "a-2"] and admission.backlog == 0
+    assert not admission.holds("a-1")
+
+
+async def test_a_reader_stopped_while_waiting_leaves_its_slots_to_the_backlog() -> None:
+    admission, ran = Admission(1, backlog=8), []
+    await admission.admit(job("a", 0), lambda j: ran.append(j.entry_id))
+    await admission.admit(job("a", 1), lambda j: ran.append(j.entry_id))
+    reader = asyncio.create_task(admission.admit(job("i", 0, Priority.INTERACTIVE), lambda j: ran.append("x")))
+    await until(lambda: admission.interactive_waiting == 1, "the interactive entry waiting")
+    admission.release()  # kept for the interactive entry...
+    reader.cancel()  # ...whose reader stops before it wakes: the slot goes on to the backlog
+    with pytest.raises(asyncio.CancelledError):
+        await reader
+    assert ran == ["a-0", "a-1"] and admission.backlog == 0
 
 
 def test_an_inbox_entry_carries_its_priority_and_a_bad_one_is_a_bad_entry() -> None:
