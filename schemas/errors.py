@@ -25,6 +25,7 @@ class ErrorCode(StrEnum):
     TIMEOUT = "timeout"
     STALE_POLICY = "stale_policy"
     ADMISSION_CLOSED = "admission_closed"
+    TRAINER_CAP_REACHED = "trainer_cap_reached"
 
 
 class FleetError(Exception):
@@ -79,6 +80,13 @@ class StepOutOfOrderError(FleetError):
 
 class CapacityExhaustedError(FleetError):
     code = ErrorCode.CAPACITY_EXHAUSTED
+
+
+class TrainerCapReachedError(FleetError):
+    """``create_session`` refused: the trainer already has as many open sessions in the cell as the
+    operator's cap for it allows (``rollout-fleet trainers set-cap``). Close one, or ask for more."""
+
+    code = ErrorCode.TRAINER_CAP_REACHED
 
 
 class InferenceError(FleetError):
@@ -150,7 +158,7 @@ _BY_CODE: dict[ErrorCode, type[FleetError]] = {
     for cls in (
         SessionNotFoundError, SessionClosedError, StepAlreadyCommittedError, StepOutOfOrderError,
         InvalidRequestError, InferenceError, CapacityExhaustedError, PayloadTooLargeError, ContextLost,
-        FleetTimeoutError, StalePolicyError, AdmissionClosedError,
+        FleetTimeoutError, StalePolicyError, AdmissionClosedError, TrainerCapReachedError,
     )
 }
 

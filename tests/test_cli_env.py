@@ -59,11 +59,12 @@ OPTIONS: dict[str, dict[str, tuple[list[str], str]]] = {
                "--dry-run": ([], "1"), "--json": ([], "1")},
     "cells": {**{k: v for k, v in _CELL.items() if k != "--cell"}, "--count": (["3"], "3"),
               "--stem": (["gpu"], "gpu"), "--json": ([], "1")},
+    "trainers": {**_NO_LEASE, "--json": ([], "1")},
     "bench": {},  # its options are bench.run_all's, passed through (and read there: the last test)
 }
 # What a verb needs besides the option under test: positionals, and required options (from their
 # variables, so that the row's flag or variable replaces them).
-BASE_ARGV = {"replay": ["list"], "sessions": ["list"]}
+BASE_ARGV = {"replay": ["list"], "sessions": ["list"], "trainers": ["list"]}
 BASE_ENV = {"update-weights": {"ROLLOUT_FLEET_MODEL": "m", "ROLLOUT_FLEET_VERSION": "1", "ROLLOUT_FLEET_PATH": "/p"}}
 
 

@@ -185,6 +185,14 @@ async def test_inference_error_is_http_200_and_capacity_503(http: httpx.AsyncCli
     error_body(await http.post(SESSIONS, json={"model": "null-world"}), 503)
 
 
+async def test_a_create_over_the_trainer_cap_is_429(http: httpx.AsyncClient, workers: WorkerPool,
+                                                   fleet: FleetClient) -> None:
+    await workers.add(NullEngine())
+    await fleet.redis.hset(fleet.keys.trainer_caps, "*", "0")  # the gateway's trainer has no own cap
+    assert "its cap is 0" in error_body(await http.post(SESSIONS, json={"model": "null-world"}), 429)["message"]
+    assert await fleet.redis.hlen(fleet.keys.sessions) == 0
+
+
 async def test_msgpack_accept_returns_the_step_result(http: httpx.AsyncClient, workers: WorkerPool) -> None:
     await workers.add(reference_engine())
     sid = await create(http)

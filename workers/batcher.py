@@ -1,11 +1,17 @@
-"""Continuous batching per model: requests that arrive while the engine is busy form the next batch."""
+"""Continuous batching per model: requests that arrive while the engine is busy form the next batch.
+
+When more requests wait than fit in a batch, interactive ones go first (schemas/sharing.py): an
+evaluation step never waits behind a queue of bulk training steps. Within a class, arrival order.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 
+from schemas.sharing import DEFAULT_PRIORITY, Priority
 from workers.engines.base import Engine, EngineOutput, EngineRequest
 from workers.worker_metrics import WorkerMetrics
 
@@ -22,18 +28,27 @@ class Batcher:
         self.model = model
         self.max_batch = max_batch
         self.wait_s = wait_ms / 1000.0
-        self._queue: asyncio.Queue[_Item] = asyncio.Queue()
+        # One FIFO per priority class, the first class first; _arrived is set while any holds one.
+        self._queues: dict[Priority, collections.deque[_Item]] = {
+            p: collections.deque() for p in sorted(Priority, key=lambda p: p.rank)}
+        self._arrived = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.batches = 0
         self.items = 0
 
-    async def run(self, request: EngineRequest) -> EngineOutput:
-        """Run one request in the next batch; raises what the engine raised for it."""
+    async def run(self, request: EngineRequest, priority: Priority = DEFAULT_PRIORITY) -> EngineOutput:
+        """Run one request in the next batch with room for its class; raises what the engine raised
+        for it."""
         if self._task is None:
             self._task = asyncio.create_task(self._loop(), name=f"batcher:{self.model}")
         fut: asyncio.Future[EngineOutput] = asyncio.get_running_loop().create_future()
-        self._queue.put_nowait((request, fut))
+        self._queues[priority].append((request, fut))
+        self._arrived.set()
         return await fut
+
+    def waiting(self, priority: Priority | None = None) -> int:
+        """Requests waiting for a batch (of one class, or of all)."""
+        return sum(len(q) for p, q in self._queues.items() if priority in (None, p))
 
     async def close(self) -> None:
         if self._task is not None:
@@ -43,11 +58,16 @@ class Batcher:
             self._task = None
 
     async def _collect(self) -> list[_Item]:
-        batch = [await self._queue.get()]
-        # One yield lets lanes that became ready together join this batch.
+        while not self.waiting():
+            self._arrived.clear()
+            await self._arrived.wait()
+        # One yield lets lanes that became ready together join this batch (and an interactive
+        # request that arrives meanwhile still goes first).
         await asyncio.sleep(self.wait_s)
-        while len(batch) < self.max_batch and not self._queue.empty():
-            batch.append(self._queue.get_nowait())
+        batch: list[_Item] = []
+        for queue in self._queues.values():
+            while queue and len(batch) < self.max_batch:
+                batch.append(queue.popleft())
         return batch
 
     async def _loop(self) -> None:

@@ -1,4 +1,4 @@
-"""``rollout-fleet``: worker, demo, redis, status, supervisor, gateway, replay, sessions, update-weights
+"""``rollout-fleet``: worker, demo, redis, status, supervisor, gateway, replay, sessions, trainers, update-weights
 and bench.
 
 The verbs' arguments are in :mod:`workers.cli_args`; this module runs them."""
@@ -157,6 +157,12 @@ def _cmd_cells(run: Invocation) -> int:
     return asyncio.run(run_cells_command(run.cell, run.args))
 
 
+def _cmd_trainers(run: Invocation) -> int:
+    from broker.ops.trainers import run_trainers_command
+
+    return asyncio.run(run_trainers_command(run.cell, run.args))
+
+
 def _cmd_update_weights(run: Invocation) -> int:
     from redis.exceptions import RedisError
 
@@ -218,7 +224,7 @@ COMMANDS: dict[str, Callable[[Invocation], int]] = {
     "worker": _cmd_worker, "demo": _cmd_demo, "redis": _cmd_redis, "status": _cmd_status,
     "supervisor": _cmd_supervisor, "replay": _cmd_replay, "gateway": _cmd_gateway,
     "bench": _cmd_bench, "update-weights": _cmd_update_weights, "dashboard": _cmd_dashboard,
-    "sessions": _cmd_sessions, "cells": _cmd_cells,
+    "sessions": _cmd_sessions, "cells": _cmd_cells, "trainers": _cmd_trainers,
 }
 
 

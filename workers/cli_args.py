@@ -272,6 +272,15 @@ def _cells(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
     p.add_argument("--json", action="store_true", help="one JSON object")
 
 
+def _trainers(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
+    add_cell_flags(p, environ, lease=False)
+    p.add_argument("action", choices=("list", "set-cap", "remove-cap", "set-default-cap", "remove-default-cap"),
+                   help="set-cap NAME CAP, remove-cap NAME; the default cap binds every trainer without its own: "
+                        "set-default-cap CAP, remove-default-cap")
+    p.add_argument("values", nargs="*", metavar="NAME|CAP", help="the trainer and/or the cap, as the action says")
+    p.add_argument("--json", action="store_true", help="list: one JSON object per line")
+
+
 _Builder = Callable[[argparse.ArgumentParser, Mapping[str, str]], None]
 # verb -> (help, builder of its arguments)
 VERBS: dict[str, tuple[str, _Builder]] = {
@@ -286,6 +295,7 @@ VERBS: dict[str, tuple[str, _Builder]] = {
     "dashboard": ("the live web dashboard alone, without a gateway", _dashboard),
     "sessions": ("list, show and close the sessions of a cell (--cell '*': of every cell)", _sessions),
     "cells": ("the deployment's cells and their slots; suggest cell names on distinct masters", _cells),
+    "trainers": ("caps on each trainer's open sessions per cell (--cell '*': every cell)", _trainers),
 }
 
 

@@ -230,7 +230,7 @@ class StepExecutor:
         while True:
             started = time.perf_counter()
             try:
-                out = await batcher.run(request)
+                out = await batcher.run(request, job.priority)
                 return out, attempt, (time.perf_counter() - started) * 1000.0
             except Exception as exc:
                 await self._after_engine_failure(job, state, exc, attempt)

@@ -23,6 +23,7 @@ from broker.redis.keys import INBOX_GROUP
 from broker.redis.layouts import SessionHash
 from broker.redis.scripts import Scripts
 from schemas.errors import Fenced
+from workers.admission import Admission
 from workers.batcher import Batcher
 from workers.drain import Drain
 from workers.engines.base import Engine
@@ -60,7 +61,7 @@ class Worker:
         self._sessions: dict[str, SessionState] = {}
         self._lanes: dict[str, collections.deque[Job]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._inflight = asyncio.Semaphore(settings.max_inflight)
+        self._inflight = Admission(settings.max_inflight, backlog=settings.read_count)  # interactive first
         self._running: set[str] = set()  # inbox entry ids read and not finished
         self._active = 0
         self._idle = asyncio.Event()
@@ -276,10 +277,9 @@ class Worker:
                 cursor = entries[-1][0] if entries else ">"
             for entry_id, fields in entries:
                 eid = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
-                if not fields or eid in self._running:  # deleted while pending, or already running here
+                if not fields or eid in self._running or self._inflight.holds(eid):  # deleted, or read already
                     continue
-                await self._inflight.acquire()
-                self._dispatch(parse_job(entry_id, fields))
+                await self._inflight.admit(parse_job(entry_id, fields), self._dispatch)
 
     def _dispatch(self, job: Job | BadJob) -> None:
         self._active += 1

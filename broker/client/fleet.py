@@ -35,11 +35,13 @@ from broker.redis.script_replies import Created, Refused
 from broker.redis.scripts import Scripts
 from schemas.errors import (
     ErrorCode,
+    FleetError,
     InvalidRequestError,
     error_for,
 )
 from schemas.limits import DEFAULT_LIMITS, Limits
 from schemas.messages import Mode, SessionStatus, StepResult, parse_mode
+from schemas.sharing import DEFAULT_PRIORITY, Priority, as_priority, as_trainer
 from schemas.wire_fields import as_result_window, as_retention
 
 # The longest blocking read a results consumer may ask for (every wait has a bound).
@@ -65,6 +67,27 @@ class CreateOptions:
     idle_timeout_ms: int
     max_staleness: int | None
     admission: Admission | None
+    priority: str
+    trainer: str
+
+
+def _default_trainer(client_id: str) -> str:
+    """The trainer of a client given none: its client id where that is a trainer name."""
+    try:
+        return as_trainer(client_id)
+    except InvalidRequestError:
+        return "default"
+
+
+def _refusal(refused: Refused, cells: list[str], pool: str, trainer: str) -> FleetError:
+    """The error of a create every cell tried refused (the last refusal's code)."""
+    if len(cells) == 1:
+        return error_for(refused.code, refused.message)
+    if refused.code is ErrorCode.TRAINER_CAP_REACHED:
+        return error_for(refused.code, f"trainer {trainer} is at its cap, or the cell is full, in every one of the "
+                         f"cells {', '.join(cells)}; last: {refused.message}")
+    return error_for(refused.code, f"no live worker with free capacity serves {pool} in any of the cells "
+                     f"{', '.join(cells)}")
 
 
 @dataclass
@@ -86,7 +109,9 @@ class FleetClient:
     one cell stays in it and refuses ids naming another. ``step_timeout`` bounds every step and
     reset called without a ``timeout`` (None: no bound); while waiting, the client checks every
     ``session_check_s`` that the session still exists and fails the wait with
-    ``session_not_found`` once it is gone."""
+    ``session_not_found`` once it is gone. ``trainer`` names whose open sessions this client's new
+    sessions count in (an operator may cap them per cell: ``rollout-fleet trainers set-cap``);
+    default: the client id, or ``default`` for a client id that is no trainer name."""
 
     def __init__(
         self,
@@ -102,6 +127,7 @@ class FleetClient:
         config: CellConfig | None = None,
         step_timeout: float | None = DEFAULT_STEP_TIMEOUT_S,
         session_check_s: float = DEFAULT_SESSION_CHECK_S,
+        trainer: str | None = None,
     ) -> None:
         self.config = (config or CellConfig()).with_overrides(redis_url=url, prefix=prefix, cell=cell,
                                                               lease_ms=lease_ms)
@@ -110,6 +136,7 @@ class FleetClient:
         self.cell: str | None = None if self.config.any_cell else self.config.cell
         self.limits = limits
         self.client_id = client_id or f"client-{new_id()[:12]}"
+        self.trainer = as_trainer(trainer) if trainer is not None else _default_trainer(self.client_id)
         self.lease_ms = self.config.lease_ms
         self.reply_ttl_ms = reply_ttl_ms
         self.reconnect_s = reconnect_s
@@ -219,6 +246,8 @@ class FleetClient:
         idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
         max_staleness: int | None = None,
         admission: Admission | None = None,
+        priority: str | Priority = DEFAULT_PRIORITY,
+        trainer: str | None = None,
     ) -> Session:
         """Place a new session on the least loaded live worker serving (model, mode) — for a client
         of every cell, in the live cell with the most free capacity for it (the next one when that
@@ -233,7 +262,10 @@ class FleetClient:
         version announced for the model passes the version the trajectory's first step ran on by
         more than this, steps answer ``stale_policy`` (None: no bound). ``admission``: count the
         session against a producer's bound (client of one cell only; docs/async_rl.md). Raises
-        CapacityExhaustedError, AdmissionClosedError or InvalidRequestError.
+        CapacityExhaustedError, AdmissionClosedError or InvalidRequestError. ``priority``:
+        ``interactive`` steps run before ``bulk`` ones (the default) on a busy worker. ``trainer``
+        (default: the client's) is whose open sessions it counts in: TrainerCapReachedError when
+        the trainer is at its cap in every cell tried.
         """
         mode = parse_mode(mode)
         if not isinstance(model, str) or not model:
@@ -241,7 +273,8 @@ class FleetClient:
         as_retention(retention)
         as_result_window(result_window)
         options = CreateOptions(retention, result_window, idle_timeout_ms_of(idle_timeout_s),
-                                max_staleness_of(max_staleness), admission)
+                                max_staleness_of(max_staleness), admission, as_priority(priority).value,
+                                self.trainer if trainer is None else as_trainer(trainer))
         if admission is not None:
             if not isinstance(admission, Admission):
                 raise InvalidRequestError(f"admission must be an Admission, got {type(admission).__name__}")
@@ -259,18 +292,17 @@ class FleetClient:
             reply = await self.link(cell).scripts.create(
                 sid, mode.value, model, lease_ms=self.lease_ms, retention=options.retention,
                 result_window=options.result_window, idle_timeout_ms=options.idle_timeout_ms,
-                max_staleness=options.max_staleness, admission=options.admission)
+                max_staleness=options.max_staleness, admission=options.admission,
+                priority=options.priority, trainer=options.trainer)
             if isinstance(reply, Created):
                 return Session(self, sid, model=model, mode=mode, owner=reply.owner)
-            if reply.code is not ErrorCode.CAPACITY_EXHAUSTED:
+            if reply.code not in (ErrorCode.CAPACITY_EXHAUSTED, ErrorCode.TRAINER_CAP_REACHED):
                 raise error_for(reply.code, reply.message)
-            refused = reply
+            refused = reply  # caps and capacity are per cell: the next cell may have room
         if refused is None:
             raise InvalidRequestError(f"unknown model or mode: no live worker in any cell serves model {model} "
                                       f"in mode {mode.value}")
-        raise error_for(refused.code, refused.message if len(cells) == 1 else
-                        f"no live worker with free capacity serves model {model} in mode {mode.value} "
-                        f"in any of the cells {', '.join(cells)}")
+        raise _refusal(refused, cells, f"model {model} in mode {mode.value}", options.trainer)
 
     def _chosen_id(self, session_id: str, cell: str) -> str:
         """The id as it will be stored (checked again: ``@<cell>`` may take it past the length limit)."""

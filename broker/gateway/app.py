@@ -12,7 +12,8 @@ when the session lost its worker and no live worker has room for it, and HTTP 20
 The gateway is the boundary for untrusted clients (see :mod:`broker.gateway.guards`): with API keys
 set, every route but ``GET /health`` needs ``Authorization: Bearer <key>`` (401), a session is
 stepped, reset, closed or read only with the key that created it (403), each key holds at most
-``max_sessions_per_key`` open sessions (429); a body over ``max_body_bytes`` is refused before it is
+``max_sessions_per_key`` open sessions (429; so does a create over the cap an operator set on the
+gateway's trainer, ``trainer_cap_reached``); a body over ``max_body_bytes`` is refused before it is
 read (413), and images are size-checked from their headers (413) and decoded in worker threads.
 
 Differences a client can only gain from: a re-sent, already committed step returns its stored
@@ -69,6 +70,7 @@ from schemas.errors import (
     InvalidRequestError,
     SessionClosedError,
     SessionNotFoundError,
+    TrainerCapReachedError,
 )
 from schemas.limits import DEFAULT_LIMITS, Limits
 from schemas.messages import StepResult
@@ -183,6 +185,8 @@ async def create_rollout_session(body: CreateSessionRequest, request: Request) -
         raise HTTPException(status_code=400, detail=exc.message) from exc
     except CapacityExhaustedError as exc:
         raise HTTPException(status_code=503, detail=exc.message) from exc
+    except TrainerCapReachedError as exc:  # the gateway's own trainer is at its cap in the cell
+        raise HTTPException(status_code=429, detail=exc.message) from exc
     gateway.remember(session)
     return CreateSessionResponse(session_id=session.session_id, mode=session.mode.value, created_at=time.time())
 

@@ -32,6 +32,8 @@ _HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.TIMEOUT: 504,
     # As a create with no room answers: the session lost its worker and no live worker has room.
     ErrorCode.CAPACITY_EXHAUSTED: 503,
+    # The trainer already holds as many open sessions as its cap allows: too many requests.
+    ErrorCode.TRAINER_CAP_REACHED: 429,
 }
 
 

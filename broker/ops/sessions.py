@@ -44,6 +44,8 @@ class SessionRow:
     idle_ms: int  # Redis now minus the session's last activity (updated_ms, the idle sweep's field)
     idle_timeout_ms: int
     idle_closed: bool
+    priority: str = "bulk"  # interactive steps run first on a busy worker
+    trainer: str = ""  # whose open-session cap it counts against ("" from before trainers)
 
     def as_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -71,7 +73,8 @@ def _row(sid: str, h: SessionHash, indexed: bool, now_ms: int) -> dict[str, Any]
     return {"session_id": sid, "state": _state(h, indexed), "mode": h.mode.value, "model": h.model,
             "owner": h.owner, "epoch": h.epoch, "committed_step_id": h.committed_step_id,
             "next_step_id": h.next_step_id, "idle_ms": max(0, now_ms - h.updated_ms),
-            "idle_timeout_ms": h.idle_timeout_ms, "idle_closed": h.idle_closed}
+            "idle_timeout_ms": h.idle_timeout_ms, "idle_closed": h.idle_closed, "priority": h.priority.value,
+            "trainer": h.trainer}
 
 
 async def _now_ms(redis: Redis, keys: CellKeys) -> int:

@@ -20,10 +20,11 @@ def _print_rows(rows: list[SessionRow], as_json: bool) -> None:
         for row in rows:
             print(json.dumps(row.as_json()))
         return
-    print(f"{'session':<34} {'state':<8} {'model':<16} {'owner':<28} {'epoch':>5} {'committed':>9} {'idle_s':>8}")
+    print(f"{'session':<34} {'state':<8} {'model':<16} {'owner':<28} {'epoch':>5} {'committed':>9} {'idle_s':>8} "
+          f"{'priority':<11} trainer")
     for r in rows:
         print(f"{r.session_id:<34} {r.state:<8} {r.model:<16} {r.owner:<28} {r.epoch:>5} "
-              f"{r.committed_step_id:>9} {r.idle_ms / 1000:>8.1f}")
+              f"{r.committed_step_id:>9} {r.idle_ms / 1000:>8.1f} {r.priority:<11} {r.trainer or '-'}")
     print(f"{len(rows)} sessions")
 
 
@@ -37,7 +38,7 @@ def _print_detail(d: SessionDetail, as_json: bool) -> None:
         return
     timeout = f"{d.idle_timeout_ms / 1000:g} s" if d.idle_timeout_ms else "never"
     print(f"session {d.session_id}: {d.state}{' (idle timeout)' if d.idle_closed else ''}\n"
-          f"  mode {d.mode}, model {d.model}\n"
+          f"  mode {d.mode}, model {d.model}, priority {d.priority}, trainer {d.trainer or '-'}\n"
           f"  owner {d.owner}, epoch {d.epoch}\n"
           f"  steps: committed {d.committed_step_id}, next {d.next_step_id}, generation {d.gen}, "
           f"context length {d.context_length}\n"

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from broker.redis.layouts import DeadLetter, Fields, LayoutError, dead_letter_payload, integer, text
 from schemas.limits import MAX_STEP_ID
 from schemas.messages import Mode
+from schemas.sharing import DEFAULT_PRIORITY, Priority
 
 KINDS = frozenset({"step", "reset", "close"})
 
@@ -31,6 +32,7 @@ class InboxEntry:
     payload: bytes
     retention: str = "full"
     min_version: int = 0  # the step waits until the worker's policy version reaches it
+    priority: Priority = DEFAULT_PRIORITY  # the session's class, copied by enqueue.lua (steps only)
 
     @classmethod
     def from_fields(cls, entry_id: bytes | str, fields: Fields) -> InboxEntry:
@@ -42,6 +44,10 @@ class InboxEntry:
             mode = Mode(text(fields, "mode"))
         except ValueError as exc:
             raise LayoutError(str(exc)) from exc
+        try:
+            priority = Priority(text(fields, "priority", DEFAULT_PRIORITY.value))
+        except ValueError as exc:
+            raise LayoutError(f"field 'priority': {exc}") from exc
         step_id = integer(fields, "step_id")
         if not (0 <= step_id <= MAX_STEP_ID if kind == "step" else step_id == -1):
             raise LayoutError(f"field 'step_id' is out of range for a {kind} job: {step_id}")
@@ -53,6 +59,7 @@ class InboxEntry:
             reply_to=text(fields, "reply_to"), enqueued_ms=integer(fields, "enqueued_ms"),
             attempt=integer(fields, "attempt"), payload=fields.get(b"payload", b""),
             retention=text(fields, "retention", "full"), min_version=integer(fields, "min_version", 0),
+            priority=priority,
         )
 
     def dead_letter(self, reason: str, attempts: int, worker_id: str, failed_ms: int) -> DeadLetter:

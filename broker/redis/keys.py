@@ -224,6 +224,18 @@ class CellKeys:
         """HASH session id -> owner of every live session (failover finds a worker's sessions here)."""
         return f"{self.base}:sessions"
 
+    @property
+    def trainer_caps(self) -> str:
+        """HASH trainer -> cap on its open sessions in this cell, set by an operator (``rollout-fleet
+        trainers set-cap``); field ``*``: the cap of every trainer without its own. No field: no cap."""
+        return f"{self.base}:trainer_caps"
+
+    @property
+    def trainer_open(self) -> str:
+        """HASH trainer -> its open sessions in this cell: +1 in create.lua, -1 when apply_control.lua
+        applies the close (as the owned hash is kept); a field that reaches 0 is removed."""
+        return f"{self.base}:trainer_open"
+
     def gateway_open(self, key_digest: str) -> str:
         """SET of the open sessions the gateway created for one API key (by the key's digest)."""
         return f"{self.base}:gateway:open:{key_digest}"

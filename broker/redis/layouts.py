@@ -17,6 +17,7 @@ from schemas.codec import decode
 from schemas.errors import InvalidRequestError
 from schemas.limits import Limits
 from schemas.messages import Mode, SessionStatus, StepResult
+from schemas.sharing import DEFAULT_PRIORITY, Priority, stored_priority
 
 Fields = Mapping[bytes, bytes]  # as read
 Entry = dict[FieldT, EncodableT]  # as written (what redis-py takes)
@@ -82,6 +83,8 @@ class SessionHash:
     # committed step ran on (commit.lua sets it, a reset clears it: docs/async_rl.md).
     max_staleness: int | None = None
     first_version: int | None = None
+    priority: Priority = DEFAULT_PRIORITY  # its steps' class on a busy worker (enqueue.lua copies it)
+    trainer: str = ""  # whose open-session count it is in (create.lua); "" for sessions from before
 
     @classmethod
     def from_fields(cls, fields: Fields) -> SessionHash:
@@ -99,6 +102,8 @@ class SessionHash:
             idle_timeout_ms=integer(fields, "idle_timeout_ms", 0), idle_closed=text(fields, "idle_closed", "0") == "1",
             max_staleness=optional_integer(fields, "max_staleness"),
             first_version=optional_integer(fields, "first_version"),
+            priority=stored_priority(text(fields, "priority", "")),
+            trainer=text(fields, "trainer", ""),
         )
 
     def status(self, session_id: str) -> SessionStatus:

@@ -170,15 +170,17 @@ class Scripts:
 
     async def create(self, session_id: str, mode: str, model: str, *, lease_ms: int, retention: str,
                      result_window: int, idle_timeout_ms: int = 0, max_staleness: int | None = None,
-                     admission: Admission | None = None) -> CreateReply:
+                     admission: Admission | None = None, priority: str = "bulk",
+                     trainer: str = "default") -> CreateReply:
         """``idle_timeout_ms``: its owner closes the session after that long unused (0: never).
         ``max_staleness``: the session's staleness bound (None: none); ``admission``: count the
-        session against a producer's admission bound (docs/async_rl.md)."""
+        session against a producer's admission bound (docs/async_rl.md). ``trainer``: whose open
+        sessions it counts in (refused over that trainer's cap)."""
         k = self.keys
         keys = [k.workers, k.capacity, k.pool(mode, model), k.session(session_id), k.sessions, k.owned, k.pressure,
-                k.announced]
+                k.announced, k.trainer_caps, k.trainer_open]
         args: list[Any] = [session_id, mode, model, lease_ms, retention, result_window, idle_timeout_ms,
-                           "" if max_staleness is None else max_staleness]
+                           "" if max_staleness is None else max_staleness, priority, trainer]
         if admission is not None:
             keys.append(k.admission(admission.name))
             args += [admission.batch_size, admission.max_offpolicyness, admission.name]
@@ -307,7 +309,7 @@ class Scripts:
         raw = await self._call(
             "apply_control",
             [k.session(session_id), k.log(session_id), k.inbox(worker_id), k.reply(reply_to),
-             k.pool(mode, model), k.sessions, k.owned],
+             k.pool(mode, model), k.sessions, k.owned, k.trainer_open],
             [worker_id, epoch, entry_id, job_id, kind, grace_ms, reply_ttl_ms, INBOX_GROUP, session_id,
              *reply_bounds.args()],
         )

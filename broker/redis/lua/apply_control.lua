@@ -2,10 +2,11 @@
 -- reset: committed -> -1, context 0, stored results dropped. close: the worker's load drops, the
 -- session and its log expire after the grace TTL.
 -- Uses: prelude.lua (fenced, add_reply)
--- KEYS: 1 session hash, 2 log hash, 3 inbox, 4 reply stream, 5 pool zset, 6 sessions hash, 7 owned hash
+-- KEYS: 1 session hash, 2 log hash, 3 inbox, 4 reply stream, 5 pool zset, 6 sessions hash, 7 owned hash,
+--       8 trainer open hash (a close counts the session's trainer down, as it counts the owner down)
 -- ARGV: 1 worker id, 2 job epoch, 3 inbox entry id, 4 job_id, 5 kind, 6 grace ttl ms,
 --       7 reply ttl ms, 8 inbox group, 9 session_id, 10-12 reply stream bounds (ReplyBounds)
--- Fields (broker/redis/layouts.py): reads session owner, epoch, committed_step_id, reset_pending;
+-- Fields (broker/redis/layouts.py): reads session owner, epoch, committed_step_id, reset_pending, trainer;
 --       writes session committed_step_id, context_length, reset_pending (reset), drops first_version
 --       (reset: the next committed step starts a new trajectory, docs/async_rl.md); drops the log
 --       (reset); adds a reply entry (kind, job_id, committed, result '') unless job_id is 
@@ -13,7 +14,7 @@
 -- like a fenced job: applied, it would move committed to -1 while next_step_id stays put. A retry
 -- of a call that went through (the entry is no longer in the inbox) changes nothing.
 -- Returns {'applied', committed} | {'fenced', owner, epoch} | {'unrequested', committed}
-local s = redis.call('HMGET', KEYS[1], 'owner', 'epoch', 'committed_step_id', 'reset_pending')
+local s = redis.call('HMGET', KEYS[1], 'owner', 'epoch', 'committed_step_id', 'reset_pending', 'trainer')
 if s[1] and fenced(s[1], s[2], ARGV[1], ARGV[2]) then
   return {'fenced', s[1], s[2]}
 end
@@ -42,6 +43,10 @@ if s[1] then
     end
     if tonumber(redis.call('HGET', KEYS[7], ARGV[1]) or '0') > 0 then  -- never below 0, never revived
       redis.call('HINCRBY', KEYS[7], ARGV[1], -1)
+    end
+    -- A session created before trainers were counted has no trainer: nothing to count down.
+    if s[5] and KEYS[8] and redis.call('HINCRBY', KEYS[8], s[5], -1) <= 0 then
+      redis.call('HDEL', KEYS[8], s[5])  -- never below 0, and no field left per trainer gone
     end
     redis.call('HDEL', KEYS[6], ARGV[9])
     redis.call('PEXPIRE', KEYS[1], ARGV[6])

@@ -3,25 +3,37 @@
 -- pressure its heartbeat published (0..1); the lowest wins, the pool's order breaks ties. One pass
 -- over the pool: O(pool size).
 -- Uses: prelude.lua (now_ms, share_with_room, step_text)
--- Admission (docs/async_rl.md): with ARGV 9 set, the session is a new trajectory of a producer
+-- The trainer's cap (KEYS[9] field trainer, else field '*'; none: no cap) is checked first: a
+-- trainer with as many open sessions as its cap (KEYS[10]) is refused before placement.
+-- Admission (docs/async_rl.md): with ARGV 11 set, the session is a new trajectory of a producer
 -- bounded AReaL-style: at most (version + max_offpolicyness + 1) x batch_size admitted for the
 -- model under the producer's name, version being the highest announced for the model; over it,
 -- admission_closed and nothing changes. The count moves in the same script as the create.
 -- KEYS: 1 workers zset, 2 capacity hash, 3 pool zset (mode, model), 4 session hash, 5 sessions hash
 --       (session id -> owner), 6 owned hash (worker -> sessions), 7 pressure hash (worker -> 0..1),
---       8 announced hash (model -> version), 9 admission hash (model -> admitted; with ARGV 9 only)
+--       8 announced hash (model -> version), 9 trainer caps hash, 10 trainer open hash (trainer ->
+--       open sessions), 11 admission hash (model -> admitted; with ARGV 11 only)
 -- ARGV: 1 session_id, 2 mode, 3 model, 4 lease_ms, 5 retention, 6 result_window, 7 idle timeout ms,
---       8 max_staleness ('' = none), 9 admission batch_size ('' = no admission), 10 admission
---       max_offpolicyness, 11 admission name (for the message)
+--       8 max_staleness ('' = none), 9 priority ('interactive'|'bulk'), 10 trainer,
+--       11 admission batch_size ('' = no admission), 12 admission max_offpolicyness,
+--       13 admission name (for the message)
 -- Fields (broker/redis/layouts.py SessionHash): writes the whole session hash: mode, model, owner,
 --       epoch, committed_step_id, next_step_id, context_length, closed, gen, reset_pending,
---       retention, result_window, idle_timeout_ms, idle_closed, created_ms, updated_ms,
---       max_staleness (only when set); reads announced <model>; reads and moves admission <model>
+--       retention, result_window, idle_timeout_ms, idle_closed, created_ms, updated_ms, priority,
+--       trainer, max_staleness (only when set); reads announced <model>; reads and moves admission
+--       <model>
 -- Returns {'created', owner} | {'error', code, message}
 local now = now_ms()
 local lease = tonumber(ARGV[4])
 if redis.call('EXISTS', KEYS[4]) == 1 then
   return {'error', 'invalid_request', 'session ' .. ARGV[1] .. ' already exists'}
+end
+local trainer = ARGV[10]
+local cap = redis.call('HGET', KEYS[9], trainer) or redis.call('HGET', KEYS[9], '*')
+local open = tonumber(redis.call('HGET', KEYS[10], trainer) or '0') or 0
+if cap and open >= (tonumber(cap) or 0) then
+  return {'error', 'trainer_cap_reached', 'trainer ' .. trainer .. ' has ' .. open .. ' open sessions in this cell, '
+          .. 'its cap is ' .. cap .. ': close one first, or ask the operator for a higher cap'}
 end
 local members = redis.call('ZRANGE', KEYS[3], 0, -1, 'WITHSCORES')
 local chosen, best = nil, nil
@@ -46,26 +58,27 @@ if not chosen then
   return {'error', 'capacity_exhausted',
           'no live worker with free capacity serves model ' .. ARGV[3] .. ' in mode ' .. ARGV[2]}
 end
-if ARGV[9] and ARGV[9] ~= '' then
+if ARGV[11] and ARGV[11] ~= '' then
   local version = tonumber(redis.call('HGET', KEYS[8], ARGV[3]) or '0') or 0
-  local count = tonumber(redis.call('HGET', KEYS[9], ARGV[3]) or '0') or 0
-  local bound = (version + tonumber(ARGV[10]) + 1) * tonumber(ARGV[9])
+  local count = tonumber(redis.call('HGET', KEYS[11], ARGV[3]) or '0') or 0
+  local bound = (version + tonumber(ARGV[12]) + 1) * tonumber(ARGV[11])
   if count >= bound then
-    return {'error', 'admission_closed', 'admission ' .. ARGV[11] .. ' of model ' .. ARGV[3] .. ' is closed: '
+    return {'error', 'admission_closed', 'admission ' .. ARGV[13] .. ' of model ' .. ARGV[3] .. ' is closed: '
       .. step_text(count) .. ' trajectories admitted, the bound at policy version ' .. step_text(version)
-      .. ' is (version + ' .. ARGV[10] .. ' + 1) x ' .. ARGV[9] .. ' = ' .. step_text(bound)
+      .. ' is (version + ' .. ARGV[12] .. ' + 1) x ' .. ARGV[11] .. ' = ' .. step_text(bound)
       .. '; it opens when a later version is announced'}
   end
-  redis.call('HINCRBY', KEYS[9], ARGV[3], 1)
+  redis.call('HINCRBY', KEYS[11], ARGV[3], 1)
 end
 redis.call('ZINCRBY', KEYS[3], 1, chosen)
 redis.call('HINCRBY', KEYS[6], chosen, 1)
+redis.call('HINCRBY', KEYS[10], trainer, 1)
 redis.call('HSET', KEYS[4],
   'mode', ARGV[2], 'model', ARGV[3], 'owner', chosen, 'epoch', 1,
   'committed_step_id', -1, 'next_step_id', 0, 'context_length', 0, 'closed', 0,
   'gen', 0, 'reset_pending', 0, 'retention', ARGV[5], 'result_window', ARGV[6],
   'idle_timeout_ms', ARGV[7] or 0, 'idle_closed', 0,
-  'created_ms', now, 'updated_ms', now)
+  'created_ms', now, 'updated_ms', now, 'priority', ARGV[9], 'trainer', trainer)
 if ARGV[8] and ARGV[8] ~= '' then
   redis.call('HSET', KEYS[4], 'max_staleness', ARGV[8])
 end
