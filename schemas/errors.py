@@ -23,6 +23,7 @@ class ErrorCode(StrEnum):
     PAYLOAD_TOO_LARGE = "payload_too_large"
     CONTEXT_LOST = "context_lost"
     TIMEOUT = "timeout"
+    CANCELLED = "cancelled"
 
 
 class FleetError(Exception):
@@ -98,6 +99,13 @@ class FleetTimeoutError(FleetError):
     code = ErrorCode.TIMEOUT
 
 
+class CancelledStepError(FleetError):
+    """The session was cancelled (``Session.cancel``) before this step committed: it never will.
+    The session goes on from its committed step."""
+
+    code = ErrorCode.CANCELLED
+
+
 # ---------------------------------------------------------------------- raised inside the fleet
 
 
@@ -135,7 +143,7 @@ _BY_CODE: dict[ErrorCode, type[FleetError]] = {
     for cls in (
         SessionNotFoundError, SessionClosedError, StepAlreadyCommittedError, StepOutOfOrderError,
         InvalidRequestError, InferenceError, CapacityExhaustedError, PayloadTooLargeError, ContextLost,
-        FleetTimeoutError,
+        FleetTimeoutError, CancelledStepError,
     )
 }
 
