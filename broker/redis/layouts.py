@@ -72,6 +72,8 @@ class SessionHash:
     updated_ms: int = 0  # the last activity: create, a step enqueued or committed, a reset or close
     idle_timeout_ms: int = 0  # its owner closes it after this long unused (0: never)
     idle_closed: bool = False  # closed by its idle timeout (close_idle.lua)
+    cancels: int = 0  # +1 per cancel (cancel.lua): steps enqueued under a lower count never commit
+    forked_from: str = ""  # the parent of a branch made by fork.lua ("" for a created session)
 
     @classmethod
     def from_fields(cls, fields: Fields) -> SessionHash:
@@ -87,6 +89,7 @@ class SessionHash:
             retention=text(fields, "retention", "full"), result_window=integer(fields, "result_window", 1),
             created_ms=integer(fields, "created_ms", 0), updated_ms=integer(fields, "updated_ms", 0),
             idle_timeout_ms=integer(fields, "idle_timeout_ms", 0), idle_closed=text(fields, "idle_closed", "0") == "1",
+            cancels=integer(fields, "cancels", 0), forked_from=text(fields, "forked_from", ""),
         )
 
     def status(self, session_id: str) -> SessionStatus:

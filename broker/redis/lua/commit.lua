@@ -4,21 +4,25 @@
 -- ARGV: 1 worker id, 2 job epoch, 3 step_id, 4 inbox entry id, 5 result, 6 context_length,
 --       7 job_id, 8 reply ttl ms, 9 inbox group, 10 step record for context rebuild ('' = none),
 --       11 records kept (-1 = all, N = the last N), 12-14 reply stream bounds (bytes, large result
---       bytes, large result ttl ms: ReplyBounds), 15 deferred ('1': durability=replicated, see below)
+--       bytes, large result ttl ms: ReplyBounds), 15 deferred ('1': durability=replicated, see below),
+--       16 the job's cancel count ('' = not checked: a re-publish)
+-- Cancel (cancel.lua): a step enqueued before the session's last cancel never commits; a step
+--       committed before the cancel stays committed (its duplicates re-publish as usual).
 -- Deferred (replicated durability, broker/redis/durability.py): the commit is written but the job
 --       stays pending and nothing is published; the session's unconfirmed_step marks it, so a
 --       re-sent step goes to the owner (enqueue.lua) instead of reading an unconfirmed result. A
 --       deferred duplicate rewrites its stored result, a write that makes the WAIT after this call
 --       cover the commit even when another connection wrote it. The worker calls again with
 --       deferred '0' and an empty result once a replica has it: that call publishes and acks.
--- Fields (broker/redis/layouts.py): reads session owner, epoch, committed_step_id, result_window;
+-- Fields (broker/redis/layouts.py): reads session owner, epoch, committed_step_id, result_window, cancels;
 --       writes session committed_step_id, context_length, updated_ms, unconfirmed_step (deferred: the
 --       lowest step committed and not yet confirmed; any publish clears it); log result:<step> (the
 --       last result_window kept) and input:<step> (per ARGV 11); adds a reply entry (kind,
 --       job_id, committed, result)
 -- Returns {'committed'} | {'duplicate'} | {'duplicate_unstored', committed}
---       | {'fenced', owner, epoch} | {'out_of_order', committed}
-local s = redis.call('HMGET', KEYS[1], 'owner', 'epoch', 'committed_step_id', 'result_window', 'unconfirmed_step')
+--       | {'fenced', owner, epoch} | {'out_of_order', committed} | {'cancelled', committed}
+local s = redis.call('HMGET', KEYS[1], 'owner', 'epoch', 'committed_step_id', 'result_window', 'unconfirmed_step',
+  'cancels')
 if fenced(s[1], s[2], ARGV[1], ARGV[2]) then
   return {'fenced', s[1] or '', s[2] or ''}
 end
@@ -44,6 +48,9 @@ if committed >= step then
   end
   publish(stored, committed)
   return {'duplicate'}
+end
+if ARGV[16] and ARGV[16] ~= '' and ARGV[16] ~= (s[6] or '0') then
+  return {'cancelled', committed}
 end
 if committed ~= step - 1 or ARGV[5] == '' then  -- an empty result only re-publishes: never a commit
   return {'out_of_order', committed}
