@@ -1,0 +1,197 @@
+"""Session.fork (GRPO-style groups) and Session.cancel on real Redis with in-process workers; the
+worker-process version is tests/test_fork_cancel_procs.py."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+import pytest
+
+from broker import FleetClient
+from broker.client.session import Session
+from broker.redis.scripts import Scripts
+from schemas.errors import (
+    CapacityExhaustedError,
+    ErrorCode,
+    InvalidRequestError,
+    SessionClosedError,
+    StepOutOfOrderError,
+)
+from schemas.messages import StepResult
+from schemas.token_messages import TokenStep
+from tests.support import FAST, WorkerPool, reap_until_moved, world_step
+from workers.engines.base import EngineRequest
+from workers.engines.reference import ReferenceEngine, ReferenceEngineConfig
+from workers.engines.reference_lm import ReferenceLMConfig
+
+pytestmark = pytest.mark.asyncio
+SHAPE = (1, 4, 2, 8, 10)
+PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]  # the parent's steps, before the fork
+
+
+def ref(eos: int | None = None) -> ReferenceEngine:
+    """``eos=-1``: no end-of-sequence token, so a step generates exactly ``max_tokens`` (a long step)."""
+    lm = ReferenceLMConfig() if eos is None else ReferenceLMConfig(eos_token_id=eos)
+    return ReferenceEngine(ReferenceEngineConfig(latent_shape=SHAPE, lm=lm))
+
+
+def tok(ids: list[int], seed: int, max_tokens: int = 6) -> dict[str, Any]:
+    return {"token_ids": ids, "sampling": {"max_tokens": max_tokens, "seed": seed, "temperature": 1.0}}
+
+
+def same_tokens(a: StepResult, b: StepResult) -> bool:
+    assert a.ok and b.ok, (a.error, b.error)
+    return a.output["token_ids"] == b.output["token_ids"] and a.output["logprobs"] == b.output["logprobs"]
+
+
+async def replayed(fleet: FleetClient, steps: list[dict[str, Any]]) -> list[StepResult]:
+    """A fresh session that runs ``steps`` from step 0: the reference a branch must equal bitwise."""
+    s = await fleet.create_session(model="reference-lm", mode="tokens")
+    return [await s.step(i, **step) for i, step in enumerate(steps)]
+
+
+async def parent_with_steps(fleet: FleetClient) -> tuple[Session, list[dict[str, Any]]]:
+    parent = await fleet.create_session(model="reference-lm", mode="tokens")
+    steps = [tok(ids, seed=i) for i, ids in enumerate(PROMPTS)]
+    for i, step in enumerate(steps):
+        assert (await parent.step(i, **step)).ok
+    return parent, steps
+
+
+async def test_branches_continue_from_the_fork_point_like_sessions_built_by_replay(
+    fleet: FleetClient, workers: WorkerPool
+) -> None:
+    w = await workers.add(ref(), **FAST)
+    parent, steps = await parent_with_steps(fleet)
+    branches = await parent.fork(3)
+    k = len(steps)
+    for b in branches:
+        status = await b.status()
+        assert (status.owner, status.committed_step_id, status.next_step_id) == (parent.owner, k - 1, k)
+    own = [[tok([20 + j], seed=100 + j + 10 * n), tok([30 + j], seed=200 + j)] for n, j in enumerate(range(3))]
+    got = await asyncio.gather(*(asyncio.gather(b.step(k, **o[0])) for b, o in zip(branches, own, strict=True)))
+    for b, o, first in zip(branches, own, got, strict=True):
+        second = await b.step(k + 1, **o[1])
+        control = await replayed(fleet, [*steps, *o])
+        assert same_tokens(first[0], control[k]) and same_tokens(second, control[k + 1])
+    assert w.worker.executor.rebuilt_steps == 0  # the engine copied the parent's context
+    assert (await parent.step(k, **tok([40], seed=9))).ok  # the parent goes on unchanged
+    outputs = {tuple(r[0].output["token_ids"]) for r in got}
+    assert len(outputs) == 3  # different seeds, different branches
+
+
+async def test_world_model_branches_match_replay(fleet: FleetClient, workers: WorkerPool) -> None:
+    await workers.add(ref(), **FAST)
+    parent = await fleet.create_session(model="reference-world", mode="world_model_env")
+    for i in range(2):
+        assert (await parent.step(i, **world_step(i))).ok
+    (a, b) = await parent.fork(2)
+    ra, rb = await a.step(2, **world_step(2, "left")), await b.step(2, **world_step(2, "right"))
+    control = await fleet.create_session(model="reference-world", mode="world_model_env")
+    for i in range(2):
+        await control.step(i, **world_step(i))
+    rc = await control.step(2, **world_step(2, "left"))
+    assert np.array_equal(ra.output["video_latent"], rc.output["video_latent"])
+    assert not np.array_equal(ra.output["video_latent"], rb.output["video_latent"])
+
+
+async def test_fork_refusals_create_nothing(fleet: FleetClient, workers: WorkerPool, scripts: Scripts) -> None:
+    w = await workers.add(ref(), capacity=4, **FAST)
+    parent, _ = await parent_with_steps(fleet)
+    owned = await scripts.redis.hget(scripts.keys.owned, w.id)
+    with pytest.raises(CapacityExhaustedError):
+        await parent.fork(4)  # 1 + 4 > 4
+    for bad in (0, -1, True, 1.5, 10_000):
+        with pytest.raises(InvalidRequestError):
+            await parent.fork(bad)  # type: ignore[arg-type]
+    queued = parent.submit(3, **tok([1], seed=0, max_tokens=200))
+    for _ in range(1000):  # bounded: until the submit task has enqueued it
+        if (await parent.status()).next_step_id == 4:
+            break
+        await asyncio.sleep(0.001)
+    with pytest.raises(StepOutOfOrderError):
+        await parent.fork(1)  # a step is queued: the fork point would not be the committed step
+    assert (await queued).ok
+    assert await scripts.redis.hget(scripts.keys.owned, w.id) == owned
+    assert await scripts.redis.hlen(scripts.keys.sessions) == 1
+    await parent.close()
+    with pytest.raises(SessionClosedError):
+        await parent.fork(1)
+
+
+async def test_branches_survive_failover_by_rebuilding_from_copied_records(
+    fleet: FleetClient, workers: WorkerPool, scripts: Scripts
+) -> None:
+    a = await workers.add(ref(), **FAST)
+    parent, steps = await parent_with_steps(fleet)
+    branches = await parent.fork(2)
+    k = len(steps)
+    own = [tok([50 + j], seed=300 + j) for j in range(2)]
+    for b, o in zip(branches, own, strict=True):
+        assert (await b.step(k, **o)).ok
+    b_worker = await workers.add(ref(), **FAST)
+    await workers.kill(a)
+    await reap_until_moved(scripts, a.id)
+    nxt = [tok([60 + j], seed=400 + j) for j in range(2)]
+    for b, o, n in zip(branches, own, nxt, strict=True):
+        r = await b.step(k + 1, **n)
+        assert r.worker_id == b_worker.id
+        control = await replayed(fleet, [*steps, o, n])
+        assert same_tokens(r, control[k + 1])
+
+
+async def test_cancel_answers_every_uncommitted_step_and_the_session_goes_on(
+    fleet: FleetClient, workers: WorkerPool
+) -> None:
+    w = await workers.add(ref(eos=-1), **FAST)
+    s = await fleet.create_session(model="reference-lm", mode="tokens")
+    first = tok([3, 4, 5], seed=1)
+    assert (await s.step(0, **first)).ok
+    slow = [s.submit(i, **tok([6 + i], seed=i, max_tokens=3000)) for i in range(1, 6)]
+    for _ in range(2000):  # bounded: until step 1 holds the engine (it passed the weight gate)
+        if s.session_id in w.worker.executor._gate_waits:
+            break
+        await asyncio.sleep(0.005)
+    outcome = await s.cancel()
+    assert outcome.committed_step_id == 0 and outcome.next_step_id == 1
+    assert outcome.cancelled_steps == range(1, 6)
+    results = await asyncio.wait_for(asyncio.gather(*slow), 60)
+    assert [r.error.code if r.error else None for r in results] == [ErrorCode.CANCELLED] * 5
+    assert all(r.committed_step_id == 0 for r in results)
+    status = await s.status()
+    assert (status.committed_step_id, status.next_step_id) == (0, 1)
+    again = tok([7, 8], seed=5)
+    after = await s.step(1, **again)
+    control = await replayed(fleet, [first, again])
+    assert same_tokens(after, control[1])
+
+
+async def test_cancel_of_an_idle_or_closed_session(fleet: FleetClient, workers: WorkerPool) -> None:
+    await workers.add(ref(), **FAST)
+    s = await fleet.create_session(model="reference-lm", mode="tokens")
+    assert (await s.step(0, **tok([1], seed=0))).ok
+    outcome = await s.cancel()
+    assert (outcome.committed_step_id, outcome.next_step_id, len(outcome.cancelled_steps)) == (0, 1, 0)
+    assert (await s.step(1, **tok([2], seed=0))).ok
+    await s.close()
+    with pytest.raises(SessionClosedError):
+        await s.cancel()
+
+
+async def test_reference_engine_aborts_one_session_and_the_rest_of_the_batch_is_unchanged() -> None:
+    engine = ref(eos=-1)
+    await engine.start()
+    step = TokenStep.from_wire(tok([1, 2], seed=3, max_tokens=2000))
+    short = TokenStep.from_wire(tok([4], seed=4, max_tokens=8))
+    requests = [EngineRequest("long", "reference-lm", step), EngineRequest("short", "reference-lm", short)]
+    batch = asyncio.create_task(engine.run_batch("reference-lm", requests))
+    await asyncio.sleep(0)  # submitted: the marks of this batch are taken
+    assert engine.abort_session("long")
+    long_out, short_out = await batch
+    solo = await engine.run_batch("reference-lm", [EngineRequest("solo", "reference-lm", short)])
+    assert isinstance(long_out, Exception) and "cancelled" in str(long_out)
+    assert not isinstance(short_out, Exception) and not isinstance(solo[0], Exception)
+    assert short_out.output["token_ids"] == solo[0].output["token_ids"]
+    assert engine.session_keys() == ["short", "solo"]  # the aborted session kept no state (it had none)
