@@ -49,7 +49,11 @@ class Groups:
         """The parent's lane reached its fork entry: copy its context into the branches, then ack."""
         branches = job.payload.decode("utf-8", "replace").split()
         if state.engine_ready and state.committed == job.step_id >= 0 and branches:
-            await self._copy(job, branches)
+            try:
+                await self._copy(job, branches)
+            except Exception as exc:  # the copy is a shortcut: without it each branch rebuilds from its records
+                log.warning("fork of %s: engine copy skipped (%s); branches rebuild on their first step",
+                            job.session_id, exc)
         await self._ack(job)
 
     async def _copy(self, job: Job, branches: list[str]) -> None:
