@@ -11,20 +11,24 @@ import pytest
 
 from broker import FleetClient
 from broker.client.session import Session
+from broker.redis.script_replies import Cancelled, CancelledCommit, Committed, Created, Duplicate, Queued
 from broker.redis.scripts import Scripts
 from schemas.errors import (
     CapacityExhaustedError,
     ErrorCode,
     InvalidRequestError,
     SessionClosedError,
+    StepAborted,
     StepOutOfOrderError,
 )
 from schemas.messages import StepResult
 from schemas.token_messages import TokenStep
 from tests.support import FAST, WorkerPool, reap_until_moved, world_step
-from workers.engines.base import EngineRequest
+from workers.engines.base import AbortableCalls, EngineRequest
 from workers.engines.reference import ReferenceEngine, ReferenceEngineConfig
 from workers.engines.reference_lm import ReferenceLMConfig
+from workers.engines.token_sessions import TokenContexts
+from workers.jobs import Job, parse_job
 
 pytestmark = pytest.mark.asyncio
 SHAPE = (1, 4, 2, 8, 10)
@@ -195,3 +199,64 @@ async def test_reference_engine_aborts_one_session_and_the_rest_of_the_batch_is_
     assert not isinstance(short_out, Exception) and not isinstance(solo[0], Exception)
     assert short_out.output["token_ids"] == solo[0].output["token_ids"]
     assert engine.session_keys() == ["short", "solo"]  # the aborted session kept no state (it had none)
+
+
+async def test_abortable_calls_abort_one_sessions_call_and_token_contexts_fork() -> None:
+    """The vLLM engines' side: a session's generation is cancelled alone; a fork copies the context."""
+    calls = AbortableCalls()
+    gate = asyncio.Event()
+
+    async def generation(answer: str) -> str:
+        await gate.wait()
+        return answer
+
+    a = asyncio.create_task(calls.run(generation("a"), key="a"))
+    b = asyncio.create_task(calls.run(generation("b"), key="b"))
+    for _ in range(100):  # bounded: until both calls are running
+        if calls.running() == 2:
+            break
+        await asyncio.sleep(0)
+    assert calls.abort_key("a") == 1 and calls.abort_key("nobody") == 0
+    gate.set()
+    with pytest.raises(StepAborted, match="cancelled"):
+        await a
+    assert await b == "b"
+    contexts = TokenContexts()
+    step = TokenStep.from_wire(tok([1, 2], seed=0))
+    contexts.commit(EngineRequest("p", "m", step), [1, 2], [3])
+    assert contexts.copy("p", ["x", "y"]) and not contexts.copy("missing", ["z"])
+    assert contexts.get("x") == contexts.get("y") == [1, 2, 3] and contexts.get("z") is None
+
+
+async def test_commit_lua_alone_refuses_every_step_enqueued_before_a_cancel(scripts: Scripts) -> None:
+    """The fence, without a worker: a step enqueued before the cancel never commits, whatever order
+    the worker sees things in; a step committed before it stays committed."""
+    await scripts.register("w1", capacity=4, pools=[scripts.keys.pool("tokens", "m")], ttl_ms=15000,
+                           fields={"state": "active"})
+    assert isinstance(await scripts.create("s1", "tokens", "m", lease_ms=5000, retention="full", result_window=2),
+                      Created)
+
+    async def enqueue(step: int) -> Job:
+        queued = await scripts.enqueue("s1", "w1", step_id=step, contextual=True, job_id=f"j{step}", reply_to="c",
+                                       payload=b"p")
+        assert isinstance(queued, Queued)
+        [(entry_id, fields)] = await scripts.redis.xrange(scripts.keys.inbox("w1"), queued.entry_id, queued.entry_id)
+        job = parse_job(entry_id, fields)
+        assert isinstance(job, Job)
+        return job
+
+    async def commit(job: Job, result: bytes = b"r") -> object:
+        return await scripts.commit(session_id="s1", worker_id="w1", epoch=1, step_id=job.step_id,
+                                    entry_id=job.entry_id, result=result, context_length=3, job_id=job.job_id,
+                                    reply_to="c", reply_ttl_ms=60000, cancels=job.cancels if result else None)
+
+    step0 = await enqueue(0)
+    assert await commit(step0) == Committed()
+    step1, _ = await enqueue(1), await enqueue(2)
+    assert await scripts.cancel("s1", "w1") == Cancelled(0, 3, 1)
+    assert await commit(step1) == CancelledCommit(0)
+    assert await commit(step0, b"") == Duplicate()  # committed before the cancel: still answered
+    again = await enqueue(1)
+    assert again.cancels == 1 and await commit(again) == Committed()
+    kinds = [f[b"kind"] for _, f in await scripts.redis.xrange(scripts.keys.inbox("w1"))]
+    assert b"cancel" in kinds
