@@ -63,11 +63,12 @@ class Groups:
         for branch in branches:
             raw: Any = await resolve(redis.hgetall(keys.session(branch)))
             hashes.append(SessionHash.from_fields(raw) if raw else None)
-        # No await from here on: a branch whose lane started meanwhile is in _sessions now and skipped
+        # Only the parent's own branches (a forged entry naming other sessions copies nothing). No
+        # await from here on: a branch whose lane started meanwhile is in _sessions now and skipped
         # (its lane rebuilds it from the records), the others get the engine's copy.
         fresh = [(branch, h) for branch, h in zip(branches, hashes, strict=True)
-                 if h is not None and h.owner == executor.worker_id and h.committed_step_id == job.step_id
-                 and not h.closed and branch not in self._sessions]
+                 if h is not None and h.forked_from == job.session_id and h.owner == executor.worker_id
+                 and h.committed_step_id == job.step_id and not h.closed and branch not in self._sessions]
         if not fresh or not executor.engine.fork_session(job.session_id, [branch for branch, _ in fresh]):
             return
         for branch, h in fresh:
