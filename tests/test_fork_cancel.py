@@ -25,6 +25,7 @@ from schemas.messages import StepResult
 from schemas.token_messages import TokenStep
 from tests.support import FAST, WorkerPool, reap_until_moved, world_step
 from workers.engines.base import AbortableCalls, EngineRequest
+from workers.engines.null import NullEngine
 from workers.engines.reference import ReferenceEngine, ReferenceEngineConfig
 from workers.engines.reference_lm import ReferenceLMConfig
 from workers.engines.token_sessions import TokenContexts
@@ -260,3 +261,16 @@ async def test_commit_lua_alone_refuses_every_step_enqueued_before_a_cancel(scri
     assert again.cancels == 1 and await commit(again) == Committed()
     kinds = [f[b"kind"] for _, f in await scripts.redis.xrange(scripts.keys.inbox("w1"))]
     assert b"cancel" in kinds
+
+
+async def test_branches_of_an_engine_that_cannot_fork_rebuild_from_their_records(
+    fleet: FleetClient, workers: WorkerPool
+) -> None:
+    w = await workers.add(NullEngine(), **FAST)
+    parent = await fleet.create_session(model="null-world", mode="world_model_env")
+    for i in range(3):
+        assert (await parent.step(i, **world_step(i))).ok
+    branches = await parent.fork(2)
+    results = [await b.step(3, **world_step(3)) for b in branches]
+    assert [r.output["context"] for r in results] == [3, 3]  # as the parent's step 3 would be
+    assert w.worker.executor.rebuilt_steps == 2 * 3  # each branch replayed the parent's three steps
