@@ -18,10 +18,11 @@ from schemas.errors import (
     ErrorCode,
     InvalidRequestError,
     SessionClosedError,
+    SessionNotFoundError,
     StepAborted,
     StepOutOfOrderError,
 )
-from schemas.messages import StepResult
+from schemas.messages import Mode, StepResult
 from schemas.token_messages import TokenStep
 from tests.support import FAST, WorkerPool, reap_until_moved, world_step
 from workers.engines.base import AbortableCalls, EngineRequest
@@ -124,6 +125,11 @@ async def test_fork_refusals_create_nothing(fleet: FleetClient, workers: WorkerP
     await parent.close()
     with pytest.raises(SessionClosedError):
         await parent.fork(1)
+    ghost = Session(fleet, "no-such-session", model="reference-lm", mode=Mode.TOKENS, owner=w.id)
+    for call in (ghost.fork(1), ghost.cancel()):
+        with pytest.raises(SessionNotFoundError):
+            await call
+    assert not await scripts.redis.exists(scripts.keys.session("no-such-session"))
 
 
 async def test_branches_survive_failover_by_rebuilding_from_copied_records(
