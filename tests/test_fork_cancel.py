@@ -9,8 +9,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from broker import FleetClient
+from broker import FleetClient, SyncFleetClient
 from broker.client.session import Session
+from broker.redis.embedded import RedisServer
 from broker.redis.script_replies import Cancelled, CancelledCommit, Committed, Created, Duplicate, Queued
 from broker.redis.scripts import Scripts
 from schemas.errors import (
@@ -280,3 +281,18 @@ async def test_branches_of_an_engine_that_cannot_fork_rebuild_from_their_records
     results = [await b.step(3, **world_step(3)) for b in branches]
     assert [r.output["context"] for r in results] == [3, 3]  # as the parent's step 3 would be
     assert w.worker.executor.rebuilt_steps == 2 * 3  # each branch replayed the parent's three steps
+
+
+async def test_the_sync_client_forks_and_cancels(redis_server: RedisServer, prefix: str, workers: WorkerPool) -> None:
+    await workers.add(NullEngine())
+
+    def trainer() -> tuple[list[int], range]:
+        with SyncFleetClient(redis_server.url, prefix=prefix) as fleet:
+            s = fleet.create_session(model="null-world", mode="world_model_env")
+            assert s.step(0, **world_step(0)).ok
+            branches = s.fork(2)
+            contexts = [b.step(1, **world_step(1)).output["context"] for b in branches]
+            return contexts, branches[0].cancel().cancelled_steps
+
+    contexts, cancelled = await asyncio.to_thread(trainer)
+    assert contexts == [1, 1] and cancelled == range(2, 2)
