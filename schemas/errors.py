@@ -26,6 +26,7 @@ class ErrorCode(StrEnum):
     STALE_POLICY = "stale_policy"
     ADMISSION_CLOSED = "admission_closed"
     TRAINER_CAP_REACHED = "trainer_cap_reached"
+    CANCELLED = "cancelled"
 
 
 class FleetError(Exception):
@@ -121,6 +122,13 @@ class AdmissionClosedError(FleetError):
     code = ErrorCode.ADMISSION_CLOSED
 
 
+class CancelledStepError(FleetError):
+    """The session was cancelled (``Session.cancel``) before this step committed: it never will.
+    The session goes on from its committed step."""
+
+    code = ErrorCode.CANCELLED
+
+
 # ---------------------------------------------------------------------- raised inside the fleet
 
 
@@ -158,7 +166,7 @@ _BY_CODE: dict[ErrorCode, type[FleetError]] = {
     for cls in (
         SessionNotFoundError, SessionClosedError, StepAlreadyCommittedError, StepOutOfOrderError,
         InvalidRequestError, InferenceError, CapacityExhaustedError, PayloadTooLargeError, ContextLost,
-        FleetTimeoutError, StalePolicyError, AdmissionClosedError, TrainerCapReachedError,
+        FleetTimeoutError, StalePolicyError, AdmissionClosedError, TrainerCapReachedError, CancelledStepError,
     )
 }
 

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-from broker.redis.script_replies import Committed, Duplicate, OutOfOrder
+from broker.redis.script_replies import CancelledCommit, Committed, Duplicate, OutOfOrder
 from broker.redis.scripts import Scripts
 from schemas.codec import decode, encode
 from schemas.errors import (
@@ -28,6 +28,7 @@ from schemas.errors import (
 )
 from schemas.messages import Latency, StepInput, StepResult, parse_step_input
 from workers.batcher import Batcher
+from workers.cancels import CancelMarks
 from workers.durable import ReplicaConfirmation
 from workers.engines.base import Engine, EngineOutput, EngineRequest
 from workers.failure import StepFailed, finish_before_cancel, settled
@@ -76,6 +77,7 @@ class StepExecutor:
         self.rebuild_ms: list[float] = []
         self.draining = False  # a drain stops every step waiting at the gate for a policy version
         self._gate_waits: dict[str, set[asyncio.Event]] = {}  # session -> its steps' stop events
+        self.cancels = CancelMarks()  # the sessions' cancels read here (workers/groups.py)
 
     @property
     def worker_id(self) -> str:
@@ -119,6 +121,8 @@ class StepExecutor:
     async def run_step(self, job: Job, state: SessionState | None) -> None:
         """A contextual step (``state`` given) or a stateless one (``state`` None)."""
         picked_ms = time.time() * 1000.0
+        if state is not None and job.step_id > state.committed:
+            self._raise_if_cancelled(job)  # before the order check: the steps after it are cancelled too
         if state is not None and not await self._is_next(job, state):
             return
         request = EngineRequest(
@@ -165,6 +169,7 @@ class StepExecutor:
         update that aborts in-flight steps sends this one back to the gate: it runs again, whole,
         on the new weights (the engine left the session's context as it was)."""
         while True:
+            self._raise_if_cancelled(job)  # also after an aborting update: a cancelled step never runs again
             async with self._gate(job) as version:
                 if state is not None:  # an update it waited for at the gate may have made it stale
                     await self.staleness.in_gate(job, state.max_staleness, state.checked_version, version)
@@ -195,11 +200,19 @@ class StepExecutor:
                                       stop=stop) as version:
                 yield version
         except VersionWaitEnded as exc:
+            self._raise_if_cancelled(job)
             raise self._version_failure(exc) from exc
         finally:
             waiting.discard(stop)
             if not waiting and self._gate_waits.get(job.session_id) is waiting:
                 del self._gate_waits[job.session_id]
+
+    def _raise_if_cancelled(self, job: Job) -> None:
+        """A contextual step enqueued before a cancel of its session (workers/groups.py) never runs
+        or commits: it answers ``cancelled`` and leaves next_step_id as the cancel set it."""
+        if job.contextual and self.cancels.cancelled(job.session_id, job.cancels):
+            raise StepFailed(ErrorCode.CANCELLED, f"step {job.step_id} was cancelled (Session.cancel); the "
+                             "session goes on from its committed step", fallback=False)
 
     def stop_gate_waits(self, session_id: str | None = None) -> None:
         """A close of ``session_id`` (None: a drain of the worker) stops its steps waiting at the gate."""
@@ -240,6 +253,7 @@ class StepExecutor:
                                     attempt: int) -> None:
         """Raise what ends the step, or return (after a rebuild or a wait) to run it again."""
         last = attempt >= self.settings.max_attempts
+        self._raise_if_cancelled(job)  # an aborted step of a cancelled session is not retried
         if isinstance(exc, InvalidRequestError):  # never retried
             raise StepFailed.of(exc, attempt=attempt) from exc
         if isinstance(exc, StepAborted) and self.gate.aborting:
@@ -316,6 +330,9 @@ class StepExecutor:
         # The engine ran a step that did not commit: its context is no longer the committed one.
         state.engine_ready = False
         self.engine.drop_session(job.session_id)
+        if isinstance(answer, CancelledCommit):  # the session was cancelled while this step ran
+            self.cancels.record(job.session_id, job.cancels + 1)
+            self._raise_if_cancelled(job)
         if isinstance(answer, Duplicate):  # committed earlier; the stored result went out again
             state.committed = max(state.committed, job.step_id)
             self.metrics.duplicate(job.model)

@@ -10,6 +10,7 @@ from broker.redis.connect import atomic_pipeline
 from broker.redis.keys import INBOX_GROUP
 from broker.redis.layouts import DEAD_LETTER_MAXLEN, ReplyEntry
 from broker.redis.script_replies import (
+    CancelledCommit,
     Committed,
     Duplicate,
     DuplicateUnstored,
@@ -25,7 +26,7 @@ from workers.failure import StepFailed
 from workers.jobs import BadJob, Job
 from workers.settings import WorkerSettings
 
-CommitAnswer = Committed | Duplicate | DuplicateUnstored | OutOfOrder
+CommitAnswer = Committed | Duplicate | DuplicateUnstored | OutOfOrder | CancelledCommit
 
 
 class JobScripts:
@@ -48,6 +49,7 @@ class JobScripts:
             entry_id=job.entry_id, result=result, context_length=context_length, job_id=job.job_id,
             reply_to=job.reply_to, reply_ttl_ms=self.settings.reply_ttl_ms, record=record,
             keep_records=keep_records, reply_bounds=self.reply_bounds, version=version,
+            cancels=job.cancels if result else None,  # a re-publish (empty result) is never cancelled
         )
         if self.replica_wait is None:
             reply, acked = await self.scripts.commit(**args), 0

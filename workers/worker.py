@@ -30,6 +30,7 @@ from workers.engines.base import Engine
 from workers.executor import SessionState, StepExecutor
 from workers.failure import StepFailed, as_step_failure, reject_malformed, settled
 from workers.fenced import FencedEntries
+from workers.groups import Groups
 from workers.idle import IdleSweeper
 from workers.inbox_repair import recreate_inbox
 from workers.jobs import BadJob, Job, parse_job
@@ -76,6 +77,7 @@ class Worker:
         self._pools = [self.keys.pool(mode.value, model) for model, mode in engine.models().items()]
         self._pool_caps = pool_caps(engine, self.keys, settings.capacity)  # the engine's per-model split
         self._drain: Drain | None = None
+        self._groups = Groups(lambda: self.executor, self._sessions)  # cancel and fork entries
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -286,10 +288,11 @@ class Worker:
         self._idle.clear()
         self._running.add(job.entry_id)
         if isinstance(job, BadJob):
-            rejected = reject_malformed(job, self._bad_entries)
-            self._spawn(self._finish(self._guard(job, rejected), job.entry_id), "bad-job")
+            self._spawn(self._finish(self._guard(job, reject_malformed(job, self._bad_entries)), job.entry_id), "bad")
         elif job.kind == "step" and not job.contextual:
             self._spawn(self._finish(self._guard(job, self.executor.run_step(job, None)), job.entry_id), "stateless")
+        elif job.kind == "cancel":  # at once, ahead of the session's queued steps (workers/groups.py)
+            self._spawn(self._finish(self._guard(job, self._groups.cancel(job)), job.entry_id), "cancel")
         else:
             if job.kind == "close":  # a step waiting at the weight gate must not hold the close
                 self.executor.stop_gate_waits(job.session_id)
@@ -348,8 +351,8 @@ class Worker:
 
     async def _process(self, job: Job) -> None:
         state = await self._session_state(job)
-        if job.kind == "step":
-            await self.executor.run_step(job, state)
+        if job.kind in ("step", "fork"):
+            await (self.executor.run_step(job, state) if job.kind == "step" else self._groups.fork(job, state))
             return
 
         async def apply_once() -> None:

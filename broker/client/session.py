@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from broker.client import groups
 from broker.client.waiting import wait_bound, wait_for_reply
 from broker.redis.backoff import REDIS_ERRORS, Backoff
 from broker.redis.keys import check_stream_name
@@ -245,6 +246,20 @@ class Session:
 
     async def status(self) -> SessionStatus:
         return await self.fleet.status(self.session_id)
+
+    async def fork(self, n: int) -> list[Session]:
+        """``n`` new sessions (branches) that start from this session's committed step, on its worker:
+        each steps on from committed + 1 on its own. Raises step_out_of_order while steps of this
+        session are queued, capacity_exhausted when its worker has no room for all ``n``."""
+        async with self._order:
+            ids = await groups.fork(self, n)
+        return [Session(self.fleet, sid, model=self.model, mode=self.mode, owner=self.owner) for sid in ids]
+
+    async def cancel(self) -> groups.CancelOutcome:
+        """Cancel the steps that have not committed (queued or running): each answers ``cancelled``;
+        the session goes on from its committed step + 1."""
+        async with self._order:
+            return await groups.cancel(self)
 
     async def _control(self, kind: str, *, wait: bool, timeout: float | None) -> int:
         job_id = new_id()

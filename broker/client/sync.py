@@ -17,6 +17,7 @@ from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 from broker.client.fleet import FleetClient
+from broker.client.groups import CancelOutcome
 from broker.client.session import Session
 from schemas.messages import SessionStatus, StepResult
 
@@ -52,6 +53,12 @@ class SyncSession:
 
     def status(self) -> SessionStatus:
         return self._owner.call(self.session.status())
+
+    def fork(self, n: int) -> list[SyncSession]:
+        return [SyncSession(self._owner, branch) for branch in self._owner.call(self.session.fork(n))]
+
+    def cancel(self) -> CancelOutcome:
+        return self._owner.call(self.session.cancel())
 
 
 async def _await(task: asyncio.Task[StepResult]) -> StepResult:

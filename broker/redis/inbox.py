@@ -1,5 +1,5 @@
 """Inbox entries (``rf:{c}:inbox:<wid>`` STREAM): the jobs a worker runs, written by enqueue.lua
-(steps) and control.lua (reset, close), moved whole by failover.lua and dead-lettered whole by
+(steps), control.lua (reset, close), cancel.lua and fork.lua, moved whole by failover.lua and dead-lettered whole by
 retire.lua. A malformed entry becomes a BadEntry, never a crash."""
 
 from __future__ import annotations
@@ -11,16 +11,16 @@ from schemas.limits import MAX_STEP_ID
 from schemas.messages import Mode
 from schemas.sharing import DEFAULT_PRIORITY, Priority
 
-KINDS = frozenset({"step", "reset", "close"})
+KINDS = frozenset({"step", "reset", "close", "cancel", "fork"})
 
 
 @dataclass(frozen=True)
 class InboxEntry:
     entry_id: str  # its id in the inbox (not a field)
-    kind: str  # step | reset | close
+    kind: str  # step | reset | close | cancel | fork
     job_id: str
     session_id: str
-    step_id: int  # -1 for reset and close
+    step_id: int  # -1 for reset, close and cancel; a fork's: the parent's committed step it forks from
     contextual: bool
     epoch: int  # the lease epoch it was enqueued under (failover re-stamps it)
     gen: int
@@ -33,6 +33,7 @@ class InboxEntry:
     retention: str = "full"
     min_version: int = 0  # the step waits until the worker's policy version reaches it
     priority: Priority = DEFAULT_PRIORITY  # the session's class, copied by enqueue.lua (steps only)
+    cancels: int = 0  # the session's cancel count when it was enqueued (cancel.lua, commit.lua)
 
     @classmethod
     def from_fields(cls, entry_id: bytes | str, fields: Fields) -> InboxEntry:
@@ -49,7 +50,8 @@ class InboxEntry:
         except ValueError as exc:
             raise LayoutError(f"field 'priority': {exc}") from exc
         step_id = integer(fields, "step_id")
-        if not (0 <= step_id <= MAX_STEP_ID if kind == "step" else step_id == -1):
+        low = {"step": 0, "fork": -1}.get(kind)
+        if not (low <= step_id <= MAX_STEP_ID if low is not None else step_id == -1):
             raise LayoutError(f"field 'step_id' is out of range for a {kind} job: {step_id}")
         return cls(
             entry_id=entry_id.decode() if isinstance(entry_id, bytes) else entry_id,
@@ -60,6 +62,7 @@ class InboxEntry:
             attempt=integer(fields, "attempt"), payload=fields.get(b"payload", b""),
             retention=text(fields, "retention", "full"), min_version=integer(fields, "min_version", 0),
             priority=priority,
+            cancels=integer(fields, "cancels", 0),
         )
 
     def dead_letter(self, reason: str, attempts: int, worker_id: str, failed_ms: int) -> DeadLetter:

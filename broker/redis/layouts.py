@@ -85,6 +85,8 @@ class SessionHash:
     first_version: int | None = None
     priority: Priority = DEFAULT_PRIORITY  # its steps' class on a busy worker (enqueue.lua copies it)
     trainer: str = ""  # whose open-session count it is in (create.lua); "" for sessions from before
+    cancels: int = 0  # +1 per cancel (cancel.lua): steps enqueued under a lower count never commit
+    forked_from: str = ""  # the parent of a branch made by fork.lua ("" for a created session)
 
     @classmethod
     def from_fields(cls, fields: Fields) -> SessionHash:
@@ -104,6 +106,7 @@ class SessionHash:
             first_version=optional_integer(fields, "first_version"),
             priority=stored_priority(text(fields, "priority", "")),
             trainer=text(fields, "trainer", ""),
+            cancels=integer(fields, "cancels", 0), forked_from=text(fields, "forked_from", ""),
         )
 
     def status(self, session_id: str) -> SessionStatus:

@@ -104,6 +104,30 @@ class OutOfOrder:
 
 
 @dataclass(frozen=True)
+class CancelledCommit:
+    """commit.lua refused a step enqueued before the session's last cancel (cancel.lua)."""
+
+    committed_step_id: int
+
+
+@dataclass(frozen=True)
+class Cancelled:
+    """cancel.lua: the steps from ``committed_step_id + 1`` up to ``next_before - 1`` will answer
+    ``cancelled``; the session's next step is ``next_step_id``."""
+
+    committed_step_id: int
+    next_before: int
+    next_step_id: int
+
+
+@dataclass(frozen=True)
+class Forked:
+    """fork.lua: the branches exist, each committed up to ``committed_step_id`` (the fork point)."""
+
+    committed_step_id: int
+
+
+@dataclass(frozen=True)
 class Published:
     committed_step_id: int
 
@@ -159,7 +183,9 @@ class Heartbeat:
 CreateReply = Created | Refused
 EnqueueReply = Queued | Stored | Refused | Moved
 ControlReply = Queued | AlreadyClosed | Refused | Moved
-CommitReply = Committed | Duplicate | DuplicateUnstored | StaleOwner | OutOfOrder
+CommitReply = Committed | Duplicate | DuplicateUnstored | StaleOwner | OutOfOrder | CancelledCommit
+CancelReply = Cancelled | Refused | Moved
+ForkReply = Forked | Refused | Moved
 ReportReply = Published | StaleOwner
 ApplyControlReply = Applied | StaleOwner | Unrequested
 FailoverReply = FailedOver | Skipped | Gone | Alive | Retry
@@ -261,7 +287,14 @@ _CONTROL: Mapping[str, _Shape[ControlReply]] = {
 _COMMIT: Mapping[str, _Shape[CommitReply]] = {
     "committed": _Shape((0,), lambda v: Committed()), "duplicate": _Shape((0,), lambda v: Duplicate()),
     "duplicate_unstored": _Shape((1,), lambda v: DuplicateUnstored(v.integer(0))),
-    "fenced": _Shape((2,), _stale), "out_of_order": _Shape((1,), lambda v: OutOfOrder(v.integer(0)))}
+    "fenced": _Shape((2,), _stale), "out_of_order": _Shape((1,), lambda v: OutOfOrder(v.integer(0))),
+    "cancelled": _Shape((1,), lambda v: CancelledCommit(v.integer(0)))}
+_CANCEL: Mapping[str, _Shape[CancelReply]] = {
+    "cancelled": _Shape((3,), lambda v: Cancelled(v.integer(0), v.integer(1), v.integer(2))),
+    "error": _Shape((4,), _refused), "moved": _Shape((1,), _moved)}
+_FORK: Mapping[str, _Shape[ForkReply]] = {
+    "forked": _Shape((1,), lambda v: Forked(v.integer(0))), "error": _Shape((4,), _refused),
+    "moved": _Shape((1,), _moved)}
 _REPORT: Mapping[str, _Shape[ReportReply]] = {
     "published": _Shape((1,), lambda v: Published(v.integer(0))), "fenced": _Shape((2,), _stale)}
 _APPLY_CONTROL: Mapping[str, _Shape[ApplyControlReply]] = {
@@ -304,6 +337,14 @@ def decode_control(raw: Any) -> ControlReply:
 
 def decode_commit(raw: Any) -> CommitReply:
     return _decode("commit", raw, _COMMIT)
+
+
+def decode_cancel(raw: Any) -> CancelReply:
+    return _decode("cancel", raw, _CANCEL)
+
+
+def decode_fork(raw: Any) -> ForkReply:
+    return _decode("fork", raw, _FORK)
 
 
 def decode_report(raw: Any) -> ReportReply:

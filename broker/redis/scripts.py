@@ -30,21 +30,25 @@ from broker.redis.layouts import (
 )
 from broker.redis.script_replies import (
     ApplyControlReply,
+    CancelReply,
     CommitReply,
     ControlReply,
     CreateReply,
     EnqueueReply,
     FailoverReply,
+    ForkReply,
     Heartbeat,
     ReportReply,
     RetireReply,
     decode_apply_control,
+    decode_cancel,
     decode_close_idle,
     decode_commit,
     decode_control,
     decode_create,
     decode_enqueue,
     decode_failover,
+    decode_fork,
     decode_heartbeat,
     decode_integer,
     decode_report,
@@ -87,7 +91,7 @@ class Scripts:
     NAMES = (
         "create", "enqueue", "control", "commit", "report", "apply_control",
         "register", "heartbeat", "leave_pools", "failover", "retire", "ack_result", "close_idle",
-        "set_capacity", "unplaced", "announce",
+        "set_capacity", "unplaced", "announce", "cancel", "fork",
     )
 
     def __init__(self, redis: Redis, keys: CellKeys, *, coalesce: bool = True) -> None:
@@ -213,6 +217,19 @@ class Scripts:
         raw = await self._call("announce", [k.control, k.announced], [model, version, maxlen, *flat])
         return raw.decode() if isinstance(raw, bytes) else str(raw)
 
+    async def cancel(self, session_id: str, owner: str) -> CancelReply:
+        k = self.keys
+        return decode_cancel(await self._call("cancel", [k.session(session_id), k.inbox(owner)], [owner, session_id]))
+
+    async def fork(self, session_id: str, owner: str, *, mode: str, model: str, branches: list[str]) -> ForkReply:
+        """Branch ``session_id`` into the new sessions ``branches`` on its owner (fork.lua)."""
+        k = self.keys
+        keys = [k.session(session_id), k.log(session_id), k.sessions, k.owned, k.capacity, k.pool(mode, model),
+                k.inbox(owner), k.trainer_caps, k.trainer_open]
+        for branch in branches:
+            keys += [k.session(branch), k.log(branch)]
+        return decode_fork(await self._call("fork", keys, [owner, session_id, *branches]))
+
     async def ack_result(self, *, stream: str, group: str, entry_id: str, session_id: str, step_id: int,
                          handled_ttl_ms: int) -> bool:
         k = self.keys
@@ -226,26 +243,29 @@ class Scripts:
                      result: bytes, context_length: int, job_id: str, reply_to: str, reply_ttl_ms: int,
                      record: bytes = b"", keep_records: int = -1,
                      reply_bounds: ReplyBounds = DEFAULT_REPLY_BOUNDS, deferred: bool = False,
-                     version: int | None = None) -> CommitReply:
+                     version: int | None = None, cancels: int | None = None) -> CommitReply:
         """Commit a step; ``record`` (kept per ``keep_records``: -1 all, N last N, 0 none) is what a
         new owner replays to rebuild the session's context. ``deferred``: commit without publishing
         (see :meth:`commit_and_wait`); a later call with an empty result publishes. ``version``:
-        the policy version the step ran on (a session with max_staleness records its first one)."""
+        the policy version the step ran on (a session with max_staleness records its first one).
+        ``cancels``: the job's cancel count; a step of a session cancelled since then does not
+        commit (None: unchecked)."""
         keys, args = self._commit_call(session_id, worker_id, epoch, step_id, entry_id, result, context_length,
                                        job_id, reply_to, reply_ttl_ms, record, keep_records, reply_bounds, deferred)
-        return decode_commit(await self._call("commit", keys, [*args, "" if version is None else version]))
+        args += ["" if version is None else version, "" if cancels is None else cancels]
+        return decode_commit(await self._call("commit", keys, args))
 
     async def commit_and_wait(self, *, wait: ReplicaWait, session_id: str, worker_id: str, epoch: int,
                               step_id: int, entry_id: str, result: bytes, context_length: int, job_id: str,
                               reply_to: str, reply_ttl_ms: int, record: bytes = b"", keep_records: int = -1,
                               reply_bounds: ReplyBounds = DEFAULT_REPLY_BOUNDS,
-                              version: int | None = None) -> tuple[CommitReply, int]:
+                              version: int | None = None, cancels: int | None = None) -> tuple[CommitReply, int]:
         """A deferred commit (an empty ``result``: a deferred duplicate) followed by ``WAIT`` on the
         same connection, never coalesced with other calls: the reply and how many replicas have the
         commit. Nothing is published until :meth:`commit` with ``result=b""`` runs after it."""
         keys, args = self._commit_call(session_id, worker_id, epoch, step_id, entry_id, result, context_length,
                                        job_id, reply_to, reply_ttl_ms, record, keep_records, reply_bounds, True)
-        args.append("" if version is None else version)
+        args += ["" if version is None else version, "" if cancels is None else cancels]
         sha = self._scripts["commit"].sha
         raw, acked = await call_then_wait(self.redis, keys[0], ["EVALSHA", sha, len(keys), *keys, *args], wait)
         if isinstance(raw, NoScriptError):  # a master that never ran it (a promoted replica): load, again

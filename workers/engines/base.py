@@ -58,21 +58,25 @@ class AbortableCalls:
 
     def __init__(self) -> None:
         self._running: set[asyncio.Task[Any]] = set()
-        self._aborted: set[asyncio.Task[Any]] = set()
+        self._aborted: dict[asyncio.Task[Any], str] = {}  # task -> why it was aborted
+        self._keys: dict[asyncio.Task[Any], str] = {}  # task -> its session key (abort_key)
 
-    async def run(self, call: Awaitable[T]) -> T:
+    async def run(self, call: Awaitable[T], key: str | None = None) -> T:
         task = asyncio.ensure_future(call)
         self._running.add(task)
+        if key is not None:
+            self._keys[task] = key
         try:
             return await task
         except asyncio.CancelledError:
             caller = asyncio.current_task()
             if task in self._aborted and (caller is None or not caller.cancelling()):
-                raise StepAborted("aborted for a weight update") from None
+                raise StepAborted(self._aborted[task]) from None
             raise  # the caller itself is being cancelled
         finally:
             self._running.discard(task)
-            self._aborted.discard(task)
+            self._aborted.pop(task, None)
+            self._keys.pop(task, None)
 
     def running(self) -> int:
         """How many calls are running now (the engine's running steps, for placement)."""
@@ -80,9 +84,15 @@ class AbortableCalls:
 
     def abort_all(self) -> int:
         """Cancel every running call; how many there were."""
-        live = [task for task in self._running if not task.done()]
+        return self._abort([task for task in self._running if not task.done()], "aborted for a weight update")
+
+    def abort_key(self, key: str) -> int:
+        """Cancel the running calls of one session (``Session.cancel``); how many there were."""
+        return self._abort([t for t, k in self._keys.items() if k == key and not t.done()], "aborted: cancelled")
+
+    def _abort(self, live: list[asyncio.Task[Any]], why: str) -> int:
         for task in live:
-            self._aborted.add(task)
+            self._aborted[task] = why
             task.cancel()
         return len(live)
 
@@ -208,6 +218,20 @@ class Engine(abc.ABC):
         """Stop the steps running now as soon as the engine can: each raises (or returns)
         ``StepAborted``. Steps that start after this call are not affected. Returns False when the
         engine cannot abort; a weight update then waits for its running steps to finish."""
+        return False
+
+    def abort_session(self, session_key: str) -> bool:
+        """Stop the running step of one session (``Session.cancel``) as soon as the engine can: it
+        raises ``StepAborted`` and leaves the context as it was; other sessions' steps go on. Runs
+        on the worker's event loop: it must return at once. False: the engine cannot (the step then
+        runs to its end and is refused at the commit)."""
+        return False
+
+    def fork_session(self, source_key: str, branch_keys: Sequence[str]) -> bool:
+        """Give each branch a copy of ``source_key``'s context (``Session.fork``; prefix caching or
+        shared immutable state make it cheap). Called on the event loop while no step of the source
+        runs. False: the engine cannot copy (or holds no context for the source); each branch then
+        rebuilds from its records on its first step."""
         return False
 
 

@@ -74,3 +74,12 @@ class SessionFeatures:
 
     def drop(self, session_key: str) -> None:
         self._parts.pop(session_key, None)
+
+    def copy(self, source_key: str, branch_keys: Sequence[str]) -> None:
+        """Each branch gets the source's features (a fork)."""
+        parts = self._parts.get(source_key)
+        for key in branch_keys:
+            if parts:
+                self._parts[key] = list(parts)
+            else:
+                self._parts.pop(key, None)

@@ -22,7 +22,7 @@ import torch
 from schemas.errors import StepAborted
 from schemas.messages import Mode
 from workers.engines.base import Engine, EngineOutput, EngineRequest, session_waves
-from workers.engines.reference_lm import LMJob, LMSessionState, ReferenceLanguageModel, ReferenceLMConfig
+from workers.engines.reference_lm import STOPPED, LMJob, LMSessionState, ReferenceLanguageModel, ReferenceLMConfig
 from workers.engines.reference_world import (
     ReferenceWorldConfig,
     ReferenceWorldModel,
@@ -81,6 +81,7 @@ class ReferenceEngine(Engine):
         self._drops_lock = threading.Lock()
         self._drops: set[str] = set()  # sessions to forget before the next batch (see drop_session)
         self._aborts = 0  # bumped by abort_running; batches submitted before a bump stop
+        self._session_aborts: dict[str, int] = {}  # bumped by abort_session: that session's step stops
 
     def models(self) -> Mapping[str, Mode]:
         return {WORLD_MODEL: Mode.WORLD_MODEL_ENV, LM_MODEL: Mode.TOKENS}
@@ -184,12 +185,37 @@ class ReferenceEngine(Engine):
     async def run_batch(self, model: str, requests: Sequence[EngineRequest]) -> list[Result]:
         """Run a batch in a worker thread (one at a time) so the event loop stays free."""
         mark = self._aborts
+        marks = {r.session_key: self._session_aborts.get(r.session_key, 0) for r in requests}
 
         def aborted() -> bool:
             return self._aborts != mark
 
+        def session_aborted(key: str) -> bool:
+            return self._session_aborts.get(key, 0) != marks.get(key, 0)
+
         async with self._async_lock:
-            return await asyncio.to_thread(self.run_direct, model, requests, aborted)
+            return await asyncio.to_thread(self.run_direct, model, requests, aborted, session_aborted)
+
+    def abort_session(self, session_key: str) -> bool:
+        """A language-model step of the session stops at its next decode step (a world step is one
+        pass: it runs to its end)."""
+        self._session_aborts[session_key] = self._session_aborts.get(session_key, 0) + 1
+        return True
+
+    def fork_session(self, source_key: str, branch_keys: Sequence[str]) -> bool:
+        """The branches share the source's state: session states are immutable (a step builds new
+        tensors), so sharing is a copy. A single dict store each, safe beside a running batch."""
+        with self._drops_lock:
+            if source_key in self._drops:  # about to be forgotten: nothing true to copy
+                return False
+            self._drops.difference_update(branch_keys)
+            for table in (self._world_sessions, self._lm_sessions):
+                state: Any = table.get(source_key)
+                if state is not None:
+                    for key in branch_keys:
+                        table[key] = state
+                    return True
+        return False
 
     async def abort_running(self) -> bool:
         """Batches submitted before this call stop at their next decode step (language model) or
@@ -198,7 +224,8 @@ class ReferenceEngine(Engine):
         return True
 
     def run_direct(self, model: str, requests: Sequence[EngineRequest],
-                   should_stop: Callable[[], bool] | None = None) -> list[Result]:
+                   should_stop: Callable[[], bool] | None = None,
+                   session_stopped: Callable[[str], bool] | None = None) -> list[Result]:
         """The synchronous core of ``run_batch``: also the direct call the fidelity tests use."""
         self._build()
         if (refused := self.refuse_unknown_model(model, requests)) is not None:
@@ -214,7 +241,7 @@ class ReferenceEngine(Engine):
                 elif model == WORLD_MODEL:
                     outs = self._run_world(batch)
                 else:
-                    outs = self._run_lm(batch, should_stop)
+                    outs = self._run_lm(batch, should_stop, session_stopped)
                 for i, out in zip(wave, outs, strict=True):
                     results[i] = out
             return [_NOT_RUN if r is None else r for r in results]
@@ -248,14 +275,19 @@ class ReferenceEngine(Engine):
 
     # ------------------------------------------------------------------ language model
 
-    def _run_lm(self, requests: Sequence[EngineRequest], should_stop: Callable[[], bool] | None) -> list[Result]:
+    def _run_lm(self, requests: Sequence[EngineRequest], should_stop: Callable[[], bool] | None,
+                session_stopped: Callable[[str], bool] | None = None) -> list[Result]:
         model = self._lm
         assert model is not None
         prepared = _prepare(requests, lambda request: model.prepare(self._lm_state(request), request.step))
         ready = [(i, job) for i, job in enumerate(prepared) if isinstance(job, LMJob)]
-        outputs = _guarded(lambda: model.run([job for _, job in ready], should_stop), len(ready))
+        keys = {id(job): requests[i].session_key for i, job in ready}
+        stop_job = None if session_stopped is None else (lambda job: session_stopped(keys[id(job)]))
+        outputs = _guarded(lambda: model.run([job for _, job in ready], should_stop, stop_job), len(ready))
         results: list[Result] = [p if isinstance(p, BaseException) else _NOT_RUN for p in prepared]
         for (i, _), out in zip(ready, outputs, strict=True):
+            if not isinstance(out, BaseException) and out.finish_reason == STOPPED:
+                out = StepAborted("aborted: cancelled")  # its session keeps the context it had
             if isinstance(out, BaseException):
                 results[i] = out
                 continue

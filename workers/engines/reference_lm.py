@@ -189,17 +189,20 @@ class ReferenceLanguageModel:
     # ------------------------------------------------------------------ generation
 
     @torch.no_grad()
-    def run(self, jobs: Sequence[LMJob], should_stop: Callable[[], bool] | None = None) -> list[LMStepResult]:
+    def run(self, jobs: Sequence[LMJob], should_stop: Callable[[], bool] | None = None,
+            stop_job: Callable[[LMJob], bool] | None = None) -> list[LMStepResult]:
         """Prefill every job, then decode all of them in lockstep until each is done. ``should_stop``
         is asked before every decode step; when it says so the run raises ``StepAborted`` (job
-        caches are new tensors, so the sessions' states are untouched)."""
+        caches are new tensors, so the sessions' states are untouched). ``stop_job`` stops one job
+        (a cancelled session): it leaves the lockstep with finish_reason ``STOPPED`` and the
+        others go on unchanged (batch invariance)."""
         feeds = [job.tokens[job.fed : len(job.tokens) - (0 if job.budget > 0 else 1)] for job in jobs]
         for job, logits in zip(jobs, self._forward(jobs, feeds), strict=True):
             if job.budget > 0 and logits is not None:
                 self._sample(job, logits)
             else:
                 job.finish_reason = "length"
-        active = [job for job in jobs if job.finish_reason is None]
+        active = _still_running(jobs, stop_job)
         while active:
             if should_stop is not None and should_stop():
                 raise StepAborted(f"aborted after {max(len(job.generated) for job in jobs)} generated tokens")
@@ -207,7 +210,7 @@ class ReferenceLanguageModel:
             for job, logits in zip(active, outputs, strict=True):
                 assert logits is not None
                 self._sample(job, logits)
-            active = [job for job in active if job.finish_reason is None]
+            active = _still_running(active, stop_job)
         return [self._result(job) for job in jobs]
 
     def generate(self, items: Sequence[tuple[LMSessionState | None, TokenStep]]) -> list[LMStepResult]:
@@ -311,6 +314,17 @@ class ReferenceLanguageModel:
                     contribution[rows] = torch_ops.linear(hidden, layer.w_out[expert])
             out = out + weights[:, j : j + 1] * contribution
         return out, top.indices
+
+
+STOPPED = "stopped"  # finish_reason of a job ``stop_job`` stopped: never a result the trainer sees
+
+
+def _still_running(jobs: Sequence[LMJob], stop_job: Callable[[LMJob], bool] | None) -> list[LMJob]:
+    """The jobs still decoding; those ``stop_job`` names stop here."""
+    for job in jobs:
+        if job.finish_reason is None and stop_job is not None and stop_job(job):
+            job.finish_reason = STOPPED
+    return [job for job in jobs if job.finish_reason is None]
 
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int) -> torch.Tensor:

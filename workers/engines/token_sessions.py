@@ -109,6 +109,15 @@ class TokenContexts:
         ctx = self._contexts.get(session_key)
         return None if ctx is None else list(ctx)
 
+    def copy(self, source_key: str, branch_keys: Sequence[str]) -> bool:
+        """Each branch gets the source's context (a fork); False when the source has none."""
+        ctx = self._contexts.get(source_key)
+        if ctx is None:
+            return False
+        for key in branch_keys:
+            self._contexts[key] = list(ctx)
+        return True
+
 
 async def run_token_batch(requests: Sequence[EngineRequest], contexts: TokenContexts,
                           generate: Generate) -> list[Result]:
@@ -143,6 +152,18 @@ class TokenSessionEngine(Engine):
     async def abort_running(self) -> bool:
         """Cancel the running generations (vLLM aborts their requests); contexts stay as they were."""
         self._calls.abort_all()
+        return True
+
+    def abort_session(self, session_key: str) -> bool:
+        """Cancel the session's running generation (vLLM aborts the request); its context stays."""
+        self._calls.abort_key(session_key)
+        return True
+
+    def fork_session(self, source_key: str, branch_keys: Sequence[str]) -> bool:
+        """Branches get the source's token context and features; vLLM's prefix cache shares the KV."""
+        if not self._contexts.copy(source_key, branch_keys):
+            return False
+        self._features.copy(source_key, branch_keys)
         return True
 
     def drop_session(self, session_key: str) -> None:

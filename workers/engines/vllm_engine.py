@@ -134,7 +134,7 @@ class VLLMEngine(TokenSessionEngine):
         engine_input = prompt_input(prompt, merge_features(parts))
         request_id = f"{request.session_key}-{next(self._ids)}"
         # Cancelling the generation (abort_running) makes vLLM abort the request.
-        final = await self._calls.run(final_output(llm, engine_input, params, request_id))
+        final = await self._calls.run(final_output(llm, engine_input, params, request_id), request.session_key)
         if final is None or not final.outputs:
             raise RuntimeError(f"vLLM returned no output for {request_id}")
         generation = completion_generation(final.outputs[0])

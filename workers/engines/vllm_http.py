@@ -151,7 +151,8 @@ class VLLMHTTPEngine(TokenSessionEngine, ServerEngine):
         features = merge_features(parts)
         if features is not None:
             body["features"] = features
-        answer = await self._calls.run(post_json(self._http(), "/inference/v1/generate", body, "generate"))
+        answer = await self._calls.run(post_json(self._http(), "/inference/v1/generate", body, "generate"),
+                                       request.session_key)
         choices = answer.get("choices") if isinstance(answer, Mapping) else None
         if not choices:
             raise TransientEngineError("generate: the server answered without choices")

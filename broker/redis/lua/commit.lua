@@ -8,6 +8,9 @@
 --       16 the policy version the step ran on ('' = not given)
 -- A session with max_staleness records the version its trajectory's first committed step ran on
 --       (first_version; a reset clears it) for the staleness check of enqueue.lua and the worker.
+--       17 the job's cancel count ('' = not checked: a re-publish)
+-- Cancel (cancel.lua): a step enqueued before the session's last cancel never commits; a step
+--       committed before the cancel stays committed (its duplicates re-publish as usual).
 -- Deferred (replicated durability, broker/redis/durability.py): the commit is written but the job
 --       stays pending and nothing is published; the session's unconfirmed_step marks it, so a
 --       re-sent step goes to the owner (enqueue.lua) instead of reading an unconfirmed result. A
@@ -15,15 +18,15 @@
 --       cover the commit even when another connection wrote it. The worker calls again with
 --       deferred '0' and an empty result once a replica has it: that call publishes and acks.
 -- Fields (broker/redis/layouts.py): reads session owner, epoch, committed_step_id, result_window,
---       max_staleness, first_version; writes first_version (when absent and max_staleness is set);
+--       max_staleness, first_version, cancels; writes first_version (when absent and max_staleness is set);
 --       writes session committed_step_id, context_length, updated_ms, unconfirmed_step (deferred: the
 --       lowest step committed and not yet confirmed; any publish clears it); log result:<step> (the
 --       last result_window kept) and input:<step> (per ARGV 11); adds a reply entry (kind,
 --       job_id, committed, result)
 -- Returns {'committed'} | {'duplicate'} | {'duplicate_unstored', committed}
---       | {'fenced', owner, epoch} | {'out_of_order', committed}
+--       | {'fenced', owner, epoch} | {'out_of_order', committed} | {'cancelled', committed}
 local s = redis.call('HMGET', KEYS[1], 'owner', 'epoch', 'committed_step_id', 'result_window', 'unconfirmed_step',
-  'max_staleness', 'first_version')
+  'max_staleness', 'first_version', 'cancels')
 if fenced(s[1], s[2], ARGV[1], ARGV[2]) then
   return {'fenced', s[1] or '', s[2] or ''}
 end
@@ -49,6 +52,9 @@ if committed >= step then
   end
   publish(stored, committed)
   return {'duplicate'}
+end
+if ARGV[17] and ARGV[17] ~= '' and ARGV[17] ~= (s[8] or '0') then
+  return {'cancelled', committed}
 end
 if committed ~= step - 1 or ARGV[5] == '' then  -- an empty result only re-publishes: never a commit
   return {'out_of_order', committed}

@@ -19,9 +19,9 @@
 --       13 admission name (for the message)
 -- Fields (broker/redis/layouts.py SessionHash): writes the whole session hash: mode, model, owner,
 --       epoch, committed_step_id, next_step_id, context_length, closed, gen, reset_pending,
---       retention, result_window, idle_timeout_ms, idle_closed, created_ms, updated_ms, priority,
---       trainer, max_staleness (only when set); reads announced <model>; reads and moves admission
---       <model>
+--       retention, result_window, idle_timeout_ms, idle_closed, cancels, forked_from, created_ms,
+--       updated_ms, priority, trainer, max_staleness (only when set); reads announced <model>; reads
+--       and moves admission <model>
 -- Returns {'created', owner} | {'error', code, message}
 local now = now_ms()
 local lease = tonumber(ARGV[4])
@@ -77,7 +77,7 @@ redis.call('HSET', KEYS[4],
   'mode', ARGV[2], 'model', ARGV[3], 'owner', chosen, 'epoch', 1,
   'committed_step_id', -1, 'next_step_id', 0, 'context_length', 0, 'closed', 0,
   'gen', 0, 'reset_pending', 0, 'retention', ARGV[5], 'result_window', ARGV[6],
-  'idle_timeout_ms', ARGV[7] or 0, 'idle_closed', 0,
+  'idle_timeout_ms', ARGV[7] or 0, 'idle_closed', 0, 'cancels', 0, 'forked_from', '',
   'created_ms', now, 'updated_ms', now, 'priority', ARGV[9], 'trainer', trainer)
 if ARGV[8] and ARGV[8] ~= '' then
   redis.call('HSET', KEYS[4], 'max_staleness', ARGV[8])

@@ -13,12 +13,15 @@
 --       from there on is queued for its owner, who answers it once a replica has it); writes
 --       session next_step_id and updated_ms (a step is activity: the idle timeout starts again); reads log result:<step> and announced <model>; adds an inbox entry (kind, job_id,
 --       session_id, step_id, contextual, epoch, gen, mode, model, reply_to, enqueued_ms, attempt,
---       retention, min_version, priority (the worker serves interactive steps first), payload)
+--       retention, min_version, priority (the worker serves interactive steps first),
+
+--       cancels (the session's cancel count: commit.lua refuses the step
+--       once a cancel raised it), payload)
 -- Returns {'queued', entry_id, committed} | {'stored', result, committed}
 --       | {'error', code, message, committed, context_length[, 'in_flight']} | {'moved', owner}
 local s = redis.call('HMGET', KEYS[1], 'owner', 'epoch', 'committed_step_id', 'next_step_id',
   'context_length', 'closed', 'gen', 'reset_pending', 'mode', 'model', 'retention', 'unconfirmed_step',
-  'max_staleness', 'first_version', 'priority')
+  'max_staleness', 'first_version', 'priority', 'cancels')
 local owner, committed, ctx = s[1], tonumber(s[3]), s[5]
 local refusal = session_refusal(owner, s[6], committed, ctx, ARGV[1], ARGV[7])
 if refusal then
@@ -66,6 +69,6 @@ local id = redis.call('XADD', KEYS[2], '*',
   'kind', 'step', 'job_id', ARGV[4], 'session_id', ARGV[7], 'step_id', step_id,
   'contextual', ARGV[3], 'epoch', s[2], 'gen', s[7], 'mode', s[9], 'model', s[10],
   'reply_to', ARGV[5], 'enqueued_ms', now, 'attempt', ARGV[8], 'retention', s[11] or 'full',
-  'min_version', ARGV[9] or '0', 'priority', s[15] or 'bulk',
+  'min_version', ARGV[9] or '0', 'priority', s[15] or 'bulk', 'cancels', s[16] or '0',
   'payload', ARGV[6])
 return {'queued', id, committed}

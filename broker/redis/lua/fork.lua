@@ -1,0 +1,90 @@
+-- Fork a session into n branches (GRPO-style groups): each branch is a new session that starts
+-- from the parent's committed step, on the parent's worker (its engine shares the prefix). A
+-- branch's first step is the parent's committed step + 1 (the numbering goes on); its committed
+-- step, context length and step log (records and stored results) are the parent's, so a new
+-- owner rebuilds it like any session. The branches count in the worker's capacity and in the
+-- parent's trainer's open sessions like created sessions (and inherit its priority, trainer and
+-- staleness bound, with the trajectory's first_version); no room for all n, or a trainer cap
+-- they would pass, creates none. The parent must have no step queued or running (the
+-- fork point is its committed step, here and on the worker): otherwise step_out_of_order. A `fork`
+-- entry in the owner's inbox lets the worker copy the parent's engine state into the branches
+-- (workers/groups.py); without it a branch rebuilds from its records on its first step.
+-- Uses: prelude.lua (now_ms, session_refusal)
+-- KEYS: 1 parent session hash, 2 parent log hash, 3 sessions hash, 4 owned hash, 5 capacity hash,
+--       6 pool zset (mode, model), 7 owner's inbox, 8 trainer caps hash, 9 trainer open hash, then
+--       per branch: its session hash, its log hash
+-- ARGV: 1 believed owner, 2 parent session_id, 3.. branch session ids (n of them)
+-- Fields (broker/redis/layouts.py SessionHash, inbox.py): reads the parent's owner, epoch,
+--       committed_step_id, next_step_id, context_length, closed, gen, reset_pending, mode, model,
+--       retention, result_window, idle_timeout_ms, priority, trainer, max_staleness, first_version;
+--       writes each branch's whole session hash (as create.lua, plus forked_from) and log; adds an inbox entry (the fields of enqueue.lua's,
+--       kind 'fork', step_id = the fork point, job_id and reply_to '', payload = the branch ids
+--       separated by spaces)
+-- Returns {'forked', committed} | {'error', code, message, committed, context_length} | {'moved', owner}
+local s = redis.call('HMGET', KEYS[1], 'owner', 'epoch', 'committed_step_id', 'next_step_id', 'context_length',
+  'closed', 'gen', 'reset_pending', 'mode', 'model', 'retention', 'result_window', 'idle_timeout_ms',
+  'priority', 'trainer', 'max_staleness', 'first_version')
+local owner, committed, ctx = s[1], tonumber(s[3]), s[5]
+local refusal = session_refusal(owner, s[6], committed, ctx, ARGV[1], ARGV[2])
+if refusal then
+  return refusal
+end
+if s[8] ~= '0' or tonumber(s[4]) ~= committed + 1 then
+  return {'error', 'step_out_of_order', 'session ' .. ARGV[2] .. ' has steps queued or a reset pending; '
+    .. 'fork it once they are answered (or cancel them)', committed, ctx}
+end
+local n = #ARGV - 2
+if n < 1 then
+  return {'error', 'invalid_request', 'fork needs at least one branch', committed, ctx}
+end
+for i = 1, n do
+  if redis.call('EXISTS', KEYS[8 + 2 * i]) == 1 then
+    return {'error', 'invalid_request', 'session ' .. ARGV[2 + i] .. ' already exists', committed, ctx}
+  end
+end
+local cap = tonumber(redis.call('HGET', KEYS[5], owner) or '0') or 0
+local owned = tonumber(redis.call('HGET', KEYS[4], owner) or '0') or 0
+local load = redis.call('ZSCORE', KEYS[6], owner)
+local split = tonumber(redis.call('HGET', KEYS[5], owner .. '@' .. KEYS[6]) or '')
+if not load or owned + n > cap or (split and tonumber(load) + n > split) then
+  return {'error', 'capacity_exhausted', 'worker ' .. owner .. ' of session ' .. ARGV[2] .. ' has no room for '
+    .. n .. ' more sessions', committed, ctx}
+end
+local trainer = s[15] or ''
+local trainer_cap = redis.call('HGET', KEYS[8], trainer) or redis.call('HGET', KEYS[8], '*')
+local trainer_open = tonumber(redis.call('HGET', KEYS[9], trainer) or '0') or 0
+if trainer ~= '' and trainer_cap and trainer_open + n > (tonumber(trainer_cap) or 0) then
+  return {'error', 'trainer_cap_reached', 'trainer ' .. trainer .. ' has ' .. trainer_open .. ' open sessions in this '
+    .. 'cell, its cap is ' .. trainer_cap .. ': no room for ' .. n .. ' branches', committed, ctx}
+end
+local now = now_ms()
+local log = redis.call('HGETALL', KEYS[2])
+for i = 1, n do
+  local child, child_log = KEYS[8 + 2 * i], KEYS[9 + 2 * i]
+  redis.call('HSET', child,
+    'mode', s[9], 'model', s[10], 'owner', owner, 'epoch', 1,
+    'committed_step_id', committed, 'next_step_id', committed + 1, 'context_length', ctx, 'closed', 0,
+    'gen', 0, 'reset_pending', 0, 'retention', s[11] or 'full', 'result_window', s[12] or 1,
+    'idle_timeout_ms', s[13] or 0, 'idle_closed', 0, 'cancels', 0, 'forked_from', ARGV[2],
+    'created_ms', now, 'updated_ms', now, 'priority', s[14] or 'bulk', 'trainer', trainer)
+  if s[16] then
+    redis.call('HSET', child, 'max_staleness', s[16])
+  end
+  if s[17] then
+    redis.call('HSET', child, 'first_version', s[17])
+  end
+  for j = 1, #log, 1000 do  -- in slices: unpack of a whole long log would overflow Lua's stack
+    redis.call('HSET', child_log, unpack(log, j, math.min(j + 999, #log)))
+  end
+  redis.call('HSET', KEYS[3], ARGV[2 + i], owner)
+end
+redis.call('HINCRBY', KEYS[4], owner, n)
+redis.call('ZINCRBY', KEYS[6], n, owner)
+if trainer ~= '' then
+  redis.call('HINCRBY', KEYS[9], trainer, n)
+end
+redis.call('XADD', KEYS[7], '*',
+  'kind', 'fork', 'job_id', '', 'session_id', ARGV[2], 'step_id', committed, 'contextual', '1',
+  'epoch', s[2], 'gen', s[7], 'mode', s[9], 'model', s[10], 'reply_to', '',
+  'enqueued_ms', now, 'attempt', 0, 'payload', table.concat(ARGV, ' ', 3))
+return {'forked', committed}
