@@ -13,14 +13,17 @@ from typing import Any
 import pytest
 
 from broker import FleetClient
-from broker.ops.weights import update_weights, workers_at_version
+from broker.ops.weights import WeightUpdate, update_weights, workers_at_version
 from broker.redis.embedded import RedisServer
 from broker.redis.scripts import Scripts
+from schemas.errors import StepAborted
 from schemas.messages import TokenStep, WorldStep
 from tests.holding_engine import HoldingConfig, HoldingEngine
 from tests.procs import Fleet
 from tests.support import FAST, WorkerPool, reap_until_moved, run_cli, world_step
+from workers.continuation import Continuation
 from workers.engines.base import EngineOutput, EngineRequest
+from workers.engines.partial import PartialAbort
 from workers.engines.reference import ReferenceEngine, ReferenceEngineConfig
 from workers.engines.reference_lm import ReferenceLMConfig
 
@@ -137,6 +140,33 @@ async def test_a_world_model_step_under_continue_runs_again_whole(
     assert result.ok and result.policy_version == 1, result.error
     assert isinstance(out, EngineOutput) and "weight_versions" not in result.output
     assert result.output["video_latent"].tobytes() == out.output["video_latent"].tobytes()
+
+
+async def test_kept_tokens_add_up_over_updates_and_a_plain_abort_drops_them() -> None:
+    step = TokenStep.from_wire(LONG)
+    runs = Continuation(EngineRequest("s", "reference-lm", step))
+    assert runs.aborted(PartialAbort("x", [1, 2], [-0.1, -0.2]), 3, keep=True) == 2
+    assert runs.aborted(StepAborted("no partial output"), 4, keep=True) == 2  # nothing new to keep
+    assert runs.aborted(PartialAbort("x", [5], [-0.5]), 4, keep=True) == 3
+    assert isinstance(runs.request.step, TokenStep)
+    assert runs.request.step.token_ids == (*PROMPT, 1, 2, 5) and runs.request.step.sampling.max_tokens == 57
+    out = runs.output(EngineOutput({"token_ids": [7, 8], "logprobs": [-0.7, -0.8], "finish_reason": "length"}, 10), 5)
+    assert out.output["token_ids"] == [1, 2, 5, 7, 8] and out.output["logprobs"] == [-0.1, -0.2, -0.5, -0.7, -0.8]
+    assert out.output["weight_versions"] == [3, 3, 4, 5, 5] and out.context_length == 10
+    assert runs.aborted(PartialAbort("x", [9], [-0.9]), 5, keep=False) == 0  # abort: the step runs whole
+    assert runs.request.step == step
+    world = EngineOutput({"video_latent": b""}, 1)
+    assert Continuation(EngineRequest("w", "reference-world", WorldStep.from_wire(world_step(0)))).output(world, 2) \
+        is world
+
+
+async def test_the_control_stream_takes_only_known_in_flight_policies() -> None:
+    fields = {b"kind": b"update_weights", b"model": b"m", b"version": b"2", b"path": b"/p"}
+    update = WeightUpdate.from_fields({**fields, b"in_flight": b"continue"})
+    assert update is not None and update.abort and update.keep_partial
+    assert WeightUpdate.from_fields({**fields, b"in_flight": b"sideways"}) is None
+    plain = WeightUpdate.from_fields(fields)
+    assert plain is not None and plain.in_flight == "finish" and not plain.abort and not plain.keep_partial
 
 
 @pytest.mark.slow  # a worker process (torch import, engine start)
