@@ -86,6 +86,14 @@ def test_update_weights_announces_on_the_control_stream(redis_server: RedisServe
     assert out.returncode == 0 and "version 2" in out.stdout, out.stderr[-2000:]
     out = subprocess.run([*base, "--version", "3", "--path", "/ckpt/v3"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
+    out = subprocess.run([*base, "--version", "4", "--path", "/ckpt/v4", "--in-flight", "continue"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    for wrong, says in ((["--in-flight", "drop"], "invalid choice: 'drop'"),
+                        (["--in-flight", "continue", "--abort-in-flight"], "contradicts --in-flight continue")):
+        refused = subprocess.run([*base, "--version", "5", "--path", "/x", *wrong], capture_output=True, text=True,
+                                 timeout=60)
+        assert refused.returncode == 2 and says in refused.stderr, refused.stderr[-2000:]
     client = redis.Redis.from_url(url)
     try:
         entries = client.xrange(f"{prefix}:{{0}}:control")
@@ -93,6 +101,7 @@ def test_update_weights_announces_on_the_control_stream(redis_server: RedisServe
     finally:
         client.close()
     assert [(f["version"], f["path"], f["in_flight"]) for f in fields] == [("2", "/ckpt/v2", "abort"),
-                                                                          ("3", "/ckpt/v3", "finish")]
+                                                                          ("3", "/ckpt/v3", "finish"),
+                                                                          ("4", "/ckpt/v4", "continue")]
     bad = subprocess.run([*base, "--version", "0", "--path", "/x"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and bad.stderr.strip() == "update-weights: policy versions start at 1"

@@ -53,6 +53,7 @@ OPTIONS: dict[str, dict[str, tuple[list[str], str]]] = {
                   "--api-key": (["k1", "--api-key", "k2"], "k1,k2")},
     "update-weights": {**_NO_LEASE, "--model": (["lm"], "lm"), "--version": (["4"], "4"),
                        "--path": (["/w/4"], "/w/4"), "--wait": (["1.5"], "1.5"), "--abort-in-flight": ([], "on"),
+                       "--in-flight": (["continue"], "continue"),
                        "--allow-unserved": ([], "on"), "--lease-ms": (["7000"], "7000")},
     "replay": {**_NO_LEASE, "--session": (["s1"], "s1"), "--code": (["timeout"], "timeout"),
                "--older-than": (["60"], "60"), "--newer-than": (["5"], "5"), "--limit": (["10"], "10"),

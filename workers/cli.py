@@ -171,11 +171,13 @@ def _cmd_update_weights(run: Invocation) -> int:
     args = run.args
 
     async def go() -> None:
+        if args.abort_in_flight and args.in_flight not in (None, "abort"):
+            raise ValueError(f"--abort-in-flight contradicts --in-flight {args.in_flight}")
+        in_flight = args.in_flight or ("abort" if args.abort_in_flight else "finish")
         redis = open_redis(run.cell.redis_url)
         try:
             await update_weights_in_cells(redis, run.cell, model=args.model, version=args.version, path=args.path,
-                                          in_flight="abort" if args.abort_in_flight else "finish",
-                                          allow_unserved=args.allow_unserved, wait_s=args.wait)
+                                          in_flight=in_flight, allow_unserved=args.allow_unserved, wait_s=args.wait)
         finally:
             await redis.aclose()
 

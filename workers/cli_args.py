@@ -22,6 +22,7 @@ from broker.ops.metrics import metrics_port
 from broker.ops.sessions import STATES as SESSION_STATES
 from broker.ops.status import DEFAULT_CHECK_WINDOW_S
 from broker.ops.supervisor import SupervisorSettings
+from broker.ops.weights import IN_FLIGHT
 from broker.redis.config import ENV_VARS, CellConfig, ConfigError
 from broker.redis.durability import DURABILITY_MODES
 from workers.cli_env import attach_env
@@ -233,8 +234,11 @@ def _update_weights(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> N
     p.add_argument("--version", type=int, required=True, help="policy version (>= 1, increasing)")
     p.add_argument("--path", required=True, help="weights path as the workers see it")
     p.add_argument("--wait", type=float, default=0.0, help="seconds to wait until every worker reports it")
-    p.add_argument("--abort-in-flight", action="store_true",
-                   help="abort running steps (they run again on the new weights) instead of letting them finish")
+    p.add_argument("--in-flight", choices=IN_FLIGHT, default=None,
+                   help="running steps: finish them on the old weights (default), abort them (they run again on "
+                        "the new weights), or continue (token steps keep their generated tokens and go on from "
+                        "them on the new weights)")
+    p.add_argument("--abort-in-flight", action="store_true", help="the same as --in-flight abort")
     p.add_argument("--allow-unserved", action="store_true",
                    help="announce even when no live worker serves --model (workers that start later load it)")
 

@@ -29,6 +29,7 @@ from schemas.errors import (
 from schemas.messages import Latency, StepInput, StepResult, parse_step_input
 from workers.batcher import Batcher
 from workers.cancels import CancelMarks
+from workers.continuation import Continuation
 from workers.durable import ReplicaConfirmation
 from workers.engines.base import Engine, EngineOutput, EngineRequest
 from workers.failure import StepFailed, finish_before_cancel, settled
@@ -166,8 +167,10 @@ class StepExecutor:
 
     async def _run_gated(self, job: Job, request: EngineRequest, state: SessionState | None) -> EngineRun:
         """The gate keeps weight updates out while this step (and its rebuild) uses the engine. An
-        update that aborts in-flight steps sends this one back to the gate: it runs again, whole,
-        on the new weights (the engine left the session's context as it was)."""
+        update that aborts in-flight steps sends this one back to the gate: it runs again on the new
+        weights (the engine left the session's context as it was), whole, or under ``continue``
+        from the tokens it had generated (``workers.continuation``)."""
+        runs = Continuation(request)
         while True:
             self._raise_if_cancelled(job)  # also after an aborting update: a cancelled step never runs again
             async with self._gate(job) as version:
@@ -176,15 +179,16 @@ class StepExecutor:
                 try:
                     if state is not None and state.committed >= 0 and not state.engine_ready:
                         await self._rebuild(job, state)
-                    out, attempt, engine_ms = await self._run_engine(job, request, state)
-                    return out, attempt, engine_ms, version
+                    out, attempt, engine_ms = await self._run_engine(job, runs.request, state)
+                    return runs.output(out, version), attempt, engine_ms, version
                 except StepAborted as exc:
                     if not self.gate.aborting:  # the engine stopped it on its own (only rebuilds get here)
                         raise StepFailed(ErrorCode.INFERENCE_ERROR, "the engine aborted the step without a "
                                          "weight update", fallback=True, dead_letter=True) from exc
                     self.aborted_steps += 1
-                    log.info("step %s/%d aborted for a weight update; it runs again after it",
-                             job.session_id, job.step_id)
+                    kept = runs.aborted(exc, version, keep=self.gate.keeps_partial)
+                    log.info("step %s/%d aborted for a weight update; it runs again after it (%d generated "
+                             "tokens kept)", job.session_id, job.step_id, kept)
 
     @contextlib.asynccontextmanager
     async def _gate(self, job: Job) -> AsyncIterator[int]:

@@ -6,11 +6,12 @@ that produced it, the context length after it and, for token steps, the generate
 - Every record produced by the weights this engine runs now: replaying the records in order
   rebuilds the context exactly; every replayed output must match its digest, so a wrong context is
   caught before it produces a wrong commit.
-- Some record produced by other weights (a weight update happened since): a replay cannot give the
-  same outputs. A token session's context is its token ids, all recorded: each step is fed with its
-  generated ids appended and nothing generated (``max_tokens=0``), checked by context length. A
-  world-model context is the model's own state under the old weights and cannot be rebuilt: the
-  rebuild fails with CONTEXT_LOST and says why (reset the session).
+- Some record produced by other weights (a weight update happened since, or a partial rollout's
+  step continued across one: ``first_version``): a replay cannot give the same outputs. A token
+  session's context is its token ids, all recorded: each step is fed with its generated ids
+  appended and nothing generated (``max_tokens=0``), checked by context length. A world-model
+  context is the model's own state under the old weights and cannot be rebuilt: the rebuild fails
+  with CONTEXT_LOST and says why (reset the session).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from schemas.codec import decode, encode
 from schemas.errors import ContextLost, StepAborted
 from schemas.messages import Mode, StepInput, TokenStep, parse_step_input
 from workers.batcher import Batcher
+from workers.continuation import VERSIONS_KEY, first_version
 from workers.engines.base import EngineRequest
 
 log = logging.getLogger(__name__)
@@ -39,9 +41,12 @@ log = logging.getLogger(__name__)
 
 def output_digest(output: Mapping[str, Any]) -> bytes:
     """A fingerprint of a step's output for replay checks (not a security boundary): arrays are
-    hashed in place, so a latent is read once and never re-encoded."""
+    hashed in place, so a latent is read once and never re-encoded. ``weight_versions`` is left
+    out: the worker adds it to the engine's output, and a replay compares the engine's alone."""
     h = hashlib.blake2b(digest_size=16)
     for key in sorted(output):
+        if key == VERSIONS_KEY:
+            continue
         value = output[key]
         h.update(key.encode())
         if isinstance(value, np.ndarray):
@@ -58,6 +63,10 @@ def step_record(payload: bytes, output: Mapping[str, Any], *, version: int, cont
                               "context_length": context_length}
     if mode is Mode.TOKENS:
         record["generated"] = [int(t) for t in output.get("token_ids", ())]
+        # A step continued across a weight update (partial rollout) records the version of its
+        # last tokens; its first ones came from older weights, so a replay cannot reproduce it.
+        if (first := first_version(output, version)) != version:
+            record["first_version"] = first
     return encode(record)
 
 
@@ -96,7 +105,8 @@ async def rebuild_context(redis: Redis, keys: CellKeys, batcher: Batcher, *, ses
                           "its context cannot be rebuilt on a new worker (reset the session)")
     records = [decode(rec) for rec in raw if rec is not None]
     # Records written before versions were recorded count as this version (digests still check).
-    other = next(((i, r["version"]) for i, r in enumerate(records) if r.get("version", version) != version), None)
+    other = next(((i, r.get("first_version", r.get("version", version))) for i, r in enumerate(records)
+                  if {r.get("version", version), r.get("first_version", version)} != {version}), None)
     if other is not None and (mode is not Mode.TOKENS or any("generated" not in r for r in records)):
         what = ("a world-model context" if mode is not Mode.TOKENS
                 else "this token session's records predate generated-token records, so its context")
@@ -110,8 +120,10 @@ async def rebuild_context(redis: Redis, keys: CellKeys, batcher: Batcher, *, ses
         request = EngineRequest(session_key=session_id, model=model, step=step, reset=index == 0)
         try:
             out = await batcher.run(request)
-        except StepAborted:  # a weight update stopped the replay: the caller starts it over
-            raise
+        except StepAborted as exc:  # a weight update stopped the replay: the caller starts it over
+            # Plain StepAborted: tokens a replayed step had generated are no part of the step that
+            # runs after the rebuild, so no partial output may reach its continuation.
+            raise StepAborted(f"the context rebuild was aborted: {exc.message}") from None
         except Exception as exc:
             raise ContextLost(f"replaying step {index} failed: {exc}") from exc
         if other is not None:

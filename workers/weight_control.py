@@ -40,7 +40,8 @@ class WeightControl:
         log.info("updating %s weights to version %d from %s (in-flight steps: %s)", model,
                  update.version, update.path, update.in_flight)
         try:
-            await self.gate.update(update.path, update.version, abort=update.abort, model=model)
+            await self.gate.update(update.path, update.version, abort=update.abort,
+                                   keep_partial=update.keep_partial, model=model)
             self.error = ""
         except Exception as exc:  # keep serving the old version; say why in the heartbeat
             # "<model> version <n>: ..." is what workers_at_version looks for (broker/ops/weights.py).

@@ -1,7 +1,8 @@
 """Weight updates without half-updated steps: steps pass a gate; an update closes it, waits until
 no step is inside the engine (letting running steps finish, or aborting them), loads the weights,
 and opens it again. A step that needs a minimum policy version waits at the gate until the engine
-has it. An aborted step leaves the gate, waits for it to open, and runs again on the new weights."""
+has it. An aborted step leaves the gate, waits for it to open, and runs again on the new weights
+(whole, or from the tokens it had generated: ``workers.continuation``)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ class WeightGate:
         self._running = 0
         self._changed = asyncio.Event()
         self._aborting = False
+        self._keep_partial = False
 
     @contextlib.asynccontextmanager
     async def step(self, min_version: int = 0, *, model: str | None = None, wait_s: float | None = None,
@@ -91,13 +93,20 @@ class WeightGate:
         """An update is aborting the steps inside the gate (a StepAborted now is ours)."""
         return self._aborting
 
-    async def update(self, path: str, version: int, *, abort: bool = False, model: str | None = None) -> None:
-        """Pause intake, let running steps finish (``abort``: abort them), load (``model``'s weights
-        only; None: the whole engine's), resume."""
+    @property
+    def keeps_partial(self) -> bool:
+        """The aborting update is ``continue``: aborted token steps keep what they generated."""
+        return self._aborting and self._keep_partial
+
+    async def update(self, path: str, version: int, *, abort: bool = False, keep_partial: bool = False,
+                     model: str | None = None) -> None:
+        """Pause intake, let running steps finish (``abort``: abort them; ``keep_partial``: they
+        continue from their generated tokens afterwards), load (``model``'s weights only; None: the
+        whole engine's), resume."""
         self._open.clear()
         try:
             if abort:
-                self._aborting = True
+                self._aborting, self._keep_partial = True, keep_partial
                 await self._abort_until_idle()
             await self._idle.wait()
             if model is None:
@@ -105,7 +114,7 @@ class WeightGate:
             else:
                 await self.engine.load_model_weights(model, path, version)
         finally:
-            self._aborting = False
+            self._aborting = self._keep_partial = False
             self._open.set()
             changed, self._changed = self._changed, asyncio.Event()
             changed.set()

@@ -21,14 +21,17 @@ from broker.redis.scripts import Scripts
 CONTROL_MAXLEN = 1000
 
 
-IN_FLIGHT = ("finish", "abort")
+IN_FLIGHT = ("finish", "abort", "continue")
 
 
 @dataclass(frozen=True)
 class WeightUpdate:
     """``in_flight``: what happens to steps running when the update arrives. ``finish`` (default):
     they finish on the old weights and report the old version. ``abort``: the engine stops them and
-    they run again, whole, on the new weights (engines that cannot abort let them finish)."""
+    they run again, whole, on the new weights (engines that cannot abort let them finish).
+    ``continue``: as ``abort``, but a token step keeps the tokens it generated and continues from
+    them on the new weights (a partial rollout; its result gives each token's version in
+    ``weight_versions``); a world-model step runs again, whole."""
 
     model: str
     version: int
@@ -37,7 +40,11 @@ class WeightUpdate:
 
     @property
     def abort(self) -> bool:
-        return self.in_flight == "abort"
+        return self.in_flight in ("abort", "continue")
+
+    @property
+    def keep_partial(self) -> bool:
+        return self.in_flight == "continue"
 
     def fields(self) -> dict[str, str]:
         return {"kind": "update_weights", "model": self.model, "version": str(self.version), "path": self.path,
@@ -59,8 +66,9 @@ class WeightUpdate:
 async def update_weights(redis: Redis, keys: CellKeys, *, model: str, version: int, path: str,
                          in_flight: str = "finish") -> str:
     """Ask every worker serving ``model`` (now or later) to load ``path`` as policy ``version``;
-    ``in_flight="abort"`` aborts the steps running then (they run again on the new weights). The
-    cell's announced version of ``model`` rises to ``version`` with it (docs/async_rl.md)."""
+    ``in_flight="abort"`` aborts the steps running then (they run again on the new weights);
+    ``in_flight="continue"`` aborts them too, and token steps continue from their generated tokens.
+    The cell's announced version of ``model`` rises to ``version`` with it (docs/async_rl.md)."""
     if version <= 0:
         raise ValueError("policy versions start at 1")
     if in_flight not in IN_FLIGHT:

@@ -218,8 +218,9 @@ class ReferenceEngine(Engine):
         return False
 
     async def abort_running(self) -> bool:
-        """Batches submitted before this call stop at their next decode step (language model) or
-        before their forward pass (world model, whose step is one pass)."""
+        """Batches submitted before this call stop at their next decode step (language model: each
+        step still generating answers ``PartialAbort`` with its tokens so far, a finished one its
+        result) or before their forward pass (world model, whose step is one pass)."""
         self._aborts += 1
         return True
 

@@ -21,10 +21,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from schemas.errors import InvalidRequestError, StepAborted
+from schemas.errors import InvalidRequestError
 from schemas.messages import StepInput, TokenStep
 from schemas.reference_tokenizer import EOS_ID, VOCAB_SIZE
 from workers.engines import torch_ops
+from workers.engines.partial import PartialAbort
 
 _ATTENTION_CHUNK_ELEMENTS = 1 << 22
 KVCache = tuple[tuple[torch.Tensor, torch.Tensor], ...]  # per layer (K, V): (tokens, heads, head_dim)
@@ -190,11 +191,12 @@ class ReferenceLanguageModel:
 
     @torch.no_grad()
     def run(self, jobs: Sequence[LMJob], should_stop: Callable[[], bool] | None = None,
-            stop_job: Callable[[LMJob], bool] | None = None) -> list[LMStepResult]:
+            stop_job: Callable[[LMJob], bool] | None = None) -> list[LMStepResult | PartialAbort]:
         """Prefill every job, then decode all of them in lockstep until each is done. ``should_stop``
-        is asked before every decode step; when it says so the run raises ``StepAborted`` (job
-        caches are new tensors, so the sessions' states are untouched). ``stop_job`` stops one job
-        (a cancelled session): it leaves the lockstep with finish_reason ``STOPPED`` and the
+        is asked before every decode step; when it says so, each job still generating answers
+        ``PartialAbort`` with what it generated so far (job caches are new tensors, so the
+        sessions' states are untouched) and each finished job its result. ``stop_job`` stops one
+        job (a cancelled session): it leaves the lockstep with finish_reason ``STOPPED`` and the
         others go on unchanged (batch invariance)."""
         feeds = [job.tokens[job.fed : len(job.tokens) - (0 if job.budget > 0 else 1)] for job in jobs]
         for job, logits in zip(jobs, self._forward(jobs, feeds), strict=True):
@@ -205,7 +207,8 @@ class ReferenceLanguageModel:
         active = _still_running(jobs, stop_job)
         while active:
             if should_stop is not None and should_stop():
-                raise StepAborted(f"aborted after {max(len(job.generated) for job in jobs)} generated tokens")
+                return [self._result(job) if job.finish_reason is not None
+                        else PartialAbort("aborted for a weight update", job.generated, job.logprobs) for job in jobs]
             outputs = self._forward(active, [[job.tokens[-1]] for job in active])
             for job, logits in zip(active, outputs, strict=True):
                 assert logits is not None
@@ -215,7 +218,8 @@ class ReferenceLanguageModel:
 
     def generate(self, items: Sequence[tuple[LMSessionState | None, TokenStep]]) -> list[LMStepResult]:
         """``prepare`` + ``run``; the first invalid request raises before anything runs."""
-        return self.run([self.prepare(state, step) for state, step in items])
+        results = self.run([self.prepare(state, step) for state, step in items])
+        return [r for r in results if isinstance(r, LMStepResult)]  # nothing stops a run without should_stop
 
     def _result(self, job: LMJob) -> LMStepResult:
         cfg = self.config

@@ -5,6 +5,9 @@ work as ``token_sessions`` describes; vLLM's prefix cache finds the earlier turn
 only the new tokens are prefilled. ``routed_experts`` come back when the step asks and the engine
 was started with ``enable_return_routed_experts``.
 
+An aborting weight update aborts the running requests through vLLM (``abort_running``); each
+returns what it generated so far, which a ``continue`` update keeps (``workers.continuation``).
+
 Multimodal: a step's ``multimodal`` is the ``features`` object of ``/v1/chat/completions/render``
 (see ``mm_features``); the engine input carries every turn's items, built as vLLM's
 token-in/token-out server builds them.
@@ -28,6 +31,7 @@ from schemas.errors import InvalidRequestError, TransientEngineError
 from schemas.messages import Mode, SamplingParams, TokenStep
 from workers.engines.base import EngineRequest
 from workers.engines.mm_features import merge_features
+from workers.engines.partial import PartialAbort
 from workers.engines.token_sessions import (
     DEFAULT_SEED,
     Generation,
@@ -78,6 +82,8 @@ class VLLMEngine(TokenSessionEngine):
         self._llm: Any = None
         super().__init__()
         self._ids = itertools.count()
+        self._requests: set[str] = set()  # vLLM request ids of the generations running now
+        self._aborted: set[str] = set()  # ... and of those abort_running stopped
 
     def models(self) -> Mapping[str, Mode]:
         return {self.config.name: Mode.TOKENS}
@@ -133,13 +139,33 @@ class VLLMEngine(TokenSessionEngine):
         parts = self._features.for_step(request, step, len(prompt))
         engine_input = prompt_input(prompt, merge_features(parts))
         request_id = f"{request.session_key}-{next(self._ids)}"
-        # Cancelling the generation (abort_running) makes vLLM abort the request.
-        final = await self._calls.run(final_output(llm, engine_input, params, request_id), request.session_key)
+        self._requests.add(request_id)
+        try:
+            # abort_session (a cancel) cancels the call, which makes vLLM abort the request.
+            final = await self._calls.run(final_output(llm, engine_input, params, request_id), request.session_key)
+        finally:
+            self._requests.discard(request_id)
+            aborted = request_id in self._aborted
+            self._aborted.discard(request_id)
         if final is None or not final.outputs:
             raise RuntimeError(f"vLLM returned no output for {request_id}")
         generation = completion_generation(final.outputs[0])
+        if aborted and generation.finish_reason == "abort":  # a finished one keeps its output
+            raise PartialAbort("aborted for a weight update", generation.token_ids, generation.logprobs)
         self._features.commit(request, parts)
         return generation
+
+    async def abort_running(self) -> bool:
+        """Abort the running requests through vLLM's own abort: each one's final output (finish
+        reason "abort") still comes back, with the tokens generated so far, and its step raises
+        ``PartialAbort`` with them (a partial rollout continues from them). Contexts stay as they were."""
+        # All of them each time: the gate calls this again while steps are inside it, and one whose
+        # request vLLM had not registered yet (an abort of an unknown id does nothing) is caught then.
+        running = sorted(self._requests)
+        if running and self._llm is not None:
+            self._aborted.update(running)
+            await self._llm.abort(running)
+        return True
 
 
 def vllm_sampling_params(sampling: SamplingParams, default_seed: int) -> Any:
