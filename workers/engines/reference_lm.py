@@ -26,7 +26,6 @@ from schemas.messages import StepInput, TokenStep
 from schemas.reference_tokenizer import EOS_ID, VOCAB_SIZE
 from workers.engines import torch_ops
 
-_ATTENTION_CHUNK_ELEMENTS = 1 << 22
 KVCache = tuple[tuple[torch.Tensor, torch.Tensor], ...]  # per layer (K, V): (tokens, heads, head_dim)
 
 
@@ -317,26 +316,23 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: in
     """Causal attention of ``q`` (n, heads, head_dim), at positions ``start..start+n-1``, over
     ``keys``/``values`` (start + n, heads, head_dim) of one session.
 
-    This is the one place that uses matmul: every operand is a freshly allocated contiguous tensor
-    (same 64-byte alignment) whose shape depends on this session alone, and query chunks are sized
-    from this session's length, so BLAS sees exactly the same problem whatever else is in the batch.
+    Each query position ``p`` is computed on its own, over exactly the keys ``0..p``: elementwise
+    products and last-dimension sums whose shapes depend on ``p`` alone. So a position's bits are
+    the same whether it is fed in a prefill of many tokens, one token per decode step, or one
+    prefill of a whole recorded conversation (the one-prefill context rebuild relies on that). A
+    matmul over a chunk of queries would let BLAS pick its kernel by the chunk's size.
     """
     n, heads, head_dim = q.shape
-    total = keys.shape[0]
-    qh = q.permute(1, 0, 2).contiguous()  # (heads, n, head_dim)
-    kt = keys.permute(1, 2, 0).contiguous()  # (heads, head_dim, total)
-    vh = values.permute(1, 0, 2).contiguous()  # (heads, total, head_dim)
+    kh = keys.permute(1, 0, 2).contiguous()  # (heads, total, head_dim)
+    vt = values.permute(1, 2, 0).contiguous()  # (heads, head_dim, total)
     scale = 1.0 / math.sqrt(head_dim)
-    chunk = max(1, _ATTENTION_CHUNK_ELEMENTS // (heads * total))
-    key_pos = torch.arange(total, device=q.device)
     outs: list[torch.Tensor] = []
-    for a in range(0, n, chunk):
-        b = min(n, a + chunk)
-        scores = torch.matmul(qh[:, a:b].contiguous(), kt) * scale
-        query_pos = torch.arange(start + a, start + b, device=q.device)
-        scores = scores.masked_fill(key_pos[None, :] > query_pos[:, None], -math.inf)
-        outs.append(torch.matmul(torch_ops.softmax(scores), vh))
-    return torch.cat(outs, dim=1).permute(1, 0, 2).reshape(n, heads * head_dim)
+    for i in range(n):
+        length = start + i + 1
+        scores = (q[i].unsqueeze(1) * kh[:, :length]).sum(-1) * scale  # (heads, length)
+        probs = torch_ops.softmax(scores)
+        outs.append((probs.unsqueeze(1) * vt[:, :, :length]).sum(-1))  # (heads, head_dim)
+    return torch.stack(outs).reshape(n, heads * head_dim)
 
 
 def _draw(scaled: torch.Tensor, top_k: int, top_p: float, generator: torch.Generator) -> int:
