@@ -88,6 +88,18 @@ async def test_a_corrupt_snapshot_falls_back_to_the_full_replay(
     assert b.worker.executor.replayed_steps == 10  # every step, as without snapshots
 
 
+async def test_a_snapshot_covers_the_steps_a_last_n_retention_dropped(
+        fleet: FleetClient, workers: WorkerPool, scripts: Scripts) -> None:
+    a = await workers.add(ref(), **FAST, snapshot_every=4)
+    s = await fleet.create_session(model="reference-world", mode="world_model_env", retention="last:4")
+    b = await workers.add(ref(), **FAST, snapshot_every=4)
+    twin = await fleet.create_session(model="reference-world", mode="world_model_env")
+    await world_steps(s, twin, range(10))  # inputs of steps 6..9 kept; the snapshot of step 7
+    await kill(workers, scripts, a)
+    await world_steps(s, twin, range(10, 12))
+    assert b.worker.executor.replayed_steps == 2
+
+
 async def test_a_reset_drops_the_snapshot_and_a_stale_one_is_never_written(
         fleet: FleetClient, workers: WorkerPool, scripts: Scripts) -> None:
     a = await workers.add(ref(), **FAST, snapshot_every=2)
