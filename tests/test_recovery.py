@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from broker import FleetClient, Session
+from broker.ops.failover import redis_now_ms
 from broker.ops.weights import update_weights, workers_at_version
 from broker.redis.embedded import RedisServer
 from broker.redis.layouts import LOG_SNAPSHOT_FIELD
@@ -24,6 +25,7 @@ from tests.support import FAST, RunningWorker, WorkerPool, reap_until_moved, wor
 from workers.engines.base import EngineRequest
 from workers.engines.reference import ReferenceEngine, ReferenceEngineConfig
 from workers.processes import spawn_worker
+from workers.reaper import EXPIRY_MARGIN_S, until_next_expiry_s
 
 pytestmark = pytest.mark.asyncio
 SHAPE = (1, 4, 2, 8, 10)
@@ -210,3 +212,14 @@ async def test_worker_processes_sigkill_then_snapshot_and_one_prefill_rebuilds_m
     assert f"rebuilt {s.session_id} (37 steps)" in text
     assert "with 5 engine requests after the snapshot of step 31" in text
     assert f"rebuilt {t.session_id} (12 steps)" in text and "with 1 engine requests" in text
+
+
+async def test_the_reaper_wakes_at_the_next_lease_expiry(scripts: Scripts) -> None:
+    lease_ms = 2000
+    assert await until_next_expiry_s(scripts, lease_ms=lease_ms) is None  # no workers
+    now = await redis_now_ms(scripts)
+    await scripts.redis.zadd(scripts.keys.workers, {"w-dead": now - 5000})  # expired: any pass takes it
+    assert await until_next_expiry_s(scripts, lease_ms=lease_ms) is None
+    await scripts.redis.zadd(scripts.keys.workers, {"w-live": now, "w-quiet": now - 1500})
+    until = await until_next_expiry_s(scripts, lease_ms=lease_ms)
+    assert until is not None and 0.0 < until <= 0.5 + 0.001 + EXPIRY_MARGIN_S  # w-quiet's lease, not w-live's
