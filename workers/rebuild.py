@@ -33,7 +33,7 @@ from broker.redis.aio import resolve
 from broker.redis.keys import CellKeys
 from broker.redis.layouts import log_input_field
 from schemas.codec import decode, encode
-from schemas.errors import ContextLost, StepAborted
+from schemas.errors import ContextLost, FleetError, StepAborted
 from schemas.messages import Mode, SamplingParams, StepInput, TokenStep, parse_step_input
 from workers.batcher import Batcher
 from workers.engines.base import Engine, EngineRequest
@@ -130,13 +130,22 @@ async def _restore(redis: Redis, keys: CellKeys, engine: Engine, *, session_id: 
     if snapshot is None:
         return None
     raw: Any = await resolve(redis.hget(keys.log(session_id), log_input_field(snapshot.step)))
-    if raw is not None and decode(raw)["digest"] != snapshot.output:  # kept while the retention keeps it
+    if raw is not None and _digest_of(raw) != snapshot.output:  # kept while the retention keeps it
         log.warning("the snapshot of %s does not match its step %d; replaying every step", session_id, snapshot.step)
         return None
     if not engine.import_session(session_id, model, snapshot.state):
         log.warning("the engine refused the snapshot of %s; replaying every step", session_id)
         return None
     return snapshot
+
+
+def _digest_of(raw: bytes) -> bytes | None:
+    """A step record's output digest; None when the record does not read as one."""
+    try:
+        digest = decode(raw)["digest"]
+    except (FleetError, KeyError, TypeError):
+        return None
+    return digest if isinstance(digest, bytes) else None
 
 
 async def _records(redis: Redis, keys: CellKeys, session_id: str, first: int, committed: int) -> list[dict[str, Any]]:
