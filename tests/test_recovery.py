@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from broker import FleetClient, Session
 from broker.ops.failover import redis_now_ms
@@ -26,6 +27,7 @@ from workers.engines.base import EngineRequest
 from workers.engines.reference import ReferenceEngine, ReferenceEngineConfig
 from workers.processes import spawn_worker
 from workers.reaper import EXPIRY_MARGIN_S, until_next_expiry_s
+from workers.rebuild import one_prefill
 
 pytestmark = pytest.mark.asyncio
 SHAPE = (1, 4, 2, 8, 10)
@@ -223,3 +225,31 @@ async def test_the_reaper_wakes_at_the_next_lease_expiry(scripts: Scripts) -> No
     await scripts.redis.zadd(scripts.keys.workers, {"w-live": now, "w-quiet": now - 1500})
     until = await until_next_expiry_s(scripts, lease_ms=lease_ms)
     assert until is not None and 0.0 < until <= 0.5 + 0.001 + EXPIRY_MARGIN_S  # w-quiet's lease, not w-live's
+
+
+async def test_one_prefill_leaves_the_reference_lm_cache_bit_for_bit_as_the_steps_did() -> None:
+    engine = ref()
+    steps = [TokenStep.from_wire(turn(i)) for i in range(8)]
+    records: list[dict[str, Any]] = []
+    for i, step in enumerate(steps):
+        [out] = engine.run_direct("reference-lm", [EngineRequest("a", "reference-lm", step, reset=i == 0)])
+        assert not isinstance(out, BaseException)
+        records.append({"payload": encode(step.to_wire()), "generated": out.output["token_ids"],
+                        "context_length": out.context_length})
+    prefill = one_prefill("b", "reference-lm", records)
+    assert prefill is not None and prefill.step.sampling.max_tokens == 0
+    [out] = engine.run_direct("reference-lm", [prefill])
+    assert not isinstance(out, BaseException) and out.context_length == records[-1]["context_length"]
+    a, b = engine._lm_sessions["a"], engine._lm_sessions["b"]
+    assert a.tokens == b.tokens
+    assert all(torch.equal(x, y) for layer_a, layer_b in zip(a.cache, b.cache, strict=True)
+               for x, y in zip(layer_a, layer_b, strict=True))
+    nxt = TokenStep.from_wire(turn(8))
+    outs = engine.run_direct("reference-lm", [EngineRequest("a", "reference-lm", nxt),
+                                              EngineRequest("b", "reference-lm", nxt)])
+    first, second = outs
+    assert not isinstance(first, BaseException) and not isinstance(second, BaseException)
+    assert first.output["token_ids"] == second.output["token_ids"]
+    assert first.output["logprobs"] == second.output["logprobs"]
+    mm = TokenStep.from_wire({**turn(9), "multimodal": {"image": "x"}})
+    assert one_prefill("c", "reference-lm", [*records, {**records[0], "payload": encode(mm.to_wire())}]) is None
