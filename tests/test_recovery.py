@@ -28,6 +28,7 @@ from workers.engines.reference import ReferenceEngine, ReferenceEngineConfig
 from workers.processes import spawn_worker
 from workers.reaper import EXPIRY_MARGIN_S, until_next_expiry_s
 from workers.rebuild import one_prefill
+from workers.snapshots import load_snapshot, pack
 
 pytestmark = pytest.mark.asyncio
 SHAPE = (1, 4, 2, 8, 10)
@@ -253,3 +254,13 @@ async def test_one_prefill_leaves_the_reference_lm_cache_bit_for_bit_as_the_step
     assert first.output["logprobs"] == second.output["logprobs"]
     mm = TokenStep.from_wire({**turn(9), "multimodal": {"image": "x"}})
     assert one_prefill("c", "reference-lm", [*records, {**records[0], "payload": encode(mm.to_wire())}]) is None
+
+
+async def test_a_snapshot_outlives_a_step_fallback_but_not_a_later_gen_or_an_uncommitted_step(
+        fleet: FleetClient) -> None:
+    sid = "s-snap@default"
+    await fleet.redis.hset(fleet.keys.log(sid), LOG_SNAPSHOT_FIELD, pack(7, 2, b"state", b"out"))
+    kept = await load_snapshot(fleet.redis, fleet.keys, sid, gen=3, committed=9)  # a fallback since: gen 3
+    assert kept is not None and (kept.step, kept.gen, kept.state, kept.output) == (7, 2, b"state", b"out")
+    assert await load_snapshot(fleet.redis, fleet.keys, sid, gen=1, committed=9) is None
+    assert await load_snapshot(fleet.redis, fleet.keys, sid, gen=2, committed=6) is None

@@ -6,7 +6,7 @@ reference world model can); token sessions need none (their context is rebuilt f
 tokens in one prefill, workers/rebuild.py). A snapshot lives in the session's log hash
 (``LOG_SNAPSHOT_FIELD``, written by snapshot.lua only after the step's commit) as a msgpack map:
 
-- ``step``: the committed step it follows; ``gen``: the session's gen (a reset moves it on);
+- ``step``: the committed step it follows; ``gen``: the session's gen when it was taken;
 - ``state``: the engine's export, zlib-compressed; ``digest``: blake2b of ``state`` as stored;
 - ``output``: the digest of that step's output, checked against its step record when one is kept.
 
@@ -97,7 +97,10 @@ async def load_snapshot(redis: Redis, keys: CellKeys, session_id: str, *, gen: i
     except SnapshotError as exc:
         log.warning("the snapshot of %s is unusable (%s); replaying every step", session_id, exc)
         return None
-    if snapshot.gen != gen or snapshot.step > committed:
+    # Only a reset makes a snapshot stale, and a reset drops the log with it; snapshot.lua refuses
+    # a write for an older gen. A step fallback moves the gen on too, but keeps the committed
+    # steps, and the snapshot with them. So one gen at most as new as the job's is good.
+    if snapshot.gen > gen or snapshot.step > committed:
         log.warning("the snapshot of %s (gen %d, step %d) does not match the session (gen %d, committed %d); "
                     "replaying every step", session_id, snapshot.gen, snapshot.step, gen, committed)
         return None
