@@ -1,6 +1,12 @@
 """Failover time: SIGKILL a worker under load; time from its lease expiry to the first step the new
 owner serves (and to the last of its sessions served), steps/s before, during and after, and the
-cost of context rebuild per replayed step (parsed from the new owner's log).
+cost of context rebuild per session (parsed from the new owner's log).
+
+Then, by session length: one session of 10, 100 and 1,000 committed steps of each kind (token on
+reference-lm, world on reference-world) alone on a worker that is SIGKILLed; lease expiry -> its
+next step served by the new owner. A token session is rebuilt in one prefill, a world session
+from its latest snapshot (every 16 steps by default) plus the steps after it, so the figure should
+not grow with the length.
 
 Real processes: 2 reference workers, the arq supervisor (1 s reaping cadence), a trainer here.
 """
@@ -18,7 +24,8 @@ from schemas.reference_tokenizer import ReferenceTokenizer
 from workers.processes import Process, supervisor_command, worker_command
 
 HEARTBEAT_MS, LEASE_MS = 250, 2000
-_REBUILT = re.compile(r"rebuilt \S+ from (\d+) steps in ([\d.]+) ms")
+_REBUILT = re.compile(r"rebuilt (\S+) \((\d+) steps\) in ([\d.]+) ms with (\d+) engine requests")
+LENGTHS = {"smoke": (10,), "full": (10, 100, 1000)}
 TOK = ReferenceTokenizer()
 
 
@@ -55,7 +62,7 @@ def _rate(trace: Trace, t0: float, t1: float) -> float:
 
 
 def _worker(url: str, prefix: str, shape: str) -> list[str]:
-    # INFO: the heir's "rebuilt ... from N steps in T ms" lines are what the rebuild row parses.
+    # INFO: the heir's "rebuilt ... (N steps) in T ms" lines are what the rebuild rows parse.
     return worker_command(url, prefix, engine="reference", log_level="INFO",
                           latent_shape=[int(d) for d in shape.split(",")], heartbeat_ms=HEARTBEAT_MS,
                           lease_ms=LEASE_MS)
@@ -119,17 +126,21 @@ async def run(size: str) -> list[Row]:
             heir = children.spawn(_worker(server.url, prefix, shape))
             await wait_fleet_workers(server.url, prefix, 2, children)
             kill, t_all = await _failover(fleet, sessions, victim, history, trace)
-        rebuilt = [(int(n), float(ms)) for n, ms in _REBUILT.findall(children.tail(heir, 1_000_000))]
-    return _rows(trace, kill, t_all, rebuilt, f"{sessions_n} sessions ({history}+ steps each), lease {LEASE_MS} ms",
+        rebuilt = [(int(calls), float(ms)) for _, _, ms, calls in _REBUILT.findall(children.tail(heir, 1_000_000))]
+    rows = _rows(trace, kill, t_all, rebuilt, f"{sessions_n} sessions ({history}+ steps each), lease {LEASE_MS} ms",
                  shape)
+    for mode in ("tokens", "world_model_env"):
+        for length in LENGTHS[size]:
+            rows.append(await _by_length(mode, length, shape))
+    return rows
 
 
 def _rows(trace: Trace, kill: Kill, t_all: float, rebuilt: list[tuple[int, float]], case: str,
           shape: str) -> list[Row]:
     firsts = [min(t for t, w in rows if w != kill.victim_id and t > kill.at) for rows in trace.results.values()]
     expiry, t_kill = kill.lease_expiry, kill.at
-    steps = sum(n for n, _ in rebuilt)
-    per_step = sum(ms for _, ms in rebuilt) / max(steps, 1)
+    calls = sum(n for n, _ in rebuilt)
+    per_session = sum(ms for _, ms in rebuilt) / max(len(rebuilt), 1)
     return [
         Row("failover", case, "fleet", {"expiry_to_first_ms": (min(firsts) - expiry) * 1000,
                                         "expiry_to_all_ms": (t_all - expiry) * 1000,
@@ -138,9 +149,47 @@ def _rows(trace: Trace, kill: Kill, t_all: float, rebuilt: list[tuple[int, float
         Row("failover", case, "steps/s", {"before": _rate(trace, t_kill - 2.0, t_kill),
                                           "during": _rate(trace, t_kill, t_all),
                                           "after": _rate(trace, t_all, t_all + 2.0)}),
-        Row("failover", f"rebuild, latent {shape}", "per replayed step",
-            {"ms": per_step, "steps": float(steps), "sessions": float(len(rebuilt))}),
+        Row("failover", f"rebuild, latent {shape}", "per session",
+            {"ms": per_session, "engine_requests": float(calls), "sessions": float(len(rebuilt))}),
     ]
+
+
+def _step_inputs(mode: str, i: int) -> dict[str, object]:
+    """One token in, one generated (2 context tokens a step: 1,000 steps fit the reference LM's
+    4,096); or a world step without images."""
+    if mode == "tokens":
+        return {"token_ids": [3 + i % 250], "sampling": {"max_tokens": 1, "temperature": 1.0, "seed": i}}
+    return {"observation": {"prompt": "pick the cup", "state": [0.01 * (i % 100)] * 8},
+            "action": {"joint_positions": [0.1 * (i % 7)] * 7, "gripper_position": [0.5]}}
+
+
+async def _by_length(mode: str, length: int, shape: str) -> Row:
+    """One session of ``length`` steps alone on a worker; SIGKILL it; expiry -> next step served."""
+    model = "reference-lm" if mode == "tokens" else "reference-world"
+    prefix = new_prefix("fl")
+    with private_redis() as server, Children() as children:
+        victim = children.spawn(_worker(server.url, prefix, shape))
+        await wait_fleet_workers(server.url, prefix, 1, children)
+        async with FleetClient(server.url, prefix=prefix) as fleet:
+            session = await fleet.create_session(model=model, mode=mode)
+            heir = children.spawn(_worker(server.url, prefix, shape))
+            await wait_fleet_workers(server.url, prefix, 2, children)
+            for i in range(length):
+                r = await session.step(i, **_step_inputs(mode, i))
+                if not r.ok:
+                    raise RuntimeError(f"step {i} failed: {r.error}")
+            kill = await _kill(fleet, victim, session.owner)
+            r = await session.step(length, **_step_inputs(mode, length))
+            served = time.time()
+            if not r.ok:
+                raise RuntimeError(f"the step after the failover failed: {r.error}")
+        found = [(int(n), float(ms), int(calls)) for sid, n, ms, calls in _REBUILT.findall(children.tail(heir, 1 << 20))
+                 if sid == session.session_id]
+    steps, rebuild_ms, calls = found[-1] if found else (0, float("nan"), 0)
+    return Row("failover", f"{model}, {length} steps", "by length",
+               {"expiry_to_served_ms": (served - kill.lease_expiry) * 1000, "rebuild_ms": rebuild_ms,
+                "engine_requests": float(calls), "rebuilt_steps": float(steps)}, "",
+               f"lease {LEASE_MS} ms, workers reap every ~{LEASE_MS // 2} ms")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,7 +33,7 @@ OPTIONS: dict[str, dict[str, tuple[list[str], str]]] = {
                "--version-wait": (["12"], "12"), "--metrics-port": (["9400"], "9400"),
                "--rebalance-interval": (["2.5"], "2.5"), "--rebalance-threshold": (["0.5"], "0.5"),
                "--durability": (["replicated"], "replicated"), "--durability-replicas": (["2"], "2"),
-               "--durability-timeout": (["7.5"], "7.5")},
+               "--durability-timeout": (["7.5"], "7.5"), "--snapshot-every": (["8"], "8")},
     "demo": {**_CELL, "--workers": (["3"], "3"), "--sessions": (["5"], "5"), "--steps": (["7"], "7"),
              "--mode": (["tokens"], "tokens"), "--engine": (["null"], "null"),
              "--latent-shape": (["1,4,2,8,10"], "1,4,2,8,10"), "--no-progress": ([], "yes"),

@@ -58,6 +58,7 @@ def test_a_missing_extra_names_it() -> None:
     (["worker", "--heartbeat-ms", "900", "--lease-ms", "600"], "shorter than the lease, 600 ms"),
     (["worker", "--rebalance-interval", "-1"], "--rebalance-interval ($ROLLOUT_FLEET_REBALANCE_INTERVAL_S) -1 must be"),
     (["worker", "--rebalance-threshold", "0"], "--rebalance-threshold ($ROLLOUT_FLEET_REBALANCE_THRESHOLD) 0 must be"),
+    (["worker", "--snapshot-every", "-1"], "--snapshot-every ($ROLLOUT_FLEET_SNAPSHOT_EVERY) -1 must be"),
     (["demo", "--engine", "vllm"], "rollout-fleet demo: error: --engine vllm: the demo runs the reference and null"),
     (["status", "--lease-ms", "soon"], "rollout-fleet status: error: argument --lease-ms: invalid int value"),
     (["frobnicate"], "rollout-fleet: error: argument command: invalid choice"),

@@ -23,6 +23,10 @@ def check_invocation(run: Invocation) -> None:
     if threshold is not None and not 0 < threshold <= 1:
         raise UsageError(f"--rebalance-threshold ($ROLLOUT_FLEET_REBALANCE_THRESHOLD) {threshold:g} must be a session "
                          "share in (0, 1]")
+    snapshot_every = getattr(args, "snapshot_every", None)
+    if snapshot_every is not None and snapshot_every < 0:
+        raise UsageError(f"--snapshot-every ($ROLLOUT_FLEET_SNAPSHOT_EVERY) {snapshot_every} must be 0 (off) or a "
+                         "number of committed steps")
     if args.command in ("worker", "demo") and run.cell.any_cell:
         raise UsageError(f"--cell '*' ($ROLLOUT_FLEET_CELL): a {args.command} joins one cell; give it a name "
                          "(clients and ops commands take '*' for every cell)")

@@ -35,8 +35,9 @@ from workers.engines.base import Engine, EngineOutput, EngineRequest
 from workers.failure import StepFailed, finish_before_cancel, settled
 from workers.job_scripts import CommitAnswer, JobScripts
 from workers.jobs import BadJob, Job
-from workers.rebuild import rebuild_context, records_kept, step_record
+from workers.rebuild import output_digest, rebuild_context, records_kept, step_record
 from workers.settings import WorkerSettings
+from workers.snapshots import Snapshotter
 from workers.staleness import StalenessCheck
 from workers.stats_publisher import StepStats
 from workers.weights_gate import VersionWaitEnded, WeightGate
@@ -76,6 +77,9 @@ class StepExecutor:
         self.rebuilt_steps = 0
         self.aborted_steps = 0  # runs stopped by an aborting weight update (each ran again)
         self.rebuild_ms: list[float] = []
+        self.rebuild_engine_calls = 0  # engine requests rebuilds made (one per token session)
+        self.replayed_steps = 0  # steps rebuilds ran one by one (after a snapshot: at most N)
+        self.snapshots = Snapshotter(scripts, engine, settings.snapshot_every)
         self.draining = False  # a drain stops every step waiting at the gate for a policy version
         self._gate_waits: dict[str, set[asyncio.Event]] = {}  # session -> its steps' stop events
         self.cancels = CancelMarks()  # the sessions' cancels read here (workers/groups.py)
@@ -146,6 +150,8 @@ class StepExecutor:
         if await self._commit(job, result, state):
             self.metrics.committed(job.model, queue_ms=result.latency.queue_ms, engine_ms=engine_ms,
                                    commit_s=time.perf_counter() - commit_started, enqueued_ms=job.enqueued_ms)
+            if self.snapshots.due(job):
+                await self.snapshots.after_commit(job, output_digest(out.output), self.worker_id)
 
     def _parse(self, job: Job) -> StepInput:
         try:
@@ -292,11 +298,15 @@ class StepExecutor:
         try:
             if batcher is None:
                 raise ContextLost(f"this worker does not serve model {job.model!r}")
-            self.rebuild_ms.append(await rebuild_context(
-                self.scripts.redis, self.scripts.keys, batcher, session_id=job.session_id, model=job.model,
-                mode=job.mode, committed=state.committed, version=self.engine.policy_version_of(job.model)))
-            self.metrics.rebuilt(self.rebuild_ms[-1] / 1000.0)
+            rebuilt = await rebuild_context(
+                self.scripts.redis, self.scripts.keys, batcher, self.engine, session_id=job.session_id,
+                model=job.model, mode=job.mode, committed=state.committed,
+                version=self.engine.policy_version_of(job.model), gen=job.gen)
+            self.rebuild_ms.append(rebuilt.ms)
+            self.metrics.rebuilt(rebuilt.ms / 1000.0)
             self.rebuilt_steps += state.committed + 1
+            self.rebuild_engine_calls += rebuilt.engine_calls
+            self.replayed_steps += rebuilt.replayed_steps
         except ContextLost as exc:
             self.engine.drop_session(job.session_id)
             raise StepFailed.of(exc) from exc

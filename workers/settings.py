@@ -52,6 +52,7 @@ class WorkerSettings:
     durability: str = "async"
     durability_replicas: int = 1
     durability_timeout_s: float = 30.0
+    snapshot_every: int = 16  # snapshot a session's engine context every N committed steps; 0: never
     limits: Limits = DEFAULT_LIMITS
 
     def __post_init__(self) -> None:
@@ -69,6 +70,8 @@ class WorkerSettings:
             raise ValueError(f"durability must be one of {', '.join(DURABILITY_MODES)}, got {self.durability!r}")
         if self.durability_replicas < 1 or self.durability_timeout_s <= 0:
             raise ValueError("durability_replicas and durability_timeout_s must be positive")
+        if self.snapshot_every < 0:
+            raise ValueError("snapshot_every must be >= 0 (0: no snapshots)")
         if self.heartbeat_ms >= self.cell_config.lease_ms:
             raise ValueError("heartbeat_ms must be shorter than lease_ms")
 

@@ -158,6 +158,11 @@ def log_input_field(step_id: int) -> str:
     return f"input:{step_id}"
 
 
+# The snapshot of a session's engine context (workers/snapshots.py; written by snapshot.lua): in
+# the log hash, so it is dropped on reset and expires on close with the step records.
+LOG_SNAPSHOT_FIELD = "snapshot"
+
+
 # ---------------------------------------------------------------------- rf:{c}:handled:<stream>:<group> HASH
 
 def handled_field(session_id: str, step_id: int) -> str:

@@ -91,7 +91,7 @@ class Scripts:
     NAMES = (
         "create", "enqueue", "control", "commit", "report", "apply_control",
         "register", "heartbeat", "leave_pools", "failover", "retire", "ack_result", "close_idle",
-        "set_capacity", "unplaced", "announce", "cancel", "fork",
+        "set_capacity", "unplaced", "announce", "cancel", "fork", "snapshot",
     )
 
     def __init__(self, redis: Redis, keys: CellKeys, *, coalesce: bool = True) -> None:
@@ -374,6 +374,14 @@ class Scripts:
         raw = await self._call("close_idle", [self.keys.session(session_id), self.keys.inbox(worker_id)],
                                [worker_id, session_id])
         return decode_close_idle(raw)
+
+    async def save_snapshot(self, session_id: str, *, worker_id: str, epoch: int, step_id: int, gen: int,
+                            snapshot: bytes) -> bool:
+        """Store the session's context snapshot taken after committed ``step_id``; False when
+        refused (fenced, reset or closed since, step not committed)."""
+        raw = await self._call("snapshot", [self.keys.session(session_id), self.keys.log(session_id)],
+                               [worker_id, epoch, step_id, gen, snapshot])
+        return decode_integer("snapshot", raw) == 1
 
     async def set_capacity(self, worker_id: str, capacity: int, *, fields: dict[str, str]) -> bool:
         """A registered worker's capacity (0: no new sessions) and the fields that say why; False

@@ -166,6 +166,17 @@ class Engine(abc.ABC):
         """Forget a session's context (reset/close/handover). Unknown keys are ignored. Runs on the
         worker's event loop: it must return at once, never wait for a running batch."""
 
+    def export_session(self, session_key: str) -> bytes | None:
+        """The session's context as bytes, for a snapshot another worker can import; None when the
+        engine cannot export it (the context is then rebuilt by replay). Runs on the event loop
+        right after a committed step, while no step of this session runs: it must be quick."""
+        return None
+
+    def import_session(self, session_key: str, model: str, data: bytes) -> bool:
+        """Make ``data`` (from ``export_session`` of an engine like this one) the session's context;
+        False when the engine cannot, or ``data`` is not a context of ``model`` (nothing changes)."""
+        return False
+
     def max_batch_size(self, model: str) -> int:
         return 32
 

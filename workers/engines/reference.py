@@ -17,9 +17,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 
-from schemas.errors import StepAborted
+from schemas.codec import decode, encode
+from schemas.errors import FleetError, StepAborted
 from schemas.messages import Mode
 from workers.engines.base import Engine, EngineOutput, EngineRequest, session_waves
 from workers.engines.reference_lm import STOPPED, LMJob, LMSessionState, ReferenceLanguageModel, ReferenceLMConfig
@@ -175,6 +177,35 @@ class ReferenceEngine(Engine):
         for key in drops:
             self._world_sessions.pop(key, None)
             self._lm_sessions.pop(key, None)
+
+    def export_session(self, session_key: str) -> bytes | None:
+        """A world session's hidden state and step count (a language-model session is rebuilt from
+        its tokens in one prefill instead). States are replaced, never changed in place, so reading
+        one without the batch lock is safe."""
+        with self._drops_lock:
+            if session_key in self._drops:
+                return None
+        state = self._world_sessions.get(session_key)
+        if state is None:
+            return None
+        return encode({"model": WORLD_MODEL, "steps": state.steps, "hidden": state.hidden.cpu().numpy()})
+
+    def import_session(self, session_key: str, model: str, data: bytes) -> bool:
+        world = self._world
+        if model != WORLD_MODEL or world is None:
+            return False
+        try:
+            fields = decode(data)
+            hidden = world.check_state(torch.from_numpy(np.array(fields["hidden"], dtype=np.float32)))
+            steps = fields["steps"]
+            if fields["model"] != WORLD_MODEL or isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+                return False
+        except (FleetError, KeyError, TypeError, ValueError):
+            return False
+        with self._drops_lock:  # a drop queued before this import must not undo it
+            self._drops.discard(session_key)
+        self._world_sessions[session_key] = WorldSessionState(hidden=hidden, steps=steps)
+        return True
 
     def session_keys(self) -> list[str]:
         """Keys of all stored contexts (for tests and diagnostics)."""

@@ -27,7 +27,8 @@ from schemas.reference_tokenizer import EOS_ID, VOCAB_SIZE
 from workers.engines import torch_ops
 from workers.engines.partial import PartialAbort
 
-_ATTENTION_CHUNK_ELEMENTS = 1 << 22
+_SPAN = 64  # keys are attended over in spans of this many (zero-padded; see _attend)
+_ATTENTION_CHUNK_ELEMENTS = 1 << 22  # elements per temporary product tensor in _attend
 KVCache = tuple[tuple[torch.Tensor, torch.Tensor], ...]  # per layer (K, V): (tokens, heads, head_dim)
 
 
@@ -335,25 +336,35 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: in
     """Causal attention of ``q`` (n, heads, head_dim), at positions ``start..start+n-1``, over
     ``keys``/``values`` (start + n, heads, head_dim) of one session.
 
-    This is the one place that uses matmul: every operand is a freshly allocated contiguous tensor
-    (same 64-byte alignment) whose shape depends on this session alone, and query chunks are sized
-    from this session's length, so BLAS sees exactly the same problem whatever else is in the batch.
+    A query at position ``p`` attends over a span of keys whose length depends on ``p`` alone: the
+    keys ``0..p``, zero-padded to the next multiple of ``_SPAN`` (masked: their weights are exactly
+    0). Scores are elementwise products summed over ``head_dim``; the softmax and the weighted sum
+    of values reduce rows of that span. So a position's bits are the same whether it is fed in a
+    prefill, as one decode step, or in one prefill of a whole recorded conversation (the
+    one-prefill context rebuild relies on that). A matmul over a chunk of queries would let BLAS
+    pick its kernel by the chunk's size. Queries whose spans are equal run together.
     """
     n, heads, head_dim = q.shape
     total = keys.shape[0]
-    qh = q.permute(1, 0, 2).contiguous()  # (heads, n, head_dim)
-    kt = keys.permute(1, 2, 0).contiguous()  # (heads, head_dim, total)
-    vh = values.permute(1, 0, 2).contiguous()  # (heads, total, head_dim)
+    padded = -(-total // _SPAN) * _SPAN
+    kh = keys.new_zeros((heads, padded, head_dim))
+    kh[:, :total] = keys.permute(1, 0, 2)
+    vt = values.new_zeros((heads, head_dim, padded))
+    vt[:, :, :total] = values.permute(1, 2, 0)
+    qh = q.permute(1, 0, 2)  # (heads, n, head_dim)
     scale = 1.0 / math.sqrt(head_dim)
-    chunk = max(1, _ATTENTION_CHUNK_ELEMENTS // (heads * total))
-    key_pos = torch.arange(total, device=q.device)
     outs: list[torch.Tensor] = []
-    for a in range(0, n, chunk):
-        b = min(n, a + chunk)
-        scores = torch.matmul(qh[:, a:b].contiguous(), kt) * scale
-        query_pos = torch.arange(start + a, start + b, device=q.device)
-        scores = scores.masked_fill(key_pos[None, :] > query_pos[:, None], -math.inf)
-        outs.append(torch.matmul(torch_ops.softmax(scores), vh))
+    first = 0
+    while first < n:
+        span = (start + first) // _SPAN * _SPAN + _SPAN  # every query before the span's end has it
+        rows = max(1, min(span - start - first, _ATTENTION_CHUNK_ELEMENTS // (heads * span * head_dim)))
+        last = min(n, first + rows)
+        positions = torch.arange(start + first, start + last, device=q.device)
+        scores = (qh[:, first:last, None, :] * kh[:, None, :span]).sum(-1) * scale  # (heads, rows, span)
+        masked = torch.arange(span, device=q.device)[None, :] > positions[:, None]
+        probs = torch_ops.softmax(scores.masked_fill(masked, -math.inf))
+        outs.append((probs[:, :, None, :] * vt[:, None, :, :span]).sum(-1))  # (heads, rows, head_dim)
+        first = last
     return torch.cat(outs, dim=1).permute(1, 0, 2).reshape(n, heads * head_dim)
 
 

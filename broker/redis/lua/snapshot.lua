@@ -1,0 +1,23 @@
+-- Store a snapshot of a session's engine context (workers/snapshots.py) in its log hash, so that
+-- a new owner restores it and replays only the steps after it. Fenced like a commit, and written
+-- only for a committed step of the session's current gen: a reset (gen + 1, log dropped) or a
+-- close (log expiring) is never undone by a late write. The log hash holds it, so it goes where
+-- the step log goes: dropped on reset, expired on close.
+-- Uses: prelude.lua (fenced)
+-- KEYS: 1 session hash, 2 log hash
+-- ARGV: 1 worker id, 2 job epoch, 3 step_id the snapshot follows, 4 the job's gen, 5 snapshot
+-- Fields (broker/redis/layouts.py): reads session owner, epoch, committed_step_id, gen, closed;
+--       writes log snapshot (LOG_SNAPSHOT_FIELD)
+-- Returns 1 when written, 0 when refused (fenced, stale gen, closed, step not committed)
+local s = redis.call('HMGET', KEYS[1], 'owner', 'epoch', 'committed_step_id', 'gen', 'closed')
+if fenced(s[1], s[2], ARGV[1], ARGV[2]) then
+  return 0
+end
+if s[5] == '1' or s[4] ~= ARGV[4] or tonumber(s[3] or '-1') < tonumber(ARGV[3]) then
+  return 0
+end
+if redis.call('EXISTS', KEYS[2]) == 0 then  -- no committed record: nothing to snapshot against
+  return 0
+end
+redis.call('HSET', KEYS[2], 'snapshot', ARGV[5])
+return 1
