@@ -16,18 +16,24 @@ from workers.engines.null import NullEngine, NullEngineConfig
 from workers.rebalance import Rebalancer, worth_moving
 
 SESSIONS, STEPS = 8, 30
+MAX_STEPS = 3000  # a bound on how long trainers keep stepping while they wait for the move
 REBALANCE = {"rebalance_interval_s": 0.2, "rebalance_threshold": 0.25, "capacity": 8}
 
 
-async def _run(session: Session, owners: set[str]) -> list[tuple[int, int, int, bool]]:
-    """Step closed-loop; (step, committed, context, ok) per step, and every owner seen."""
+async def _run(session: Session, owners: set[str],
+               moved: asyncio.Event | None = None) -> list[tuple[int, int, int, bool]]:
+    """Step closed-loop; (step, committed, context, ok) per step, and every owner seen. With
+    ``moved``: go on past STEPS until it is set (at most MAX_STEPS), so that a loaded machine
+    where the move comes late still sees steps after it."""
     out = []
-    for i in range(STEPS):
+    i = 0
+    while i < STEPS or (moved is not None and not moved.is_set() and i < MAX_STEPS):
         r = await session.step(i, **world_step(i))
         out.append((i, r.committed_step_id, int(r.output["context"]) if r.ok else -1, r.ok))
         owners.add(r.worker_id)
         if not r.ok:
             pytest.fail(f"step {i} of {session.session_id} failed: {r.error}")
+        i += 1
     return out
 
 
@@ -39,19 +45,25 @@ async def test_a_new_worker_takes_sessions_from_a_busy_one_without_an_error(
     sessions = [await fleet.create_session(model="null-world", mode="world_model_env") for _ in range(SESSIONS)]
     assert {s.owner for s in sessions} == {busy.id}
     owners: set[str] = set()
-    runs = [asyncio.create_task(_run(s, owners)) for s in sessions]
+    moved_seen = asyncio.Event()
+    runs = [asyncio.create_task(_run(s, owners, moved_seen)) for s in sessions]
     for _ in range(1000):  # bounded: the trainers are stepping on the busy worker within a few batches
         if owners:
             break
         await asyncio.sleep(0.02)
     assert owners == {busy.id}
     fresh = await workers.add(NullEngine(engine), **FAST, **REBALANCE)
-    results = await asyncio.wait_for(asyncio.gather(*runs), 60)
+    for _ in range(3000):  # bounded: until a trainer has a step served by the new worker
+        if fresh.id in owners or all(run.done() for run in runs):
+            break
+        await asyncio.sleep(0.02)
+    moved_seen.set()
+    results = await asyncio.wait_for(asyncio.gather(*runs), 120)
 
     # every step committed once and in order: the null engine's context counts the steps it has
     # seen for the session, so a step lost, repeated or reordered by a move would show here
     for steps in results:
-        assert steps == [(i, i, i, True) for i in range(STEPS)]
+        assert steps == [(i, i, i, True) for i in range(len(steps))] and len(steps) >= STEPS
     moved = [s for s in sessions if (await s.status()).epoch > 1]
     assert moved and fresh.id in owners
     assert fresh.worker.executor.rebuilt_steps > 0  # the new owner rebuilt the moved contexts first
