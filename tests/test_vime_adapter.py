@@ -80,7 +80,7 @@ async def test_generate_fills_the_sample(args: SimpleNamespace, workers: WorkerP
     assert sample.loss_mask is not None and sample.rollout_log_probs is not None
     assert len(sample.loss_mask) == len(sample.rollout_log_probs) == sample.response_length
     assert sample.response == "I think 5<|eos|>It is 4<|eos|>"
-    assert sample.weight_versions == ["0", "0"]
+    assert sample.weight_versions == ["0"] * sum(sample.loss_mask)  # one per generated token, as str
     assert sample.metadata["id"] == 7 and sample.metadata["fleet_session_id"]
     assert BUILT[-1].closes == 1 and BUILT[-1].replies[-1] == "It is 4<|eos|>"
 
