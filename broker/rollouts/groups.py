@@ -4,7 +4,8 @@ with over-sampling (keep the first ``needed`` to finish, cancel the rest).
 The prompt is rendered once and runs as step 0 of a parent session with ``max_tokens=0``: the
 worker's context then holds the prompt and nothing queued, which is what ``Session.fork`` needs.
 ``fork(n)`` gives the branches (on the parent's worker, sharing the prefix), and each branch rolls
-out on its own with its own environment (``env_factory()`` per branch) and its own seed: branch
+out on its own with its own environment (``env_factory()`` per branch, called in branch order)
+and its own seed: branch
 ``i`` samples with ``seed + i * config.max_turns`` (turn ``k`` adds ``k``), so no two turns of a
 group share a seed. Each branch's sample equals what ``run_multiturn`` gives for the same prompt
 and that seed (``tests/test_multiturn_groups.py``).
@@ -104,9 +105,10 @@ def _failed(prompt: list[int], parent: Session, result: StepResult, seed: int) -
 async def _run_branches(branches: list[Session], samples: list[RolloutSample],
                         env_factory: Callable[[], Environment], config: MultiTurnConfig, tok: ChatTokenizer,
                         needed: int | None) -> list[RolloutSample]:
-    stop = asyncio.Event()
-    tasks = [asyncio.create_task(_run_branch(branch, sample, env_factory, config, tok, stop.is_set))
-             for branch, sample in zip(branches, samples, strict=True)]
+    envs = _make_envs(env_factory, len(branches))
+    stop, closed = asyncio.Event(), set[int]()
+    tasks = [asyncio.create_task(_run_branch(branch, sample, env, config, tok, stop.is_set, closed))
+             for branch, sample, env in zip(branches, samples, envs, strict=True)]
     try:
         pending: set[asyncio.Task[RolloutSample]] = set(tasks)
         finished = 0
@@ -122,7 +124,25 @@ async def _run_branches(branches: list[Session], samples: list[RolloutSample],
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        for env in envs:  # a branch cancelled before it started never reached its own close
+            if id(env) not in closed:
+                with contextlib.suppress(Exception):
+                    env.close()
         raise
+
+
+def _make_envs(env_factory: Callable[[], Environment], n: int) -> list[Environment]:
+    """The branches' environments, made in branch order (env_factory may hand out per-branch state)."""
+    envs: list[Environment] = []
+    try:
+        for _ in range(n):
+            envs.append(env_factory())
+    except BaseException:
+        for env in envs:
+            with contextlib.suppress(Exception):
+                env.close()
+        raise
+    return envs
 
 
 async def _cancel_stragglers(stop: asyncio.Event, branches: list[Session],
@@ -137,10 +157,10 @@ async def _cancel_stragglers(stop: asyncio.Event, branches: list[Session],
                 await branch.cancel()
 
 
-async def _run_branch(session: Session, sample: RolloutSample, env_factory: Callable[[], Environment],
-                      config: MultiTurnConfig, tok: ChatTokenizer, stopped: Callable[[], bool]) -> RolloutSample:
-    env = env_factory()
-    with _closing(env):
+async def _run_branch(session: Session, sample: RolloutSample, env: Environment,
+                      config: MultiTurnConfig, tok: ChatTokenizer, stopped: Callable[[], bool],
+                      closed: set[int]) -> RolloutSample:
+    with _closing(env, closed):
         env.reset()
         # The branch's context holds the prompt (the parent's step 0): its first turn is step 1.
         rollout = Rollout(session, config, tok, sample, int(sample.metadata["sampling_seed"]), first_step=1,
@@ -150,8 +170,9 @@ async def _run_branch(session: Session, sample: RolloutSample, env_factory: Call
 
 
 @contextlib.contextmanager
-def _closing(env: Environment) -> Iterator[None]:
+def _closing(env: Environment, closed: set[int]) -> Iterator[None]:
     """``env.close()`` always; an error of close does not hide the rollout's own (as run_multiturn)."""
+    closed.add(id(env))  # from here on, this block closes it
     try:
         yield
     except BaseException as error:
