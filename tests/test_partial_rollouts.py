@@ -16,11 +16,13 @@ from broker import FleetClient
 from broker.ops.weights import WeightUpdate, update_weights, workers_at_version
 from broker.redis.embedded import RedisServer
 from broker.redis.scripts import Scripts
+from broker.rollouts.multiturn import MultiTurnConfig, RolloutStatus, run_multiturn
 from schemas.errors import StepAborted
 from schemas.messages import TokenStep, WorldStep
 from tests.holding_engine import HoldingConfig, HoldingEngine
 from tests.procs import Fleet
 from tests.support import FAST, WorkerPool, reap_until_moved, run_cli, world_step
+from tests.test_multiturn import QUESTION, MathEnv
 from workers.continuation import Continuation
 from workers.engines.base import EngineOutput, EngineRequest
 from workers.engines.partial import PartialAbort
@@ -201,3 +203,18 @@ async def test_continue_through_the_cli_with_a_worker_process(
     assert first.ok and first.policy_version == 1, first.error
     assert first.output["token_ids"] == [*kept, *direct(reference(1), continued(kept)).output["token_ids"]]
     assert first.output["weight_versions"] == [0] * HOLD + [1] * (60 - HOLD)
+
+
+async def test_the_multiturn_driver_keeps_each_generated_tokens_version(
+    fleet: FleetClient, workers: WorkerPool, v1: str
+) -> None:
+    await workers.add(engine := holding(), **FAST)
+    config = MultiTurnConfig(max_turns=2, max_new_tokens=60, seed=7)
+    running = asyncio.ensure_future(run_multiturn(fleet, MathEnv(), QUESTION, config))
+    await wait_held(engine)
+    await update_weights(fleet.redis, fleet.keys, model="reference-lm", version=1, path=v1, in_flight="continue")
+    sample = await asyncio.wait_for(running, 60)
+    # One turn of exactly 60 generated tokens (no EOS): 20 on version 0, the rest continued on 1.
+    assert sample.status is RolloutStatus.TRUNCATED and sample.turns == 1
+    assert sample.weight_versions == [0] * HOLD + [1] * (60 - HOLD)
+    assert len(sample.weight_versions) == sum(sample.loss_mask) == sample.response_length

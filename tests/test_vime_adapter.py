@@ -80,7 +80,7 @@ async def test_generate_fills_the_sample(args: SimpleNamespace, workers: WorkerP
     assert sample.loss_mask is not None and sample.rollout_log_probs is not None
     assert len(sample.loss_mask) == len(sample.rollout_log_probs) == sample.response_length
     assert sample.response == "I think 5<|eos|>It is 4<|eos|>"
-    assert sample.weight_versions == ["0", "0"]
+    assert sample.weight_versions == ["0"] * sum(sample.loss_mask)  # one per generated token, as str
     assert sample.metadata["id"] == 7 and sample.metadata["fleet_session_id"]
     assert BUILT[-1].closes == 1 and BUILT[-1].replies[-1] == "It is 4<|eos|>"
 
@@ -120,3 +120,47 @@ async def test_env_module_from_a_file_and_request_checks(args: SimpleNamespace, 
     args.partial_rollout = True
     with pytest.raises(ValueError, match="partial"):
         await vime.generate(args, Sample(prompt="2 + 2?"), dict(SAMPLING))
+
+
+async def test_generate_group_fills_a_forked_group(args: SimpleNamespace, workers: WorkerPool) -> None:
+    await workers.add(ScriptedLM(["I think 5<|eos|>", "It is 4<|eos|>"]))
+    args.n_samples_per_prompt, args.fleet_seed = 4, 21
+    group = [Sample(prompt="What is 2 + 2?", label="4", metadata={"index": i}) for i in range(4)]
+    built = len(BUILT)
+    out = await vime.generate_group(args, group, dict(SAMPLING))
+    assert out == group and len(BUILT) == built + 4
+    assert all(env.closes == 1 for env in BUILT[built:])
+    for i, sample in enumerate(group):
+        assert sample.status is Sample.Status.COMPLETED and sample.metadata["index"] == i
+        assert sample.response == "I think 5<|eos|>It is 4<|eos|>"
+        assert sample.loss_mask is not None and sample.weight_versions == ["0"] * sum(sample.loss_mask)
+        assert sample.metadata["sampling_seed"] == 21 + i * args.max_turns
+        assert sample.metadata["group"]["branch"] == i
+
+
+async def test_generate_group_over_samples_and_cancels_the_rest(args: SimpleNamespace, workers: WorkerPool) -> None:
+    # The model always answers 4: the samples labelled 5 never finish on their own.
+    await workers.add(ScriptedLM(["It is 4<|eos|>"]))
+    args.n_samples_per_prompt, args.fleet_group_needed, args.max_turns = 4, 2, 10_000
+    group = [Sample(prompt="What is 2 + 2?", label=label) for label in ("4", "5", "4", "5")]
+    await vime.generate_group(args, group, {**SAMPLING, "max_new_tokens": 1_000_000})
+    statuses = [sample.status for sample in group]
+    assert statuses == [Sample.Status.COMPLETED, Sample.Status.ABORTED] * 2
+    assert group[1].metadata["cancelled"] is True and group[3].metadata["cancelled"] is True
+    assert all(env.closes == 1 for env in BUILT[-4:])
+
+
+async def test_generate_group_refuses_a_bad_group_and_leaves_it_as_it_was(args: SimpleNamespace,
+                                                                         workers: WorkerPool) -> None:
+    args.n_samples_per_prompt = 2
+    cases: list[tuple[list[Sample], int | None]] = [
+        ([Sample(prompt="a"), Sample(prompt="b")], None),  # two prompts
+        ([Sample(prompt="a")], None),  # not n_samples_per_prompt
+        ([Sample(prompt="a"), Sample(prompt="a")], 3),  # needs more than the group has
+        ([Sample(prompt="a"), Sample(prompt="a", response="x")], None),  # not pending
+    ]
+    for group, needed in cases:
+        args.fleet_group_needed = needed
+        with pytest.raises(ValueError):
+            await vime.generate_group(args, group, dict(SAMPLING))
+        assert all(sample.status is Sample.Status.PENDING and not sample.tokens for sample in group)

@@ -19,6 +19,14 @@ Fleet settings come from ``args`` attributes, all optional:
   (``broker.rollouts.render``), its features go with the first step, and ``sample.multimodal_train_inputs``
   is filled from them (decoded with vLLM's own serializer, so vLLM must be importable).
 
+``generate_group(args, samples, sampling_params)`` rolls out a group of samples of one prompt (the
+``n_samples_per_prompt`` samples vime hands a group hook, or a custom rollout function's group) as
+one forked group (``broker.rollouts.groups``): the prompt runs once and the branches share its
+prefix on one worker. ``fleet_group_needed`` (none by default) over-samples: once that many samples
+of the group finished, the rest are cancelled and come back ``aborted`` (``metadata["cancelled"]``).
+``fleet_seed`` (none by default: a fresh seed per group) seeds the group; sample ``i`` samples with
+``fleet_seed + i * max_turns``.
+
 vime's own ``max_turns``, ``rollout_max_context_len``, ``apply_chat_template_kwargs``,
 ``append_eos_token_after_stop_str_in_multi_turn`` and ``use_rollout_routing_replay`` (with
 ``num_layers`` / ``moe_router_topk`` checked against the routed experts) apply as in vime.
@@ -27,6 +35,7 @@ vime's own ``max_turns``, ``rollout_max_context_len``, ``apply_chat_template_kwa
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib
 import importlib.util
 import sys
@@ -37,6 +46,7 @@ from typing import Any
 
 from broker.client import DEFAULT_URL, FleetClient
 from broker.rollouts.chat_tokens import ChatTokenizer
+from broker.rollouts.groups import run_multiturn_group
 from broker.rollouts.multiturn import MultiTurnConfig, RolloutSample, run_multiturn
 from broker.rollouts.render import ServerRenderer, has_images
 from schemas.reference_tokenizer import ReferenceTokenizer
@@ -169,6 +179,7 @@ def _fill(args: Any, sample: Any, result: RolloutSample) -> Any:
     sample.loss_mask = result.loss_mask
     sample.rollout_log_probs = result.rollout_log_probs
     sample.status = type(sample).Status(result.status.value)
+    # vime's shape: one str per generated token (RolloutSample.weight_versions), after any it had.
     sample.weight_versions = [*(sample.weight_versions or []), *(str(v) for v in result.weight_versions)]
     sample.metadata.update(result.metadata)
     experts = result.routed_experts
@@ -202,3 +213,53 @@ async def generate(args: Any, sample: Any, sampling_params: dict[str, Any]) -> A
     _fill(args, sample, result)
     sample.multimodal_train_inputs = train_inputs_from_features(result.multimodal_features)
     return sample
+
+
+def _group_size(args: Any, samples: list[Any]) -> tuple[int, int | None]:
+    """(n, needed) of a group; the samples must share one prompt."""
+    n = len(samples)
+    expected = getattr(args, "n_samples_per_prompt", None)
+    if not samples or (expected is not None and n != expected):
+        raise ValueError(f"a group of {n} samples; args.n_samples_per_prompt is {expected}")
+    if any(sample.prompt != samples[0].prompt for sample in samples):
+        raise ValueError("the samples of a group must share one prompt")
+    needed = getattr(args, "fleet_group_needed", None)
+    if needed is not None and (isinstance(needed, bool) or not isinstance(needed, int) or not 1 <= needed <= n):
+        raise ValueError(f"args.fleet_group_needed must be an integer in [1, {n}], got {needed!r}")
+    return n, needed
+
+
+async def generate_group(args: Any, samples: list[Any], sampling_params: dict[str, Any]) -> list[Any]:
+    """Roll a group of samples of one prompt out as one forked group and return them filled, in
+    order. Sample ``i`` gets its own environment (``build_env(sample=samples[i], args=args)``)."""
+    n, needed = _group_size(args, list(samples))
+    for sample in samples:
+        _check_request(args, sample)
+    for sample in samples:  # only once every sample passed: a refused group is left as it was
+        sample.metadata = dict(sample.metadata or {})
+    first = samples[0]
+    params = dict(sampling_params)
+    if getattr(args, "fleet_seed", None) is not None:
+        params["seed"] = args.fleet_seed
+    config = _config(args, first, params)
+    fleet = await fleet_for(getattr(args, "fleet_redis_url", None) or DEFAULT_URL,
+                            getattr(args, "fleet_prefix", None) or "rf", str(getattr(args, "fleet_cell", None) or "0"))
+    messages = _messages(first)
+    build_env = getattr(load_env_module(args.rollout_interaction_env_path), "build_env", None)
+    if not callable(build_env):
+        raise ValueError("the environment module must expose a callable build_env(sample, args)")
+    made = iter(samples)
+    tokenizer: ChatTokenizer | None = getattr(args, "fleet_tokenizer", None)
+    tok = tokenizer if tokenizer is not None else ReferenceTokenizer()
+    run = functools.partial(run_multiturn_group, fleet, lambda: build_env(sample=next(made), args=args),
+                            messages, n, config, needed=needed, tokenizer=tok)
+    if not has_images(messages):
+        results = await run()
+    else:
+        async with ServerRenderer(*_render_target(args)) as renderer:
+            results = await run(renderer=renderer)
+    for sample, result in zip(samples, results, strict=True):
+        _fill(args, sample, result)
+        if result.multimodal_features is not None:
+            sample.multimodal_train_inputs = train_inputs_from_features(result.multimodal_features)
+    return list(samples)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol
@@ -43,6 +43,11 @@ from schemas.messages import StepResult
 from schemas.reference_tokenizer import ReferenceTokenizer
 
 _SEED_SPACE = 1 << 62
+
+
+def draw_seed() -> int:
+    """A fresh sampling seed (kept in the sample's metadata, so the sample can be reproduced)."""
+    return random.SystemRandom().randrange(_SEED_SPACE)
 
 
 class Environment(Protocol):
@@ -116,7 +121,10 @@ class MultiTurnConfig:
 class RolloutSample:
     """The result of one rollout, shaped like a vime ``Sample``. ``tokens`` = prompt + response;
     ``loss_mask`` / ``rollout_log_probs`` cover the response; ``response`` decodes the generated
-    tokens only; ``routed_experts`` is ``(len(tokens) - 1, layers, top_k)`` when asked for."""
+    tokens only; ``routed_experts`` is ``(len(tokens) - 1, layers, top_k)`` when asked for.
+    ``weight_versions`` holds the policy version of each generated token, in order (the step's
+    per-token ``weight_versions``): observation tokens and a driver-appended EOS have none, so its
+    length is ``sum(loss_mask)``."""
 
     tokens: list[int]
     prompt_length: int
@@ -127,7 +135,7 @@ class RolloutSample:
     rollout_log_probs: list[float] = field(default_factory=list)
     status: RolloutStatus = RolloutStatus.TRUNCATED
     metadata: dict[str, Any] = field(default_factory=dict)
-    weight_versions: list[int] = field(default_factory=list)
+    weight_versions: list[int] = field(default_factory=list)  # one per generated token (loss_mask 1)
     routed_experts: np.ndarray | None = None
     turns: int = 0
     multimodal_features: dict[str, Any] | None = None  # the prompt's render features (VLM prompts)
@@ -148,6 +156,7 @@ class _Turn:
     log_probs: list[float]
     finish: str
     text: str
+    versions: list[int] = field(default_factory=list)
 
 
 def _parse_output(result: StepResult, tokenizer: ChatTokenizer) -> _Turn:
@@ -164,16 +173,24 @@ def _parse_output(result: StepResult, tokenizer: ChatTokenizer) -> _Turn:
         raise ValueError(f"token/logprob count mismatch: {len(tokens)} tokens, "
                          f"{len(log_probs) if isinstance(log_probs, list) else log_probs!r} logprobs")
     text = tokenizer.decode(tokens, skip_special_tokens=False) if tokens else ""
-    return _Turn(tokens, [float(x) for x in log_probs], finish, text)
+    # An engine that reports no per-token versions ran the step on one version: the result's.
+    versions = output.get("weight_versions", [result.policy_version] * len(tokens))
+    if not isinstance(versions, list) or len(versions) != len(tokens) or not all(type(v) is int for v in versions):
+        raise ValueError(f"output.weight_versions must be one integer per token ({len(tokens)})")
+    return _Turn(tokens, [float(x) for x in log_probs], finish, text, versions)
 
 
-class _Rollout:
-    """The turn loop of one sample on one session."""
+class Rollout:
+    """The turn loop of one sample on one session. A fork's branch starts at ``first_step`` with
+    ``sent`` tokens (the prompt) already in the worker's context; ``stopped`` (the group driver's
+    cancel) ends the loop before its next turn."""
 
     def __init__(self, session: Session, config: MultiTurnConfig, tokenizer: ChatTokenizer,
-                 sample: RolloutSample, seed: int) -> None:
+                 sample: RolloutSample, seed: int, *, first_step: int = 0, sent: int = 0,
+                 stopped: Callable[[], bool] = lambda: False) -> None:
         self.session, self.config, self.tokenizer, self.sample, self.seed = session, config, tokenizer, sample, seed
-        self.sent = 0  # tokens of sample.tokens the worker's context holds
+        self.first_step, self.stopped = first_step, stopped
+        self.sent = sent  # tokens of sample.tokens the worker's context holds
         self.generated: list[int] = []
         self.routed: list[np.ndarray] = []
         self.stop_ids = [*config.stop_token_ids, *stop_ids(tokenizer, config.stop)]
@@ -197,6 +214,10 @@ class _Rollout:
             if self.remaining <= 0:
                 self.finish(RolloutStatus.TRUNCATED, "insufficient_budget", remaining_budget=self.remaining)
                 return
+            if self.stopped():
+                self.sample.metadata["cancelled"] = True
+                self.finish(RolloutStatus.ABORTED)
+                return
             turn = await self._generate(turn_index)
             if turn is None:
                 return
@@ -213,25 +234,29 @@ class _Rollout:
 
     async def _generate(self, turn_index: int) -> _Turn | None:
         cfg = self.config
+        step_id = self.first_step + turn_index
         sampling = {"max_tokens": self.remaining, "temperature": cfg.temperature, "top_p": cfg.top_p,
                     "top_k": cfg.top_k, "seed": (self.seed + turn_index) % _SEED_SPACE,
                     "stop_token_ids": self.stop_ids}
         # The prompt's images go with step 0 only: the worker keeps them in the session's context.
-        features = self.sample.multimodal_features if turn_index == 0 else None
+        features = self.sample.multimodal_features if step_id == 0 else None
         extra = {} if features is None else {"multimodal": features}
-        result = await self.session.step(turn_index, token_ids=self.sample.tokens[self.sent:], sampling=sampling,
+        result = await self.session.step(step_id, token_ids=self.sample.tokens[self.sent:], sampling=sampling,
                                          return_routed_experts=cfg.return_routed_experts, timeout=cfg.step_timeout,
                                          **extra)
         self.sample.turns = turn_index + 1
         if not result.ok:
             error = result.error
             self.sample.metadata["error"] = {"code": error.code.value if error else "unknown",
-                                             "message": error.message if error else "", "step_id": turn_index}
-            stale = error is not None and error.code is ErrorCode.STALE_POLICY
-            self.finish(RolloutStatus.ABORTED if stale else RolloutStatus.FAILED)
+                                             "message": error.message if error else "", "step_id": step_id}
+            code = error.code if error is not None else None
+            if code is ErrorCode.CANCELLED:
+                self.sample.metadata["cancelled"] = True
+            # Aborted samples are the trainer's to drop or recycle (vime's ABORTED); failed ones are errors.
+            aborted = code in (ErrorCode.STALE_POLICY, ErrorCode.CANCELLED)
+            self.finish(RolloutStatus.ABORTED if aborted else RolloutStatus.FAILED)
             return None
         turn = _parse_output(result, self.tokenizer)
-        self.sample.weight_versions.append(result.policy_version)
         self.sample.metadata.setdefault("finish_reasons", []).append(turn.finish)
         if turn.finish != "abort":
             self.sent = len(self.sample.tokens) + len(turn.tokens)
@@ -253,6 +278,7 @@ class _Rollout:
         if len(turn.tokens) > self.remaining:
             raise ValueError(f"the engine generated {len(turn.tokens)} tokens; {self.remaining} were asked for")
         self.sample.append(turn.tokens, turn.log_probs)
+        self.sample.weight_versions.extend(turn.versions)
         self.generated.extend(turn.tokens)
         eos = eos_id(self.tokenizer)
         needs_eos = (self.config.append_eos_after_stop and turn.finish == "stop" and bool(self.config.stop)
@@ -313,19 +339,7 @@ async def run_multiturn(fleet: FleetClient, env: Environment, messages: Sequence
     active: BaseException | None = None
     try:
         env.reset()
-        features: dict[str, Any] | None = None
-        if renderer is not None:
-            rendered = await renderer.render(list(messages), tools=config.tools,
-                                             chat_template_kwargs=config.chat_template_kwargs)
-            prompt, features = list(rendered.token_ids), rendered.features
-        elif has_images(messages):
-            raise ValueError("a prompt with images needs a renderer (broker.rollouts.render.ServerRenderer)")
-        else:
-            prompt = template_ids(tok.apply_chat_template(
-                list(messages), tools=config.tools, tokenize=True, add_generation_prompt=True,
-                **dict(config.chat_template_kwargs)))
-        if not prompt:
-            raise ValueError("the rendered prompt is empty")
+        prompt, features = await render_prompt(messages, config, tok, renderer)
         return await _run_session(fleet, env, prompt, config, tok, session_id, features)
     except BaseException as error:
         active = error
@@ -339,17 +353,36 @@ async def run_multiturn(fleet: FleetClient, env: Environment, messages: Sequence
             raise active from close_error
 
 
+async def render_prompt(messages: Sequence[Mapping[str, Any]], config: MultiTurnConfig, tokenizer: ChatTokenizer,
+                        renderer: ChatRenderer | None = None) -> tuple[list[int], dict[str, Any] | None]:
+    """The prompt's token ids (and its render features with a renderer), as step 0 carries them."""
+    features: dict[str, Any] | None = None
+    if renderer is not None:
+        rendered = await renderer.render(list(messages), tools=config.tools,
+                                         chat_template_kwargs=config.chat_template_kwargs)
+        prompt, features = list(rendered.token_ids), rendered.features
+    elif has_images(messages):
+        raise ValueError("a prompt with images needs a renderer (broker.rollouts.render.ServerRenderer)")
+    else:
+        prompt = template_ids(tokenizer.apply_chat_template(
+            list(messages), tools=config.tools, tokenize=True, add_generation_prompt=True,
+            **dict(config.chat_template_kwargs)))
+    if not prompt:
+        raise ValueError("the rendered prompt is empty")
+    return prompt, features
+
+
 async def _run_session(fleet: FleetClient, env: Environment, prompt: list[int], config: MultiTurnConfig,
                        tokenizer: ChatTokenizer, session_id: str | None,
                        features: dict[str, Any] | None = None) -> RolloutSample:
-    seed = config.seed if config.seed is not None else random.SystemRandom().randrange(_SEED_SPACE)
+    seed = config.seed if config.seed is not None else draw_seed()
     session = await fleet.create_session(config.model, "tokens", session_id=session_id,
                                          max_staleness=config.max_staleness)
     sample = RolloutSample(tokens=list(prompt), prompt_length=len(prompt), session_id=session.session_id,
                            metadata={"fleet_session_id": session.session_id, "sampling_seed": seed},
                            multimodal_features=features)
     try:
-        rollout = _Rollout(session, config, tokenizer, sample, seed)
+        rollout = Rollout(session, config, tokenizer, sample, seed)
         await rollout.run(env)
         return rollout.finalize()
     finally:
