@@ -62,7 +62,8 @@ async def args(redis_server: RedisServer, prefix: str) -> AsyncIterator[SimpleNa
     yield SimpleNamespace(fleet_redis_url=redis_server.url, fleet_prefix=prefix, fleet_model="scripted-lm",
                           rollout_interaction_env_path=__name__, max_turns=3, rollout_max_context_len=None,
                           partial_rollout=False, apply_chat_template_kwargs=None,
-                          append_eos_token_after_stop_str_in_multi_turn=True, use_rollout_routing_replay=False)
+                          append_eos_token_after_stop_str_in_multi_turn=True, use_rollout_routing_replay=False,
+                          fleet_tokenizer=TOK)
     await vime.close_fleets()
 
 
@@ -88,7 +89,7 @@ async def test_generate_fills_the_sample(args: SimpleNamespace, workers: WorkerP
 async def test_reference_lm_with_routing_replay_and_one_fleet_client(args: SimpleNamespace,
                                                                      workers: WorkerPool) -> None:
     await workers.add(reference_engine())
-    args.fleet_model = None  # the default: reference-lm
+    args.fleet_model, args.fleet_tokenizer = "reference-lm", None  # the reference tokenizer, as asked for
     args.use_rollout_routing_replay, args.num_layers, args.moe_router_topk = True, 2, 2
     params = {**SAMPLING, "seed": 5, "stop_token_ids": list(range(32, 128))}
     first = await vime.generate(args, Sample(prompt=[{"role": "user", "content": "2 + 2?"}]), dict(params))

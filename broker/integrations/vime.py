@@ -9,10 +9,14 @@ Fleet settings come from ``args`` attributes, all optional:
 
 - ``fleet_redis_url`` (default ``redis://127.0.0.1:6379/0``), ``fleet_prefix`` (``rf``),
   ``fleet_cell`` (``0``): one FleetClient per (url, prefix, cell) and event loop, reused;
-- ``fleet_model`` (``reference-lm``), ``fleet_step_timeout`` (seconds, none by default),
+- ``fleet_model`` (default vime's ``hf_checkpoint``, the name vime's own router is asked for),
+  ``fleet_step_timeout`` (seconds, none by default),
   ``fleet_max_staleness`` (the sessions' ``max_staleness``, none by default: a sample that runs
   past it comes back ``aborted``, docs/async_rl.md),
-  ``fleet_tokenizer`` (an HF-like tokenizer; default the reference tokenizer);
+  ``fleet_tokenizer`` (an HF-like tokenizer object; default: loaded from ``hf_checkpoint`` with
+  transformers' ``AutoTokenizer``, local files only, as vime loads it). The byte-level reference
+  tokenizer is used only when ``fleet_model`` is ``reference-lm`` and no checkpoint is given; with
+  neither a tokenizer source nor a model the call is refused;
 - for prompts with images (``sample.multimodal_inputs["images"]``): ``fleet_render_url`` (a vLLM
   server of the policy; default vime's router at ``vllm_router_ip``:``vllm_router_port``) and
   ``fleet_render_model`` (default ``hf_checkpoint``). The prompt is rendered there
@@ -30,6 +34,7 @@ of the group finished, the rest are cancelled and come back ``aborted`` (``metad
 vime's own ``max_turns``, ``rollout_max_context_len``, ``apply_chat_template_kwargs``,
 ``append_eos_token_after_stop_str_in_multi_turn`` and ``use_rollout_routing_replay`` (with
 ``num_layers`` / ``moe_router_topk`` checked against the routed experts) apply as in vime.
+The filled sample is length-checked (``check_sample``) before it is returned.
 """
 
 from __future__ import annotations
@@ -40,11 +45,13 @@ import importlib
 import importlib.util
 import sys
 import weakref
+from functools import lru_cache
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 from broker.client import DEFAULT_URL, FleetClient
+from broker.integrations.vime_sample import check_sample
 from broker.rollouts.chat_tokens import ChatTokenizer
 from broker.rollouts.groups import run_multiturn_group
 from broker.rollouts.multiturn import MultiTurnConfig, RolloutSample, run_multiturn
@@ -157,10 +164,50 @@ def train_inputs_from_features(features: dict[str, Any] | None) -> dict[str, Any
     return dict(items.get_data())
 
 
-def _config(args: Any, sample: Any, sampling_params: dict[str, Any]) -> MultiTurnConfig:
+def model_name(args: Any) -> str:
+    """The fleet model of a rollout: ``fleet_model``, else ``hf_checkpoint`` (what vime names its
+    router's model); refused when neither is given, so no rollout silently lands on the reference LM."""
+    model = getattr(args, "fleet_model", None) or getattr(args, "hf_checkpoint", None)
+    if not model:
+        raise ValueError("no model to roll out: set args.fleet_model (or args.hf_checkpoint, the policy "
+                         f"checkpoint whose tokenizer is loaded too; {DEFAULT_MODEL!r} for the reference LM)")
+    return str(model)
+
+
+@lru_cache(maxsize=8)
+def _load_tokenizer(path: str) -> Any:
+    # Imported here: transformers is only needed by vime users (the ``vime`` extra).
+    try:
+        from transformers import AutoTokenizer
+    except ImportError as exc:
+        raise ValueError("loading the tokenizer of args.hf_checkpoint needs transformers: "
+                         "install rollout-fleet[vime]") from exc
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot load a tokenizer from args.hf_checkpoint={path!r} (local files only): {exc}") from exc
+
+
+def tokenizer_for(args: Any, model: str) -> ChatTokenizer:
+    """``fleet_tokenizer`` if set, else the tokenizer of ``hf_checkpoint``, else the reference
+    tokenizer when (and only when) the reference model is asked for."""
+    tokenizer: ChatTokenizer | None = getattr(args, "fleet_tokenizer", None)
+    if tokenizer is not None:
+        return tokenizer
+    checkpoint = getattr(args, "hf_checkpoint", None)
+    if checkpoint:
+        loaded: ChatTokenizer = _load_tokenizer(str(checkpoint))
+        return loaded
+    if model == DEFAULT_MODEL:
+        return ReferenceTokenizer()
+    raise ValueError(f"no tokenizer for model {model!r}: set args.hf_checkpoint (a local checkpoint "
+                     "directory) or args.fleet_tokenizer")
+
+
+def _config(args: Any, sample: Any, sampling_params: dict[str, Any], model: str) -> MultiTurnConfig:
     return MultiTurnConfig.from_sampling_params(
         sampling_params,
-        model=getattr(args, "fleet_model", None) or DEFAULT_MODEL,
+        model=model,
         max_turns=args.max_turns,
         context_limit=getattr(args, "rollout_max_context_len", None),
         append_eos_after_stop=getattr(args, "append_eos_token_after_stop_str_in_multi_turn", True),
@@ -195,24 +242,25 @@ async def generate(args: Any, sample: Any, sampling_params: dict[str, Any]) -> A
     """vime's custom generate signature: roll ``sample`` out on the fleet and return it filled."""
     _check_request(args, sample)
     sample.metadata = dict(sample.metadata or {})
-    config = _config(args, sample, sampling_params)
+    model = model_name(args)
+    tok = tokenizer_for(args, model)
+    config = _config(args, sample, sampling_params, model)
     fleet = await fleet_for(getattr(args, "fleet_redis_url", None) or DEFAULT_URL,
                             getattr(args, "fleet_prefix", None) or "rf", str(getattr(args, "fleet_cell", None) or "0"))
     messages = _messages(sample)
     render_target = _render_target(args) if has_images(messages) else None
-    tokenizer: ChatTokenizer | None = getattr(args, "fleet_tokenizer", None)
     build_env = getattr(load_env_module(args.rollout_interaction_env_path), "build_env", None)
     if not callable(build_env):
         raise ValueError("the environment module must expose a callable build_env(sample, args)")
     env = build_env(sample=sample, args=args)
-    tok = tokenizer if tokenizer is not None else ReferenceTokenizer()
     if render_target is None:
-        return _fill(args, sample, await run_multiturn(fleet, env, messages, config, tokenizer=tok))
+        _fill(args, sample, await run_multiturn(fleet, env, messages, config, tokenizer=tok))
+        return check_sample(sample)
     async with ServerRenderer(*render_target) as renderer:
         result = await run_multiturn(fleet, env, messages, config, tokenizer=tok, renderer=renderer)
     _fill(args, sample, result)
     sample.multimodal_train_inputs = train_inputs_from_features(result.multimodal_features)
-    return sample
+    return check_sample(sample)
 
 
 def _group_size(args: Any, samples: list[Any]) -> tuple[int, int | None]:
@@ -241,7 +289,9 @@ async def generate_group(args: Any, samples: list[Any], sampling_params: dict[st
     params = dict(sampling_params)
     if getattr(args, "fleet_seed", None) is not None:
         params["seed"] = args.fleet_seed
-    config = _config(args, first, params)
+    model = model_name(args)
+    tok = tokenizer_for(args, model)
+    config = _config(args, first, params, model)
     fleet = await fleet_for(getattr(args, "fleet_redis_url", None) or DEFAULT_URL,
                             getattr(args, "fleet_prefix", None) or "rf", str(getattr(args, "fleet_cell", None) or "0"))
     messages = _messages(first)
@@ -249,8 +299,6 @@ async def generate_group(args: Any, samples: list[Any], sampling_params: dict[st
     if not callable(build_env):
         raise ValueError("the environment module must expose a callable build_env(sample, args)")
     made = iter(samples)
-    tokenizer: ChatTokenizer | None = getattr(args, "fleet_tokenizer", None)
-    tok = tokenizer if tokenizer is not None else ReferenceTokenizer()
     run = functools.partial(run_multiturn_group, fleet, lambda: build_env(sample=next(made), args=args),
                             messages, n, config, needed=needed, tokenizer=tok)
     if not has_images(messages):
@@ -262,4 +310,4 @@ async def generate_group(args: Any, samples: list[Any], sampling_params: dict[st
         _fill(args, sample, result)
         if result.multimodal_features is not None:
             sample.multimodal_train_inputs = train_inputs_from_features(result.multimodal_features)
-    return list(samples)
+    return [check_sample(sample) for sample in samples]

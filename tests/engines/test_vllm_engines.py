@@ -45,6 +45,11 @@ CONVERSATIONS: list[list[dict[str, Any]]] = [
     [{"token_ids": PROMPT[:5], "sampling": {"max_tokens": 12, "seed": 11, "stop_token_ids": STOPS}},
      {"token_ids": TURN, "sampling": {"max_tokens": 12, "seed": 12, "stop_token_ids": STOPS}},
      {"token_ids": [205], "sampling": {"max_tokens": 4, "seed": 13}}],
+    # The wider sampling API: penalties, min_tokens with stop tokens, top-k log probs, stop strings.
+    [{"token_ids": PROMPT, "sampling": {"max_tokens": 10, "temperature": 0.0, "repetition_penalty": 1.5,
+                                        "frequency_penalty": 0.5, "presence_penalty": 0.5, "logprobs": 3}},
+     {"token_ids": TURN, "sampling": {"max_tokens": 10, "seed": 14, "min_tokens": 6, "stop_token_ids": STOPS}},
+     {"token_ids": [205], "sampling": {"max_tokens": 12, "seed": 15, "stop": ["e", "an", "in"]}}],
 ]
 # Greedy from PROMPT, the tiny Llama never emits its end token: a long step (about 2 s) to abort.
 LONG_TURN: dict[str, Any] = {"token_ids": PROMPT, "sampling": {"max_tokens": 1000, "temperature": 0.0}}

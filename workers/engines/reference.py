@@ -3,7 +3,9 @@
 - ``reference-world`` (Mode.WORLD_MODEL_ENV): ``ReferenceWorldModel``; output ``{"video_latent": float32
   ndarray of config.latent_shape}``, context length = steps in the session.
 - ``reference-lm`` (Mode.TOKENS): ``ReferenceLanguageModel``; output ``{"token_ids", "logprobs",
-  "finish_reason"}`` plus ``"routed_experts"`` (int16, (rows, layers, top_k)) when requested;
+  "finish_reason"}`` plus ``"routed_experts"`` (int16, (rows, layers, top_k)) when requested,
+  ``"top_logprobs"`` (per token, ``sampling.logprobs`` ``[id, logprob]`` pairs) when asked for and
+  ``"stop_reason"`` (the stop string) when a ``sampling.stop`` string ended the step;
   context length = tokens in the session.
 
 Results are deterministic and bitwise batch invariant on CPU (see ``torch_ops``).

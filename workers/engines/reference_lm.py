@@ -26,6 +26,7 @@ from schemas.messages import StepInput, TokenStep
 from schemas.reference_tokenizer import EOS_ID, VOCAB_SIZE
 from workers.engines import torch_ops
 from workers.engines.partial import PartialAbort
+from workers.engines.reference_sampling import process_logits, stop_string_hit, top_logprobs
 
 _SPAN = 64  # keys are attended over in spans of this many (zero-padded; see _attend)
 _ATTENTION_CHUNK_ELEMENTS = 1 << 22  # elements per temporary product tensor in _attend
@@ -82,6 +83,7 @@ class LMStepResult:
     finish_reason: str
     routed_experts: np.ndarray | None
     state: LMSessionState
+    extra: dict[str, Any] = field(default_factory=dict)  # stop_reason, top_logprobs: only when asked for
 
     @property
     def context_length(self) -> int:
@@ -92,7 +94,7 @@ class LMStepResult:
                                "finish_reason": self.finish_reason}
         if self.routed_experts is not None:
             out["routed_experts"] = self.routed_experts
-        return out
+        return {**out, **self.extra}
 
 
 @dataclass
@@ -109,6 +111,7 @@ class LMJob:
     logprobs: list[float] = field(default_factory=list)
     routed: list[torch.Tensor] = field(default_factory=list)
     finish_reason: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def fed(self) -> int:
@@ -230,11 +233,12 @@ class ReferenceLanguageModel:
             routed = rows.to("cpu", torch.int16).numpy()
         return LMStepResult(token_ids=list(job.generated), logprobs=list(job.logprobs),
                             finish_reason=job.finish_reason or "length", routed_experts=routed,
-                            state=LMSessionState(tokens=tuple(job.tokens), cache=job.cache))
+                            state=LMSessionState(tokens=tuple(job.tokens), cache=job.cache), extra=dict(job.extra))
 
     def _sample(self, job: LMJob, logits: torch.Tensor) -> None:
         """Pick the next token of ``job`` from its last-position logits (float32, CPU, (vocab,))."""
         sampling = job.step.sampling
+        logits = process_logits(logits, sampling, job.tokens, job.generated, job.stops)
         if job.generator is None:
             token = int(torch.argmax(logits))
             logprobs = torch.log_softmax(logits, dim=-1)
@@ -245,8 +249,13 @@ class ReferenceLanguageModel:
         job.generated.append(token)
         job.tokens.append(token)
         job.logprobs.append(float(logprobs[token]))
-        if token in job.stops:
+        if sampling.logprobs:
+            job.extra.setdefault("top_logprobs", []).append(top_logprobs(logprobs, sampling.logprobs))
+        hit = stop_string_hit(job.generated, sampling.stop) if len(job.generated) >= sampling.min_tokens else None
+        if token in job.stops or hit is not None:
             job.finish_reason = "stop"
+            if hit is not None:
+                job.extra["stop_reason"] = hit
         elif len(job.generated) >= job.budget:
             job.finish_reason = "length"
 

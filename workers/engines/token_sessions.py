@@ -52,9 +52,16 @@ def token_step(request: EngineRequest) -> TokenStep:
 def sampling_fields(sampling: SamplingParams, default_seed: int) -> dict[str, Any]:
     """Our sampling params as vLLM ``SamplingParams`` keyword arguments (also its JSON form).
 
-    ``logprobs=0``: the log probability of each sampled token only. ``top_k <= 0`` disables top-k
-    (vLLM: 0). The seed is always set, so results never depend on the engine's global RNG.
+    ``logprobs``: 0 (the log probability of each sampled token only) unless top-k log probs are
+    asked for. ``top_k <= 0`` disables top-k (vLLM: 0). The seed is always set, so results never
+    depend on the engine's global RNG. ``stop`` strings, the penalties and ``min_tokens`` go only
+    when set, so a plain step's params are what they always were.
     """
+    extra = {name: value for name, value, default in (
+        ("stop", list(sampling.stop), []), ("presence_penalty", sampling.presence_penalty, 0.0),
+        ("frequency_penalty", sampling.frequency_penalty, 0.0),
+        ("repetition_penalty", sampling.repetition_penalty, 1.0), ("min_tokens", sampling.min_tokens, 0),
+    ) if value != default}
     return {
         "max_tokens": sampling.max_tokens,
         "temperature": sampling.temperature,
@@ -62,7 +69,8 @@ def sampling_fields(sampling: SamplingParams, default_seed: int) -> dict[str, An
         "top_k": max(0, sampling.top_k),
         "seed": default_seed if sampling.seed is None else sampling.seed,
         "stop_token_ids": list(sampling.stop_token_ids),
-        "logprobs": 0,
+        "logprobs": sampling.logprobs,
+        **extra,
     }
 
 

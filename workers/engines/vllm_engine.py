@@ -169,13 +169,15 @@ class VLLMEngine(TokenSessionEngine):
 
 
 def vllm_sampling_params(sampling: SamplingParams, default_seed: int) -> Any:
-    """Our sampling params as vLLM's (final output only, token ids without text)."""
+    """Our sampling params as vLLM's (final output only; token ids without text unless stop
+    strings are asked for: vLLM matches them on its own detokenized output)."""
     from vllm.sampling_params import RequestOutputKind
     from vllm.sampling_params import SamplingParams as VllmSamplingParams
 
     try:
         return VllmSamplingParams(**sampling_fields(sampling, default_seed),
-                                  output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False)
+                                  output_kind=RequestOutputKind.FINAL_ONLY,
+                                  detokenize=bool(sampling.stop))
     except (ValueError, TypeError) as exc:
         raise InvalidRequestError(f"sampling: {exc}") from exc
 
