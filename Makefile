@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-cluster test-engines lint clean
+.PHONY: venv demo test test-cluster test-engines test-verl lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,10 @@ test: $(STAMP)
 # Every component against a local Redis Cluster (tests/cluster; needs redis-server and redis-cli).
 test-cluster: $(STAMP)
 	$(PY) -m pytest -q -m cluster
+
+# verl's own agent loops through the fleet: builds (once, cached outside the repo) the verl venv.
+test-verl:
+	bash scripts/run_verl_tests.sh
 
 # Real vLLM / vLLM-Omni on CPU: builds (once, cached outside the repo) the engines venv.
 test-engines:

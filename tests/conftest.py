@@ -27,15 +27,20 @@ def root_logging_restored() -> Iterator[None]:
     root.setLevel(level)
 
 
+# Tiers collected only when -m names their mark: the cluster tier (tests/cluster/) starts a 6-node
+# Redis Cluster; the verl tier (tests/verl/) needs the verl venv (scripts/run_verl_tests.sh).
+OPT_IN_MARKS = ("cluster", "verl")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The cluster tier (tests/cluster/, mark ``cluster``) starts a 6-node Redis Cluster: it runs
-    only when ``-m`` names it (``-m cluster``), never in the fast (``-m "not slow"``) or slow tier."""
-    if "cluster" in (config.getoption("markexpr") or ""):
-        return
-    skipped = [item for item in items if item.get_closest_marker("cluster") is not None]
+    """Items of an opt-in tier run only when ``-m`` names its mark (``-m cluster``, ``-m verl``),
+    never in the fast (``-m "not slow"``) or slow tier."""
+    named = config.getoption("markexpr") or ""
+    left_out = [mark for mark in OPT_IN_MARKS if mark not in named]
+    skipped = [item for item in items if any(item.get_closest_marker(mark) is not None for mark in left_out)]
     if skipped:
         config.hook.pytest_deselected(items=skipped)
-        items[:] = [item for item in items if item.get_closest_marker("cluster") is None]
+        items[:] = [item for item in items if item not in skipped]
 
 
 @pytest.fixture(scope="session")
