@@ -48,7 +48,7 @@ OPTIONS: dict[str, dict[str, tuple[list[str], str]]] = {
     "gateway": {**_CELL, "--host": (["0.0.0.0"], "0.0.0.0"), "--port": (["8081"], "8081"),
                 "--api-key": (["k1", "--api-key", "k2"], "k1,k2"), "--max-sessions-per-key": (["4"], "4"),
                 "--step-timeout": (["9.5"], "9.5"), "--max-body-bytes": (["1024"], "1024"),
-                "--default-model": (["null-world"], "null-world")},
+                "--model": (["null-world"], "null-world"), "--upstream-errors": ([], "1")},
     "dashboard": {**_CELL, "--host": (["0.0.0.0"], "0.0.0.0"), "--port": (["8082"], "8082"),
                   "--api-key": (["k1", "--api-key", "k2"], "k1,k2")},
     "update-weights": {**_NO_LEASE, "--model": (["lm"], "lm"), "--version": (["4"], "4"),

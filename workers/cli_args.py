@@ -203,15 +203,19 @@ def _listen_and_keys(p: argparse.ArgumentParser, environ: Mapping[str, str], *, 
 def _gateway(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
     _listen_and_keys(p, environ, port=8000, what="the gateway",
                      key_use="a client must send as 'Authorization: Bearer KEY'")
-    p.add_argument("--default-model", default=DEFAULT_MODEL, metavar="MODEL",
-                   help="model of a session created without one; GET /health is 200 only while a live "
-                        "worker serves it (default: %(default)s)")
+    # --default-model is the earlier spelling, kept as an alias; the last string names the variable.
+    p.add_argument("--default-model", "--model", dest="model", default=DEFAULT_MODEL, metavar="MODEL",
+                   help="the served model: 'dreamzero' on create names it when it is a DreamZero model; "
+                        "GET /health is 200 only while a live worker serves it (default: %(default)s)")
     _setting(p, "--max-sessions-per-key", GatewaySettings, "max_sessions_per_key",
              "open sessions one API key may hold", type=_positive(int))
     _setting(p, "--step-timeout", GatewaySettings, "step_timeout_s",
              "seconds an HTTP client waits for a step's result (then 504)", type=_positive(float))
     _setting(p, "--max-body-bytes", GatewaySettings, "max_body_bytes",
              "largest request body read (then 413)", type=_positive(int))
+    p.add_argument("--upstream-errors", action="store_true",
+                   help="answer a re-sent committed step as vLLM-Omni does (400 step_already_committed) "
+                        "instead of with its stored result and X-Rollout-Duplicate: true")
 
 
 def _dashboard(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
@@ -228,7 +232,8 @@ def gateway_settings(args: argparse.Namespace) -> GatewaySettings:
     """The gateway verb's settings: keys from the flags, else from the environment."""
     keys = parse_api_keys(args.api_keys if args.api_keys else [args.api_keys_env])
     return GatewaySettings(api_keys=keys, max_sessions_per_key=args.max_sessions_per_key,
-                           step_timeout_s=args.step_timeout_s, max_body_bytes=args.max_body_bytes)
+                           step_timeout_s=args.step_timeout_s, max_body_bytes=args.max_body_bytes,
+                           upstream_errors=args.upstream_errors)
 
 
 def _update_weights(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:

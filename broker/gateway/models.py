@@ -1,8 +1,7 @@
 """Request and response bodies of the vLLM-Omni RL rollout API (RFC #3747), field for field.
 
 Field names, defaults and optionality follow ``vllm_omni/entrypoints/openai/protocol/rollout.py``
-so an existing client works unchanged. Two additions, both optional: ``CreateSessionRequest.model``
-may be left out (the gateway's default model), and images may also be base64 strings.
+so an existing client works unchanged.
 """
 
 from __future__ import annotations
@@ -53,7 +52,7 @@ class ErrorObject(BaseModel):
 
 
 class CreateSessionRequest(BaseModel):
-    model: str | None = Field(default=None, description="Served model; the gateway's default when left out.")
+    model: str = Field(description="Served model; 'dreamzero' (any case) names the gateway's DreamZero model.")
     mode: Literal["world_model_env"] = "world_model_env"
 
 

@@ -1,0 +1,107 @@
+"""The gateway point by point against the vLLM-Omni serving layer, as a rollout client sees it:
+the session's own values in every answer, the serving layer's wording, its model check, its empty
+observation and action, and ``--upstream-errors``."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+import httpx
+import pytest
+
+from broker.gateway.settings import GatewaySettings
+from broker.redis.embedded import RedisServer
+from schemas.messages import Mode
+from tests.support import WorkerPool
+from tests.test_gateway import SESSIONS, GatewayServer, body, create, http, step_error
+from tests.test_multiturn import reference_engine
+from workers.engines.null import NullEngine
+
+__all__ = ["http"]  # the fixture, shared with tests/test_gateway.py
+
+DREAMZERO_MODEL = "DreamZero-DROID"
+
+
+class DreamZeroNamedEngine(NullEngine):
+    """The null engine under a DreamZero checkpoint's name, for the serving layer's model check."""
+
+    def models(self) -> Mapping[str, Mode]:
+        return {DREAMZERO_MODEL: Mode.WORLD_MODEL_ENV}
+
+
+@pytest.fixture
+async def upstream_http(redis_server: RedisServer, prefix: str) -> AsyncIterator[httpx.AsyncClient]:
+    async with GatewayServer(redis_server.url, prefix, settings=GatewaySettings(upstream_errors=True)) as server, \
+            httpx.AsyncClient(base_url=server.url, timeout=30.0) as client:
+        yield client
+
+
+async def stepped(http: httpx.AsyncClient, sid: str, steps: int) -> None:
+    for i in range(steps):
+        r = await http.post(f"{SESSIONS}/{sid}/step", json=body(i))
+        assert r.status_code == 200 and r.json()["error"] is None, r.text
+
+
+async def test_a_refusal_before_redis_reports_the_sessions_values(http: httpx.AsyncClient,
+                                                                  workers: WorkerPool) -> None:
+    await workers.add(reference_engine())
+    sid = await create(http)
+    await stepped(http, sid, 2)
+    bad = step_error(await http.post(f"{SESSIONS}/{sid}/step", json=body(2, images={"cam": "not base64!"})),
+                     400, "invalid_request")
+    assert bad["model_metadata"]["committed_step_id"] == 1 and bad["model_metadata"]["context_length"] == 2
+    assert bad["error"]["committed_step_id"] == 1
+
+
+async def test_a_stateless_step_reports_the_sessions_context_length(http: httpx.AsyncClient,
+                                                                     workers: WorkerPool) -> None:
+    await workers.add(reference_engine())
+    sid = await create(http)
+    await stepped(http, sid, 3)
+    r = await http.post(f"{SESSIONS}/{sid}/step", json=body(50, use_session_context=False))
+    assert r.status_code == 200 and r.json()["error"] is None, r.text
+    assert r.json()["model_metadata"]["context_length"] == 3
+    assert r.json()["model_metadata"]["committed_step_id"] == 2
+
+
+async def test_errors_keep_the_serving_layers_wording(http: httpx.AsyncClient, workers: WorkerPool) -> None:
+    await workers.add(reference_engine())
+    sid = await create(http)
+    await stepped(http, sid, 1)
+    gap = step_error(await http.post(f"{SESSIONS}/{sid}/step", json=body(5)), 400, "step_out_of_order")
+    assert gap["error"]["message"] == "Expected step_id 1, got 5."
+
+
+async def test_model_is_required_and_dreamzero_matches_case_insensitively(
+        redis_server: RedisServer, prefix: str, workers: WorkerPool) -> None:
+    await workers.add(DreamZeroNamedEngine())
+    async with GatewayServer(redis_server.url, prefix, model_default=DREAMZERO_MODEL) as server, \
+            httpx.AsyncClient(base_url=server.url, timeout=30.0) as http:
+        missing = await http.post(SESSIONS, json={"mode": "world_model_env"})
+        assert missing.status_code == 400 and missing.json()["error"]["param"] == "body.model"
+        for name in ("dreamzero", "DreamZero", DREAMZERO_MODEL):
+            r = await http.post(SESSIONS, json={"model": name, "mode": "world_model_env"})
+            assert r.status_code == 200, (name, r.text)
+        assert (await http.post(SESSIONS, json={"model": "other"})).status_code == 400
+
+
+async def test_an_empty_observation_and_action_are_accepted(http: httpx.AsyncClient, workers: WorkerPool) -> None:
+    await workers.add(NullEngine())
+    sid = await create(http, model="null-world")
+    r = await http.post(f"{SESSIONS}/{sid}/step", json={"step_id": 0, "observation": {}, "action": {}})
+    assert r.status_code == 200 and r.json()["error"] is None, r.text
+    state_only = {"step_id": 1, "observation": {"state": [0.1] * 8}, "action": {}}
+    assert (await http.post(f"{SESSIONS}/{sid}/step", json=state_only)).json()["error"] is None
+
+
+async def test_upstream_errors_refuse_a_resent_committed_step(upstream_http: httpx.AsyncClient,
+                                                              workers: WorkerPool) -> None:
+    await workers.add(reference_engine())
+    sid = await create(upstream_http)
+    await stepped(upstream_http, sid, 3)
+    again = await upstream_http.post(f"{SESSIONS}/{sid}/step", json=body(1))
+    data: dict[str, Any] = step_error(again, 400, "step_already_committed")
+    assert "x-rollout-duplicate" not in again.headers
+    assert data["error"]["message"] == "Step 1 is already committed; highest committed step is 2."
+    assert data["model_metadata"]["committed_step_id"] == 2 and data["model_metadata"]["context_length"] == 3
