@@ -10,6 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
+from broker import FleetClient
 from broker.gateway.settings import GatewaySettings
 from broker.redis.embedded import RedisServer
 from schemas.messages import Mode
@@ -105,3 +106,18 @@ async def test_upstream_errors_refuse_a_resent_committed_step(upstream_http: htt
     assert "x-rollout-duplicate" not in again.headers
     assert data["error"]["message"] == "Step 1 is already committed; highest committed step is 2."
     assert data["model_metadata"]["committed_step_id"] == 2 and data["model_metadata"]["context_length"] == 3
+
+
+async def test_a_closed_session_stays_answerable_for_the_closed_retention(
+        http: httpx.AsyncClient, fleet: FleetClient, workers: WorkerPool) -> None:
+    await workers.add(reference_engine(), closed_retention_hours=2.0)
+    sid = await create(http)
+    await stepped(http, sid, 1)
+    assert (await http.post(f"{SESSIONS}/{sid}/close")).json() == {"session_id": sid, "closed": True}
+    keys = fleet.keys_of(sid)
+    # The hash outlives the results' grace TTL: hours, not the 60 s it had (no clock is waited on).
+    assert 3_600_000 < await fleet.redis.pttl(keys.session(sid)) <= 7_200_000
+    assert await fleet.redis.pttl(keys.log(sid)) <= 60_000
+    status = await http.get(f"{SESSIONS}/{sid}/status")
+    assert status.status_code == 200 and status.json()["closed"] is True
+    assert (await http.post(f"{SESSIONS}/{sid}/close")).json() == {"session_id": sid, "closed": True}

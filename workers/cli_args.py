@@ -36,7 +36,8 @@ DESCRIPTION = "rollout-fleet: worker, demo, redis (embedded, foreground) and sta
 # The worker's own settings the CLI sets (flag dests are these field names).
 WORKER_SETTINGS = ("worker_id", "capacity", "heartbeat_ms", "max_attempts", "drain_timeout_s", "version_wait_s",
                    "metrics_port", "rebalance_interval_s", "rebalance_threshold",
-                   "durability", "durability_replicas", "durability_timeout_s", "snapshot_every")
+                   "durability", "durability_replicas", "durability_timeout_s", "snapshot_every",
+                   "closed_retention_hours")
 _CELL_HELP = {"redis_url": "Redis URL", "prefix": "key prefix", "cell": "cell hash tag; '*': every cell",
               "lease_ms": "lease in ms: a worker silent this long is failed over (one value per cell)"}
 
@@ -129,6 +130,8 @@ def _worker(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
              "replicated: replicas that must have a commit before its reply goes out")
     _setting(p, "--durability-timeout", WorkerSettings, "durability_timeout_s",
              "replicated: seconds a step waits for its replicas before it answers timeout")
+    _setting(p, "--closed-retention-hours", WorkerSettings, "closed_retention_hours",
+             "hours a closed session still answers status and close (closed: true)", type=_positive(float))
     _setting(p, "--snapshot-every", WorkerSettings, "snapshot_every",
              "snapshot a session's engine context every N committed steps (engines that can export "
              "it), so failover replays at most N steps; 0: off")
