@@ -162,7 +162,7 @@ async def test_invalid_inputs_answer_400(http: httpx.AsyncClient, workers: Worke
     too_bright = (np.full((4, 4, 3), 300)).tolist()
     for images in ({"cam": too_bright}, {"cam": [[[1, 2, 3]], [[1, 2]]]}, {"cam": [[1, 2, 3]]},
                    {"cam": "not base64!"}, {"cam": base64.b64encode(b"not a picture").decode()},
-                   {"cam": [[[0.5, 1, 2]]]}):
+                   {"cam": [[[0.5, 255.5, 2]]]}):
         step_error(await http.post(url, json=body(0, images=images)), 400, "invalid_request")
     no_action = body(0)
     del no_action["action"]

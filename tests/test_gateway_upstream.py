@@ -14,7 +14,7 @@ from broker import FleetClient
 from broker.gateway.settings import GatewaySettings
 from broker.redis.embedded import RedisServer
 from schemas.messages import Mode
-from tests.support import WorkerPool
+from tests.support import WorkerPool, image
 from tests.test_gateway import SESSIONS, GatewayServer, body, create, http, step_error
 from tests.test_multiturn import reference_engine
 from workers.engines.null import NullEngine
@@ -121,3 +121,18 @@ async def test_a_closed_session_stays_answerable_for_the_closed_retention(
     status = await http.get(f"{SESSIONS}/{sid}/status")
     assert status.status_code == 200 and status.json()["closed"] is True
     assert (await http.post(f"{SESSIONS}/{sid}/close")).json() == {"session_id": sid, "closed": True}
+
+
+async def test_float_images_are_accepted_as_upstream_takes_them(http: httpx.AsyncClient,
+                                                                 workers: WorkerPool) -> None:
+    await workers.add(reference_engine())
+    sid = await create(http)
+    pixels = image(7)
+    normalized, as_floats = (pixels / 255.0).tolist(), pixels.astype(float).tolist()
+    answers = []
+    for step, images in enumerate(({"cam": pixels.tolist()}, {"cam": normalized}, {"cam": as_floats})):
+        r = await http.post(f"{SESSIONS}/{sid}/step", json=body(0, images=images, use_session_context=False) |
+                            {"step_id": step})
+        assert r.status_code == 200 and r.json()["error"] is None, r.text
+        answers.append(r.json()["next_observation"])
+    assert answers[0] == answers[1] == answers[2]  # the same picture, whichever way it was sent

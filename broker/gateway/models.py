@@ -16,8 +16,9 @@ class Observation(BaseModel):
 
     images: dict[str, list[Any] | str] | None = Field(
         default=None,
-        description="Named camera images: nested lists (H, W, 3) of integers in [0, 255], or base64 strings "
-                    "(PNG/JPEG, or a .npy file of an HxWx3 uint8 array).",
+        description="Named camera images: nested lists (H, W, 3) of numbers in [0, 255] (floats all within "
+                    "[0, 1] are normalized intensities), or base64 strings (PNG/JPEG, or a .npy file of an "
+                    "HxWx3 uint8 array).",
     )
     state: list[float] | None = Field(default=None, description="Proprioceptive state vector.")
     prompt: str = Field(default="", description="Optional language conditioning.")
