@@ -61,9 +61,9 @@ def _from_lists(name: str, value: list[Any], limits: Limits) -> np.ndarray:
 def _from_floats(array: np.ndarray) -> np.ndarray:
     """Float pixels, as upstream takes them: all within [0, 1] they are normalized intensities
     (x255), otherwise 0-255 values; either way rounded, since the fleet carries images as uint8."""
-    if array.size and array.max() <= 1.0:
-        array = array * 255.0
-    return np.rint(array).astype(np.uint8)
+    scale = 255.0 if array.size and array.max() <= 1.0 else 1.0
+    pixels: np.ndarray = np.rint(array * scale).astype(np.uint8)
+    return pixels
 
 
 def _from_base64(name: str, text: str, limits: Limits) -> np.ndarray:
