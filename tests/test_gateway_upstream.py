@@ -13,11 +13,13 @@ import pytest
 from broker import FleetClient
 from broker.gateway.settings import GatewaySettings
 from broker.redis.embedded import RedisServer
-from schemas.messages import Mode
+from schemas.messages import Mode, WorldStep
 from tests.support import WorkerPool, image
 from tests.test_gateway import SESSIONS, GatewayServer, body, create, http, step_error
 from tests.test_multiturn import reference_engine
+from workers.engines.base import EngineOutput, EngineRequest
 from workers.engines.null import NullEngine
+from workers.engines.vllm_omni_engine import robot_obs
 
 __all__ = ["http"]  # the fixture, shared with tests/test_gateway.py
 
@@ -136,3 +138,32 @@ async def test_float_images_are_accepted_as_upstream_takes_them(http: httpx.Asyn
         assert r.status_code == 200 and r.json()["error"] is None, r.text
         answers.append(r.json()["next_observation"])
     assert answers[0] == answers[1] == answers[2]  # the same picture, whichever way it was sent
+
+
+class RecordingEngine(NullEngine):
+    """The null engine, keeping each world step it ran."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps: list[WorldStep] = []
+
+    def _one(self, req: EngineRequest) -> EngineOutput | BaseException:
+        if isinstance(req.step, WorldStep):
+            self.steps.append(req.step)
+        return super()._one(req)
+
+
+async def test_extra_fields_reach_the_engines_robot_observation_verbatim(http: httpx.AsyncClient,
+                                                                          workers: WorkerPool) -> None:
+    engine = RecordingEngine()
+    await workers.add(engine)
+    sid = await create(http, model="null-world")
+    extra = {"observation/wrist_image_left": [[1, 2], [3, 4]], "seed": 3, "embodiment_name": "droid",
+             "note": {"a": [1, 2.5]}}
+    step = {"step_id": 0, "observation": {"extra": extra}, "action": {"extra": {"k": "v"}}}
+    assert (await http.post(f"{SESSIONS}/{sid}/step", json=step)).json()["error"] is None
+    seen = engine.steps[-1]
+    assert dict(seen.observation.extra) == extra and seen.action and dict(seen.action.extra) == {"k": "v"}
+    obs = robot_obs(seen)
+    assert obs["observation/wrist_image_left"] == extra["observation/wrist_image_left"]
+    assert obs["seed"] == 3 and obs["embodiment_name"] == "droid" and "note" not in obs  # upstream's filter
