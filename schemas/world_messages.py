@@ -82,7 +82,14 @@ class WorldStep:
     action: Action | None = None
 
     def robot_state(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
-        """(7 joint positions, 1 gripper position) as the DROID mapping of the reference picks them."""
+        """(7 joint positions, 1 gripper position), zeros for what the step leaves out: for engines
+        that need numbers (the reference world's features), never for what reaches vLLM-Omni."""
+        joints, gripper = self.given_robot_state()
+        return joints or (0.0,) * JOINT_COUNT, gripper or (0.0,) * GRIPPER_COUNT
+
+    def given_robot_state(self) -> tuple[tuple[float, ...] | None, tuple[float, ...] | None]:
+        """(7 joint positions, 1 gripper position) as the DROID mapping of the reference picks them;
+        None where the step gives neither an action value nor a state, as upstream leaves the key out."""
         joints = self.action.joint_positions if self.action else None
         gripper = self.action.gripper_position if self.action else None
         state = self.observation.state
@@ -94,7 +101,7 @@ class WorldStep:
             joints = state[:JOINT_COUNT]
             if gripper is None and len(state) > JOINT_COUNT:
                 gripper = state[JOINT_COUNT : JOINT_COUNT + GRIPPER_COUNT]
-        return joints or (0.0,) * JOINT_COUNT, gripper or (0.0,) * GRIPPER_COUNT
+        return joints, gripper
 
     @classmethod
     def from_wire(cls, data: Any, limits: Limits = DEFAULT_LIMITS) -> WorldStep:

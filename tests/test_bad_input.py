@@ -234,7 +234,7 @@ async def test_a_large_contextual_step_id_is_out_of_order_with_its_exact_text(
     s = await fleet.create_session(model="null-world", mode="world_model_env")
     r = await s.step(step_id, **world_step(0))
     assert r.error and r.error.code is ErrorCode.STEP_OUT_OF_ORDER, r
-    assert r.error.message == f"expected step_id 0, got {step_id}"
+    assert r.error.message == f"Expected step_id 0, got {step_id}."
     assert (await s.status()).next_step_id == 0
 
 
@@ -268,7 +268,7 @@ async def test_large_contextual_step_ids_keep_exact_log_fields(scripts: Scripts)
         old = await scripts.enqueue("s1", "w1", step_id=start - 5, contextual=True, job_id="old", reply_to="c",
                                     payload=b"p")
         assert isinstance(old, Refused)
-        assert old.message == f"step {start - 5} is already committed; highest committed step is {start + 1}"
+        assert old.message == f"Step {start - 5} is already committed; highest committed step is {start + 1}."
         await scripts.redis.delete(scripts.keys.log("s1"))
 
 

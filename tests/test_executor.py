@@ -104,7 +104,7 @@ async def test_a_step_out_of_order_fails_without_a_fallback(fleet: FleetClient, 
     s, waiting, job = await enqueued(fleet, idle_worker, 0)
     await run(idle_worker, dataclasses.replace(job, step_id=3))
     r, dead = await answered(fleet, waiting)
-    assert r.error and r.error.code is ErrorCode.STEP_OUT_OF_ORDER and "expected step_id 0" in r.error.message
+    assert r.error and r.error.code is ErrorCode.STEP_OUT_OF_ORDER and "Expected step_id 0" in r.error.message
     assert dead == 0 and (await s.status()).next_step_id == 1  # nothing fell back
 
 

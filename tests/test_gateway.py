@@ -116,9 +116,9 @@ async def test_session_lifecycle_and_every_status_code(http: httpx.AsyncClient, 
     assert r.status_code == 200 and set(r.json()) == {"session_id", "mode", "created_at"}
     assert r.json()["mode"] == "world_model_env"
     sid = r.json()["session_id"]
-    assert (await http.post(SESSIONS, json={})).status_code == 200  # the gateway's default model
     assert "nope" in error_body(await http.post(SESSIONS, json={"model": "nope"}), 400)["message"]
-    assert error_body(await http.post(SESSIONS, json={"mode": "tokens"}), 400)["param"] == "body.mode"
+    tokens = {"model": "reference-world", "mode": "tokens"}
+    assert error_body(await http.post(SESSIONS, json=tokens), 400)["param"] == "body.mode"
 
     first = await http.post(f"{SESSIONS}/{sid}/step", json=body(0))
     assert first.status_code == 200 and first.json()["error"] is None
@@ -162,7 +162,7 @@ async def test_invalid_inputs_answer_400(http: httpx.AsyncClient, workers: Worke
     too_bright = (np.full((4, 4, 3), 300)).tolist()
     for images in ({"cam": too_bright}, {"cam": [[[1, 2, 3]], [[1, 2]]]}, {"cam": [[1, 2, 3]]},
                    {"cam": "not base64!"}, {"cam": base64.b64encode(b"not a picture").decode()},
-                   {"cam": [[[0.5, 1, 2]]]}):
+                   {"cam": [[[0.5, 255.5, 2]]]}):
         step_error(await http.post(url, json=body(0, images=images)), 400, "invalid_request")
     no_action = body(0)
     del no_action["action"]

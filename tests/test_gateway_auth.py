@@ -131,13 +131,15 @@ def test_cli_keys_from_flags_or_the_variable() -> None:
 
 async def test_the_gateway_verbs_default_model_is_the_one_health_needs(
         redis_server: RedisServer, prefix: str, fleet: FleetClient, workers: WorkerPool) -> None:
-    """`gateway --default-model` (or its variable): sessions created without a model get it, and
-    /health is 200 once a live worker serves it, not only when one serves reference-world."""
+    """`gateway --model` (or its variable): /health is 200 once a live worker serves it, not only
+    when one serves reference-world; a create names its model, as upstream's does."""
     await workers.add(NullEngine())
     env = {"ROLLOUT_FLEET_REDIS_URL": redis_server.url, "ROLLOUT_FLEET_PREFIX": prefix,
-           "ROLLOUT_FLEET_DEFAULT_MODEL": "null-world"}
+           "ROLLOUT_FLEET_MODEL": "null-world"}
     async with cli_http_server(["gateway"], env, "/health", lambda r: r.status_code == 200) as http:
         assert (await http.get("/health")).json()["model"] == "null-world"
-        created = await http.post(SESSIONS, json={})
+        unnamed = await http.post(SESSIONS, json={})
+        assert unnamed.status_code == 400 and unnamed.json()["error"]["param"] == "body.model", unnamed.text
+        created = await http.post(SESSIONS, json={"model": "null-world"})
         assert created.status_code == 200, created.text
     assert (await fleet.attach(created.json()["session_id"])).model == "null-world"

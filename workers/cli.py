@@ -198,7 +198,7 @@ def _cmd_gateway(run: Invocation) -> int:
     settings = gateway_settings(run.args)
     if not settings.api_keys and run.args.host not in ("127.0.0.1", "localhost", "::1"):
         logging.getLogger(__name__).warning("gateway on %s without API keys: any client may use it", run.args.host)
-    serve(run.cell, run.args.host, run.args.port, model_default=run.args.default_model, settings=settings)
+    serve(run.cell, run.args.host, run.args.port, model_default=run.args.model, settings=settings)
     return 0
 
 

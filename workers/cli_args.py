@@ -36,7 +36,8 @@ DESCRIPTION = "rollout-fleet: worker, demo, redis (embedded, foreground) and sta
 # The worker's own settings the CLI sets (flag dests are these field names).
 WORKER_SETTINGS = ("worker_id", "capacity", "heartbeat_ms", "max_attempts", "drain_timeout_s", "version_wait_s",
                    "metrics_port", "rebalance_interval_s", "rebalance_threshold",
-                   "durability", "durability_replicas", "durability_timeout_s", "snapshot_every")
+                   "durability", "durability_replicas", "durability_timeout_s", "snapshot_every",
+                   "closed_retention_hours")
 _CELL_HELP = {"redis_url": "Redis URL", "prefix": "key prefix", "cell": "cell hash tag; '*': every cell",
               "lease_ms": "lease in ms: a worker silent this long is failed over (one value per cell)"}
 
@@ -129,6 +130,8 @@ def _worker(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
              "replicated: replicas that must have a commit before its reply goes out")
     _setting(p, "--durability-timeout", WorkerSettings, "durability_timeout_s",
              "replicated: seconds a step waits for its replicas before it answers timeout")
+    _setting(p, "--closed-retention-hours", WorkerSettings, "closed_retention_hours",
+             "hours a closed session still answers status and close (closed: true)", type=_positive(float))
     _setting(p, "--snapshot-every", WorkerSettings, "snapshot_every",
              "snapshot a session's engine context every N committed steps (engines that can export "
              "it), so failover replays at most N steps; 0: off")
@@ -203,15 +206,19 @@ def _listen_and_keys(p: argparse.ArgumentParser, environ: Mapping[str, str], *, 
 def _gateway(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
     _listen_and_keys(p, environ, port=8000, what="the gateway",
                      key_use="a client must send as 'Authorization: Bearer KEY'")
-    p.add_argument("--default-model", default=DEFAULT_MODEL, metavar="MODEL",
-                   help="model of a session created without one; GET /health is 200 only while a live "
-                        "worker serves it (default: %(default)s)")
+    # --default-model is the earlier spelling, kept as an alias; the last string names the variable.
+    p.add_argument("--default-model", "--model", dest="model", default=DEFAULT_MODEL, metavar="MODEL",
+                   help="the served model: 'dreamzero' on create names it when it is a DreamZero model; "
+                        "GET /health is 200 only while a live worker serves it (default: %(default)s)")
     _setting(p, "--max-sessions-per-key", GatewaySettings, "max_sessions_per_key",
              "open sessions one API key may hold", type=_positive(int))
     _setting(p, "--step-timeout", GatewaySettings, "step_timeout_s",
              "seconds an HTTP client waits for a step's result (then 504)", type=_positive(float))
     _setting(p, "--max-body-bytes", GatewaySettings, "max_body_bytes",
              "largest request body read (then 413)", type=_positive(int))
+    p.add_argument("--upstream-errors", action="store_true",
+                   help="answer a re-sent committed step as vLLM-Omni does (400 step_already_committed) "
+                        "instead of with its stored result and X-Rollout-Duplicate: true")
 
 
 def _dashboard(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
@@ -228,7 +235,8 @@ def gateway_settings(args: argparse.Namespace) -> GatewaySettings:
     """The gateway verb's settings: keys from the flags, else from the environment."""
     keys = parse_api_keys(args.api_keys if args.api_keys else [args.api_keys_env])
     return GatewaySettings(api_keys=keys, max_sessions_per_key=args.max_sessions_per_key,
-                           step_timeout_s=args.step_timeout_s, max_body_bytes=args.max_body_bytes)
+                           step_timeout_s=args.step_timeout_s, max_body_bytes=args.max_body_bytes,
+                           upstream_errors=args.upstream_errors)
 
 
 def _update_weights(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:

@@ -167,8 +167,8 @@ class StepExecutor:
         state.checked_version = await self.staleness.before_run(job, state.max_staleness)
         if job.step_id != state.committed + 1:
             raise StepFailed(ErrorCode.STEP_OUT_OF_ORDER,
-                             f"expected step_id {state.committed + 1}, got {job.step_id} "
-                             "(an earlier step of this session failed; resubmit from there)", fallback=False)
+                             f"Expected step_id {state.committed + 1}, got {job.step_id} "
+                             "(an earlier step of this session failed; resubmit from there).", fallback=False)
         return True
 
     async def _run_gated(self, job: Job, request: EngineRequest, state: SessionState | None) -> EngineRun:

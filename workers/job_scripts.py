@@ -91,6 +91,7 @@ class JobScripts:
             session_id=job.session_id, worker_id=self.worker_id, epoch=job.epoch, entry_id=job.entry_id,
             job_id=job.job_id, kind=job.kind, mode=job.mode.value, model=job.model, reply_to=job.reply_to,
             grace_ms=self.settings.close_grace_ms, reply_ttl_ms=self.settings.reply_ttl_ms,
+            closed_retention_ms=round(self.settings.closed_retention_hours * 3_600_000),
             reply_bounds=self.reply_bounds,
         )
         if isinstance(reply, StaleOwner | Unrequested):  # not the session's to apply: dropped as fenced

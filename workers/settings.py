@@ -37,7 +37,11 @@ class WorkerSettings:
     reply_stream_bytes: int = 256 * 1024 * 1024  # a reply stream's byte budget (broker ReplyBounds)
     large_reply_bytes: int = 1024 * 1024  # a result this large gives its reply stream ...
     large_reply_ttl_ms: int = 600_000  # ... this shorter TTL
-    close_grace_ms: int = 60_000
+    close_grace_ms: int = 60_000  # a closed session's stored results are kept this long
+    # A closed session's hash (committed step, context length, closed) is kept this long, so status
+    # and a second close answer as the serving layer's do (it keeps closed sessions) for a span a
+    # trainer can rely on; the hash is small, its stored results go after close_grace_ms.
+    closed_retention_hours: float = 24.0
     drain_timeout_s: float = 30.0
     idle_sweep_s: float = 5.0  # how often the worker closes its sessions idle past their timeout
     version_wait_s: float = 300.0  # the longest a step waits at the weight gate for its min_policy_version
@@ -60,8 +64,9 @@ class WorkerSettings:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
         self.reply_bounds()  # validated here, at the edge
-        if self.version_wait_s <= 0 or self.idle_sweep_s <= 0:
-            raise ValueError("version_wait_s and idle_sweep_s must be positive")
+        if self.version_wait_s <= 0 or self.idle_sweep_s <= 0 or not 0 < self.closed_retention_hours < 1e6:
+            raise ValueError("version_wait_s, idle_sweep_s and closed_retention_hours must be positive (and "
+                             "closed_retention_hours under 1e6)")
         if self.rebalance_interval_s < 0 or not 0 < self.rebalance_threshold <= 1:
             raise ValueError("rebalance_interval_s must be >= 0 (0: off) and rebalance_threshold in (0, 1]")
         if self.cell_config.any_cell:

@@ -17,7 +17,8 @@ gateway's trainer, ``trainer_cap_reached``); a body over ``max_body_bytes`` is r
 read (413), and images are size-checked from their headers (413) and decoded in worker threads.
 
 Differences a client can only gain from: a re-sent, already committed step returns its stored
-result (header ``X-Rollout-Duplicate: true``) while it is in the session's result window, and
+result (header ``X-Rollout-Duplicate: true``) while it is in the session's result window (with
+``upstream_errors`` set, ``--upstream-errors``, it is upstream's 400 ``step_already_committed``), and
 ``Accept: application/msgpack`` returns the fleet's msgpack ``StepResult`` (latents as raw
 ndarrays) instead of base64 JSON.
 
@@ -62,6 +63,7 @@ from broker.gateway.models import (
 from broker.gateway.settings import DEFAULT_MODEL, GatewaySettings
 from broker.gateway.step_metrics import GatewayMetrics
 from broker.gateway.tenancy import Tenancy
+from broker.gateway.upstream import as_upstream_duplicate, served_model, with_session_values
 from broker.redis.config import CellConfig
 from schemas.codec import encode
 from schemas.errors import (
@@ -92,6 +94,7 @@ class Gateway:
                  limits: Limits, max_handles: int = 4096) -> None:
         self.fleet, self.model_default, self.limits = fleet, model_default, limits
         self.step_timeout = settings.step_timeout_s
+        self.upstream_errors = settings.upstream_errors
         self.tenancy = Tenancy(fleet, settings.max_sessions_per_key)
         self.max_handles = max_handles
         self._handles: OrderedDict[str, Session] = OrderedDict()
@@ -125,14 +128,28 @@ class Gateway:
     async def step(self, session_id: str, body: RolloutStepRequest) -> StepResult:
         try:
             session = await self.session(session_id)
-            observation = await self.observation(body)
-            action = fleet_action(body.action)
         except FleetError as exc:
             return StepResult.failure(session_id, body.step_id, exc.code, exc.message)
+        try:
+            observation = await self.observation(body)
+            action = fleet_action(body.action)
+        except FleetError as exc:  # refused before Redis: the answer still carries the session's values
+            return await with_session_values(
+                self.fleet, StepResult.failure(session_id, body.step_id, exc.code, exc.message))
         with self.metrics.step(session.model) as answered:
             answered(await session.step(body.step_id, observation=observation, action=action,
                                         use_session_context=body.use_session_context, timeout=self.step_timeout))
-        return answered.result
+        return await self._as_served(body, answered.result)
+
+    async def _as_served(self, body: RolloutStepRequest, result: StepResult) -> StepResult:
+        """The result as the serving layer reports it: a stateless step's context length is the
+        session's (its throwaway context is gone), and with --upstream-errors a re-sent committed
+        step is refused rather than answered from the stored result."""
+        if result.duplicate and self.upstream_errors:
+            return await as_upstream_duplicate(self.fleet, result)
+        if result.ok and not body.use_session_context:
+            return await with_session_values(self.fleet, result)
+        return result
 
 
 def _gateway(request: Request) -> Gateway:
@@ -179,8 +196,8 @@ async def create_rollout_session(body: CreateSessionRequest, request: Request) -
     """Create a world_model_env session on the least loaded worker serving the model."""
     gateway = _gateway(request)
     try:
-        session = await gateway.tenancy.create(
-            _caller(request), lambda: gateway.fleet.create_session(body.model or gateway.model_default, body.mode))
+        model = served_model(body.model, gateway.model_default)
+        session = await gateway.tenancy.create(_caller(request), lambda: gateway.fleet.create_session(model, body.mode))
     except InvalidRequestError as exc:
         raise HTTPException(status_code=400, detail=exc.message) from exc
     except CapacityExhaustedError as exc:

@@ -1,5 +1,6 @@
-"""Camera images from HTTP bodies: nested lists (H, W, 3) or base64 strings (PNG/JPEG, or a .npy
-file of an HxWx3 uint8 array), each returned as a validated uint8 array.
+"""Camera images from HTTP bodies: nested lists (H, W, 3) of integers or floats (as upstream takes
+them) or base64 strings (PNG/JPEG, or a .npy file of an HxWx3 uint8 array), each returned as a
+validated uint8 array.
 
 Every path checks the size an input *declares* before allocating for it: a .npy header's shape and
 dtype, a picture's header size (Pillow reads it without decoding), so a small hostile body cannot
@@ -26,7 +27,8 @@ _NPY_MAX_HEADER = 10_000  # numpy's own default bound on a header it parses
 
 
 def decode_image(name: str, value: list[Any] | str, limits: Limits) -> np.ndarray:
-    """An HxWx3 uint8 array from nested lists of integers in [0, 255] or a base64 string."""
+    """An HxWx3 uint8 array from nested lists of numbers in [0, 255] (floats all within [0, 1] are
+    normalized intensities) or a base64 string."""
     array = _from_base64(name, value, limits) if isinstance(value, str) else _from_lists(name, value, limits)
     if array.ndim != 3 or array.shape[2] != 3 or array.shape[0] == 0 or array.shape[1] == 0:
         raise InvalidRequestError(f"image {name!r} must be HxWx3, got shape {list(array.shape)}")
@@ -47,11 +49,21 @@ def _from_lists(name: str, value: list[Any], limits: Limits) -> np.ndarray:
     _check_elements(name, array.size, limits)
     if array.dtype.kind not in "iuf":
         raise InvalidRequestError(f"image {name!r} must hold numbers, got {array.dtype}")
-    if array.dtype.kind == "f" and not (np.isfinite(array).all() and (array == np.round(array)).all()):
-        raise InvalidRequestError(f"image {name!r} must hold whole numbers in [0, 255]")
+    if array.dtype.kind == "f" and not np.isfinite(array).all():
+        raise InvalidRequestError(f"image {name!r} must hold finite numbers")
     if array.size and (array.min() < 0 or array.max() > 255):
         raise InvalidRequestError(f"image {name!r} values must be within [0, 255]")
+    if array.dtype.kind == "f":
+        return _from_floats(array)
     return array.astype(np.uint8)
+
+
+def _from_floats(array: np.ndarray) -> np.ndarray:
+    """Float pixels, as upstream takes them: all within [0, 1] they are normalized intensities
+    (x255), otherwise 0-255 values; either way rounded, since the fleet carries images as uint8."""
+    scale = 255.0 if array.size and array.max() <= 1.0 else 1.0
+    pixels: np.ndarray = np.rint(array * scale).astype(np.uint8)
+    return pixels
 
 
 def _from_base64(name: str, text: str, limits: Limits) -> np.ndarray:

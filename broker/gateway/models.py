@@ -1,8 +1,7 @@
 """Request and response bodies of the vLLM-Omni RL rollout API (RFC #3747), field for field.
 
 Field names, defaults and optionality follow ``vllm_omni/entrypoints/openai/protocol/rollout.py``
-so an existing client works unchanged. Two additions, both optional: ``CreateSessionRequest.model``
-may be left out (the gateway's default model), and images may also be base64 strings.
+so an existing client works unchanged.
 """
 
 from __future__ import annotations
@@ -17,8 +16,9 @@ class Observation(BaseModel):
 
     images: dict[str, list[Any] | str] | None = Field(
         default=None,
-        description="Named camera images: nested lists (H, W, 3) of integers in [0, 255], or base64 strings "
-                    "(PNG/JPEG, or a .npy file of an HxWx3 uint8 array).",
+        description="Named camera images: nested lists (H, W, 3) of numbers in [0, 255] (floats all within "
+                    "[0, 1] are normalized intensities), or base64 strings (PNG/JPEG, or a .npy file of an "
+                    "HxWx3 uint8 array).",
     )
     state: list[float] | None = Field(default=None, description="Proprioceptive state vector.")
     prompt: str = Field(default="", description="Optional language conditioning.")
@@ -53,7 +53,7 @@ class ErrorObject(BaseModel):
 
 
 class CreateSessionRequest(BaseModel):
-    model: str | None = Field(default=None, description="Served model; the gateway's default when left out.")
+    model: str = Field(description="Served model; 'dreamzero' (any case) names the gateway's DreamZero model.")
     mode: Literal["world_model_env"] = "world_model_env"
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 API_KEY_ENV = "ROLLOUT_FLEET_API_KEY"  # comma-separated keys; `--api-key` (repeatable) wins over it
 # The model of a session created without one, and the model GET /health needs a live worker for.
-# Here rather than in the app so that the CLI's --default-model reads it without FastAPI.
+# Here rather than in the app so that the CLI's --model reads it without FastAPI.
 DEFAULT_MODEL = "reference-world"
 
 
@@ -32,6 +32,9 @@ class GatewaySettings:
     max_body_bytes: int = 64 * 1024 * 1024
     # Image decodes run in threads so the event loop keeps serving; this bounds their number.
     decode_threads: int = 4
+    # Answer a re-sent committed step as the serving layer does (400 step_already_committed) instead
+    # of with its stored result (the fleet's extension, X-Rollout-Duplicate: true).
+    upstream_errors: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_sessions_per_key", "step_timeout_s", "max_body_bytes", "decode_threads"):

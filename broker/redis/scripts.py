@@ -323,15 +323,16 @@ class Scripts:
 
     async def apply_control(self, *, session_id: str, worker_id: str, epoch: int, entry_id: str,
                             job_id: str, kind: str, mode: str, model: str, reply_to: str,
-                            grace_ms: int, reply_ttl_ms: int,
+                            grace_ms: int, reply_ttl_ms: int, closed_retention_ms: int | None = None,
                             reply_bounds: ReplyBounds = DEFAULT_REPLY_BOUNDS) -> ApplyControlReply:
+        """``closed_retention_ms``: how long a closed session's hash answers status (None: ``grace_ms``)."""
         k = self.keys
         raw = await self._call(
             "apply_control",
             [k.session(session_id), k.log(session_id), k.inbox(worker_id), k.reply(reply_to),
              k.pool(mode, model), k.sessions, k.owned, k.trainer_open],
             [worker_id, epoch, entry_id, job_id, kind, grace_ms, reply_ttl_ms, INBOX_GROUP, session_id,
-             *reply_bounds.args()],
+             *reply_bounds.args(), grace_ms if closed_retention_ms is None else closed_retention_ms],
         )
         return decode_apply_control(raw)
 

@@ -154,3 +154,14 @@ def test_collective_rpc_results_of_stages_without_the_method_fail() -> None:
     check_rpc_results(None, "reload_weights")
     with pytest.raises(RuntimeError, match=r"worker 1 .*todo"):
         check_rpc_results([None, {"todo": "diffusion stage"}], "reload_weights")
+
+
+def test_a_step_without_state_or_action_values_invents_no_robot_state() -> None:
+    bare = WorldStep.from_wire({"observation": {"prompt": "p"}, "action": {}})
+    obs = robot_obs(bare)
+    assert "observation/joint_position" not in obs and "observation/gripper_position" not in obs
+    body = step_body(bare, 0, True)
+    assert body["action"]["joint_positions"] is None and body["action"]["gripper_position"] is None
+    split = robot_obs(WorldStep.from_wire({"observation": {"state": [float(i) for i in range(8)]}, "action": {}}))
+    assert split["observation/joint_position"].tolist() == list(range(7))
+    assert split["observation/gripper_position"].tolist() == [7.0]

@@ -57,9 +57,12 @@ def robot_obs(step: WorldStep, default_seed: int | None = None) -> dict[str, Any
             out[key] = value
     if "seed" not in out and default_seed is not None:
         out["seed"] = default_seed
-    joints, gripper = step.robot_state()
-    out["observation/joint_position"] = np.asarray(joints, dtype=np.float64)
-    out["observation/gripper_position"] = np.asarray(gripper, dtype=np.float64)
+    # A step with neither action values nor a state leaves the keys out, as upstream does.
+    joints, gripper = step.given_robot_state()
+    if joints is not None:
+        out["observation/joint_position"] = np.asarray(joints, dtype=np.float64)
+    if gripper is not None:
+        out["observation/gripper_position"] = np.asarray(gripper, dtype=np.float64)
     return out
 
 

@@ -78,7 +78,7 @@ def step_body(step: WorldStep, step_id: int, contextual: bool, default_seed: int
     """Our world step as a ``RolloutStepRequest`` (images as nested lists, as the API takes them);
     ``observation.extra["seed"]`` defaults to ``default_seed``."""
     obs = step.observation
-    joints, gripper = step.robot_state()
+    joints, gripper = step.given_robot_state()  # None stays None: the server invents no zeros either
     extra = dict(obs.extra)
     if "seed" not in extra and default_seed is not None:
         extra["seed"] = default_seed
@@ -90,7 +90,8 @@ def step_body(step: WorldStep, step_id: int, contextual: bool, default_seed: int
             "prompt": obs.prompt,
             "extra": extra,
         },
-        "action": {"joint_positions": list(joints), "gripper_position": list(gripper),
+        "action": {"joint_positions": None if joints is None else list(joints),
+                   "gripper_position": None if gripper is None else list(gripper),
                    "extra": dict(step.action.extra) if step.action else {}},
         "use_session_context": contextual,
     }

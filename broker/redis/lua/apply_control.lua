@@ -1,11 +1,14 @@
 -- The owner applies a reset or close control job from its inbox, fenced like a commit.
 -- reset: committed -> -1, context 0, stored results dropped. close: the worker's load drops, the
--- session and its log expire after the grace TTL.
+-- log (stored results, the bulk) expires after the grace TTL and the small session hash after the
+-- closed retention, so status and a second close still answer 'closed' for that long, as the
+-- serving layer does (docs/architecture.md).
 -- Uses: prelude.lua (fenced, add_reply)
 -- KEYS: 1 session hash, 2 log hash, 3 inbox, 4 reply stream, 5 pool zset, 6 sessions hash, 7 owned hash,
 --       8 trainer open hash (a close counts the session's trainer down, as it counts the owner down)
 -- ARGV: 1 worker id, 2 job epoch, 3 inbox entry id, 4 job_id, 5 kind, 6 grace ttl ms,
---       7 reply ttl ms, 8 inbox group, 9 session_id, 10-12 reply stream bounds (ReplyBounds)
+--       7 reply ttl ms, 8 inbox group, 9 session_id, 10-12 reply stream bounds (ReplyBounds),
+--       13 closed retention ms (the session hash's TTL after a close; the grace TTL when absent)
 -- Fields (broker/redis/layouts.py): reads session owner, epoch, committed_step_id, reset_pending, trainer;
 --       writes session committed_step_id, context_length, reset_pending (reset), drops first_version
 --       (reset: the next committed step starts a new trajectory, docs/async_rl.md); drops the log
@@ -49,7 +52,7 @@ if s[1] then
       redis.call('HDEL', KEYS[8], s[5])  -- never below 0, and no field left per trainer gone
     end
     redis.call('HDEL', KEYS[6], ARGV[9])
-    redis.call('PEXPIRE', KEYS[1], ARGV[6])
+    redis.call('PEXPIRE', KEYS[1], ARGV[13] or ARGV[6])
     redis.call('PEXPIRE', KEYS[2], ARGV[6])
   end
 end

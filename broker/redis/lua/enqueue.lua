@@ -52,14 +52,14 @@ if ARGV[3] == '1' and not awaits_replica then
         return {'stored', stored, committed}
       end
       return {'error', 'step_already_committed',
-              'step ' .. step_id .. ' is already committed; highest committed step is ' .. step_text(committed),
+              'Step ' .. step_id .. ' is already committed; highest committed step is ' .. step_text(committed) .. '.',
               committed, ctx}
     end
     if step < nxt then
       return {'error', 'step_out_of_order',
               'step ' .. step_id .. ' is already queued; expected step_id ' .. step_text(nxt), committed, ctx, 'in_flight'}
     end
-    return {'error', 'step_out_of_order', 'expected step_id ' .. step_text(nxt) .. ', got ' .. step_id, committed, ctx}
+    return {'error', 'step_out_of_order', 'Expected step_id ' .. step_text(nxt) .. ', got ' .. step_id .. '.', committed, ctx}
   end
   redis.call('HSET', KEYS[1], 'next_step_id', nxt + 1)
 end
