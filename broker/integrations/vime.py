@@ -238,20 +238,28 @@ def _fill(args: Any, sample: Any, result: RolloutSample) -> Any:
     return sample
 
 
+async def _prepare(args: Any, sample: Any,
+                   sampling_params: dict[str, Any]) -> tuple[FleetClient, MultiTurnConfig, ChatTokenizer, Any]:
+    """What one rollout (or one group) needs from the args: the fleet, the config, the tokenizer and
+    the environment module's ``build_env``. Raises ValueError before anything is sent."""
+    model = model_name(args)
+    tok = tokenizer_for(args, model)
+    config = _config(args, sample, sampling_params, model)
+    build_env = getattr(load_env_module(args.rollout_interaction_env_path), "build_env", None)
+    if not callable(build_env):
+        raise ValueError("the environment module must expose a callable build_env(sample, args)")
+    fleet = await fleet_for(getattr(args, "fleet_redis_url", None) or DEFAULT_URL,
+                            getattr(args, "fleet_prefix", None) or "rf", str(getattr(args, "fleet_cell", None) or "0"))
+    return fleet, config, tok, build_env
+
+
 async def generate(args: Any, sample: Any, sampling_params: dict[str, Any]) -> Any:
     """vime's custom generate signature: roll ``sample`` out on the fleet and return it filled."""
     _check_request(args, sample)
     sample.metadata = dict(sample.metadata or {})
-    model = model_name(args)
-    tok = tokenizer_for(args, model)
-    config = _config(args, sample, sampling_params, model)
-    fleet = await fleet_for(getattr(args, "fleet_redis_url", None) or DEFAULT_URL,
-                            getattr(args, "fleet_prefix", None) or "rf", str(getattr(args, "fleet_cell", None) or "0"))
+    fleet, config, tok, build_env = await _prepare(args, sample, sampling_params)
     messages = _messages(sample)
     render_target = _render_target(args) if has_images(messages) else None
-    build_env = getattr(load_env_module(args.rollout_interaction_env_path), "build_env", None)
-    if not callable(build_env):
-        raise ValueError("the environment module must expose a callable build_env(sample, args)")
     env = build_env(sample=sample, args=args)
     if render_target is None:
         _fill(args, sample, await run_multiturn(fleet, env, messages, config, tokenizer=tok))
@@ -289,15 +297,8 @@ async def generate_group(args: Any, samples: list[Any], sampling_params: dict[st
     params = dict(sampling_params)
     if getattr(args, "fleet_seed", None) is not None:
         params["seed"] = args.fleet_seed
-    model = model_name(args)
-    tok = tokenizer_for(args, model)
-    config = _config(args, first, params, model)
-    fleet = await fleet_for(getattr(args, "fleet_redis_url", None) or DEFAULT_URL,
-                            getattr(args, "fleet_prefix", None) or "rf", str(getattr(args, "fleet_cell", None) or "0"))
+    fleet, config, tok, build_env = await _prepare(args, first, params)
     messages = _messages(first)
-    build_env = getattr(load_env_module(args.rollout_interaction_env_path), "build_env", None)
-    if not callable(build_env):
-        raise ValueError("the environment module must expose a callable build_env(sample, args)")
     made = iter(samples)
     run = functools.partial(run_multiturn_group, fleet, lambda: build_env(sample=next(made), args=args),
                             messages, n, config, needed=needed, tokenizer=tok)
