@@ -188,3 +188,19 @@ async def cli_http_server(argv: list[str], env: dict[str, str], path: str,
     finally:
         proc.terminate()
         proc.communicate(timeout=30)
+
+
+async def stop_supervisor(supervisor: Any, task: asyncio.Task[None], timeout: float = 10.0) -> None:
+    """Stop an arq supervisor started with ``async_run`` in a test.
+
+    arq's ``close`` cancels the jobs still running and then gathers them, so a job finishing its last
+    write (its result is already visible) makes ``close`` raise CancelledError and leaks the job's
+    connection. Jobs get ``timeout`` seconds to finish first."""
+    running = [t for t in supervisor.tasks.values() if not t.done()]
+    if running:
+        await asyncio.wait(running, timeout=timeout)
+    try:
+        await supervisor.close()
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)

@@ -17,7 +17,7 @@ from broker.redis.config import CellConfig
 from broker.redis.embedded import RedisServer
 from broker.redis.scripts import Scripts
 from schemas.errors import ErrorCode
-from tests.support import WorkerPool, world_step
+from tests.support import WorkerPool, stop_supervisor, world_step
 from workers.engines.base import EngineOutput, EngineRequest
 from workers.engines.null import NullEngine
 
@@ -148,11 +148,8 @@ async def test_supervisor_reaps_dead_workers_and_runs_replay_jobs(
         assert r.ok and r.worker_id == b.id and r.output["context"] == 1
         assert (await s.status()).epoch == 2
     finally:
-        for sv in supervisors:
-            await sv.close()
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        for sv, t in zip(supervisors, tasks, strict=True):
+            await stop_supervisor(sv, t)
 
 
 async def test_replay_requested_as_an_arq_job(
@@ -171,6 +168,4 @@ async def test_replay_requested_as_an_arq_job(
         assert (await s.status()).committed_step_id == 1  # type: ignore[attr-defined]
         assert await list_dead(scripts) == []
     finally:
-        await supervisor.close()
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        await stop_supervisor(supervisor, task)

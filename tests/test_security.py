@@ -35,7 +35,7 @@ from broker.redis.layouts import (
     DEFAULT_IDLE_TIMEOUT_S,
     MAX_IDLE_TIMEOUT_S,
 )
-from tests.support import FAST, WorkerPool, worker_pool, world_step
+from tests.support import FAST, WorkerPool, stop_supervisor, worker_pool, world_step
 from tests.test_gateway import SESSIONS, GatewayServer, body
 from tests.tls import TlsRedis, make_certificates, tls_redis_server
 from workers.engines.null import NullEngine
@@ -95,9 +95,7 @@ async def _run_supervisor_until(settings: SupervisorSettings, done: Any, timeout
             assert time.monotonic() < deadline, "the supervisor did not get there in time"
             await asyncio.sleep(0.05)
     finally:
-        await supervisor.close()
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        await stop_supervisor(supervisor, task)
 
 
 async def _fail_over_and_replay(url: str, prefix: str, pool: WorkerPool) -> None:

@@ -21,6 +21,7 @@ from broker.ops.arq_queue import MAX_ARQ_JOB_BYTES, arq_pool, pack_arq, unpack_a
 from broker.ops.supervisor import SupervisorSettings, build_worker, request_replay
 from broker.redis.config import CellConfig
 from broker.redis.embedded import RedisServer, free_port
+from tests.support import stop_supervisor
 
 
 class _ShellCommand:
@@ -55,9 +56,7 @@ async def _run_until(supervisor: ArqWorker, done: object, timeout: float = 10.0)
             assert not task.done(), f"the supervisor stopped: {task.exception()}"
             await asyncio.sleep(0.05)
     finally:
-        await supervisor.close()
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        await stop_supervisor(supervisor, task)
 
 
 async def test_a_pickled_job_in_the_queue_is_refused_without_being_run(
@@ -145,9 +144,7 @@ async def test_a_supervisor_started_before_redis_answers_waits_for_it() -> None:
         finally:
             await redis.aclose()
     finally:
-        await supervisor.close()
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        await stop_supervisor(supervisor, task)
         if server is not None:
             server.cleanup()
 
@@ -170,6 +167,4 @@ async def test_two_cells_supervisors_on_one_redis_both_run_every_tick(redis_serv
     try:
         await _run_until(supervisors[0], both_reaped_one_tick, timeout=15.0)
     finally:
-        await supervisors[1].close()
-        other.cancel()
-        await asyncio.gather(other, return_exceptions=True)
+        await stop_supervisor(supervisors[1], other)
