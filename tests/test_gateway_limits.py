@@ -167,6 +167,8 @@ async def test_a_malformed_body_answers_a_bounded_message(http: httpx.AsyncClien
     assert message.startswith("20000 validation errors:\n") and message.endswith("...and 19990 more errors")
     assert "x" * 200 + "...[truncated]" in message and "x" * 201 not in message
     assert r.json()["error"]["param"] == "body.observation.state.0"
+    number = await http.post(f"{SESSIONS}/{sid}/step", json=body(0, images={"cam": 5}))
+    assert number.status_code == 400 and number.json()["error"]["param"] == "body.observation.images.cam"
 
 
 def _npy_header(shape: tuple[int, ...], dtype: str = "|u1") -> bytes:

@@ -50,7 +50,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from broker.client import FleetClient, Session
 from broker.gateway.convert import fleet_action, fleet_observation, http_status, step_response
 from broker.gateway.dashboard import router as dashboard_router
-from broker.gateway.errors import error_response, validation_message
+from broker.gateway.errors import error_response, validation_message, validation_param
 from broker.gateway.guards import CALLER_STATE, BearerAuth, BodyLimit
 from broker.gateway.health import health_problem
 from broker.gateway.models import (
@@ -308,8 +308,8 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 async def _validation_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, RequestValidationError)
     errors = list(exc.errors())
-    param = ".".join(str(part) for part in errors[0].get("loc", ())) if errors else None
-    return error_response(HTTPStatus.BAD_REQUEST, validation_message(errors), param=param or None)
+    param = validation_param(errors[0].get("loc", ())) if errors else None
+    return error_response(HTTPStatus.BAD_REQUEST, validation_message(errors), param=param)
 
 
 async def _invalid_request(request: Request, exc: Exception) -> Response:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from http import HTTPStatus
 from typing import Any
@@ -16,6 +17,12 @@ from broker.gateway.models import ErrorInfo, ErrorResponse
 MAX_REPORTED_ERRORS = 10
 MAX_INPUT_CHARS = 200
 MAX_ERROR_CHARS = 1000
+# Segments of a pydantic error location that name a validator or a union branch, not a field:
+# dropped from ``param`` as vLLM drops them (``body.observation.images.cam``, not ``...cam.list[any]``).
+_BRACKETED = re.compile(r"[\[\]{}()]")
+_TYPE_TAGS = frozenset({"function-wrap", "function-after", "function-before", "function-plain", "json-or-python",
+                        "lax-or-strict", "chain", "default", "nullable", "tagged-union", "union", "str", "int",
+                        "float", "bool", "bytes", "list", "tuple", "dict", "set", "none"})
 
 
 def error_response(status: int, message: str, *, param: str | None = None,
@@ -46,3 +53,9 @@ def validation_message(errors: Sequence[Any]) -> str:
     if len(errors) > MAX_REPORTED_ERRORS:
         lines.append(f"  ...and {len(errors) - MAX_REPORTED_ERRORS} more {label}")
     return "\n".join(lines)
+
+
+def validation_param(loc: Sequence[Any]) -> str | None:
+    """The dotted field path of an error location, validator and union-branch segments left out."""
+    parts = [str(part) for part in loc if not (_BRACKETED.search(str(part)) or str(part).lower() in _TYPE_TAGS)]
+    return ".".join(parts or [str(part) for part in loc]) or None

@@ -58,6 +58,12 @@ def step(step_id: int, *, joints: Sequence[float] | None = None, image_seed: int
             **extra}
 
 
+def seeded(body: dict[str, Any], seed: int) -> dict[str, Any]:
+    """``body`` with another sampling seed (a step's default one grows with its id)."""
+    body["observation"]["extra"]["seed"] = seed
+    return body
+
+
 @dataclass(frozen=True)
 class Call:
     name: str
@@ -102,7 +108,7 @@ SCRIPT: tuple[Call, ...] = (
           "observation": {"images": {"observation/exterior_image_1_left": [[1, 2, 3]]}}},
          differs="the gateway refuses an image that is not HxWx3 numbers in [0, 255] before Redis (the "
                  "fleet carries uint8 HxWx3); upstream hands the lists to the model (the stand-in skips it)"),
-    Call("stateless: step 2**64", "POST", "{sid}/step", step(2**64, use_session_context=False),
+    Call("stateless: step 2**64", "POST", "{sid}/step", seeded(step(2**64, use_session_context=False), 5),
          differs="step ids are within [0, 2**63) end to end in the fleet (schemas/limits.py); upstream "
                  "takes any integer for a stateless step"),
     Call("step 2: state only", "POST", "{sid}/step",
@@ -110,17 +116,20 @@ SCRIPT: tuple[Call, ...] = (
                                         "extra": {"seed": 7}}, "action": {}},
          same_latent=True, then={"model_metadata.committed_step_id": 2}),
     Call("step 3: empty observation and action", "POST", "{sid}/step",
-         {"step_id": 3, "observation": {}, "action": {}}),
+         {"step_id": 3, "observation": {}, "action": {}}, then={"error": None, "model_metadata.context_length": 4}),
     Call("step: no action", "POST", "{sid}/step", {"step_id": 4, "observation": {}},
          then={"error.param": "body.action"}),
-    Call("step: negative id", "POST", "{sid}/step", {**step(4), "step_id": -1}),
+    Call("step: negative id", "POST", "{sid}/step", {**step(4), "step_id": -1}, then={"error.param": "body.step_id"}),
     Call("step: not JSON", "POST", "{sid}/step", raw=b"{\"step_id\": 4,"),
     Call("step: state of strings", "POST", "{sid}/step",
          {"step_id": 4, "observation": {"state": ["x", "y"]}, "action": {}}),
+    Call("step: image as a number", "POST", "{sid}/step",
+         {"step_id": 4, "observation": {"images": {"cam": 5}}, "action": {}},
+         then={"error.param": "body.observation.images.cam"}),
     Call("step: image as a base64 string", "POST", "{sid}/step",
          {"step_id": 4, "observation": {"images": {"cam": "aGVsbG8="}}, "action": {}},
-         differs="upstream takes nested lists only (a string is a 400 validation error); the gateway "
-                 "also reads base64 PNG/JPEG/.npy, and this string is neither: 200 with invalid_request"),
+         differs="upstream takes nested lists only (a string is a 400 validation error body); the gateway "
+                 "also reads base64 PNG/JPEG/.npy, and this string is neither: a 400 step answer, invalid_request"),
     Call("status", "GET", "{sid}/status"),
     Call("reset", "POST", "{sid}/reset", then={"committed_step_id": -1}),
     Call("step 0 after reset", "POST", "{sid}/step", step(0), same_latent=True),
