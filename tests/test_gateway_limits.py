@@ -129,6 +129,48 @@ async def test_a_9000x9000_png_is_refused_from_its_header(http: httpx.AsyncClien
     assert set(decodes) == {(32, 40)}  # a picture within the limit is decoded, and the count sees it
 
 
+def _picture(kind: str) -> str:
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (16, 12), (10, 20, 30)).save(buffer, format=kind)
+    return b64(buffer.getvalue())
+
+
+async def test_only_png_and_jpeg_are_decoded(http: httpx.AsyncClient, workers: WorkerPool,
+                                             decodes: list[tuple[int, int]]) -> None:
+    """Pillow is never asked to probe another format (EPS would run Ghostscript, TIFF/GIF hold frames)."""
+    await workers.add(reference_engine())
+    sid = await create(http)
+    for kind in ("GIF", "BMP", "TIFF"):
+        r = await http.post(f"{SESSIONS}/{sid}/step", json=body(0, images={"cam": _picture(kind)}))
+        assert "not a readable picture" in step_error(r, 400, "invalid_request")["error"]["message"], kind
+    assert decodes == []
+    for step, kind in enumerate(("JPEG", "PNG")):
+        r = await http.post(f"{SESSIONS}/{sid}/step", json=body(step, images={"cam": _picture(kind)}))
+        assert r.status_code == 200 and r.json()["error"] is None, (kind, r.text)
+    assert set(decodes) == {(16, 12)}  # both decoded, and the count sees them
+
+
+async def test_a_malformed_body_answers_a_bounded_message(http: httpx.AsyncClient, workers: WorkerPool) -> None:
+    """One validation error per bad element, each repeating its input: the answer names ten, each
+    input cut to 200 characters, and counts the rest (as vLLM's own handler does)."""
+    await workers.add(reference_engine())
+    sid = await create(http)
+    bad = body(0)
+    bad["observation"]["state"] = ["x" * 500] * 20_000
+    r = await http.post(f"{SESSIONS}/{sid}/step", json=bad)
+    assert r.status_code == 400 and len(r.content) < 8_000, len(r.content)
+    message = r.json()["error"]["message"]
+    assert message.startswith("20000 validation errors:\n") and message.endswith("...and 19990 more errors")
+    assert "x" * 200 + "...[truncated]" in message and "x" * 201 not in message
+    assert r.json()["error"]["param"] == "body.observation.state.0"
+    number = await http.post(f"{SESSIONS}/{sid}/step", json=body(0, images={"cam": 5}))
+    assert number.status_code == 400 and number.json()["error"]["param"] == "body.observation.images.cam"
+
+
 def _npy_header(shape: tuple[int, ...], dtype: str = "|u1") -> bytes:
     header = f"{{'descr': '{dtype}', 'fortran_order': False, 'shape': {shape}, }}".encode()
     header += b" " * (63 - len(header) % 64) + b"\n"

@@ -13,7 +13,8 @@ import pytest
 from broker import FleetClient
 from broker.gateway.settings import GatewaySettings
 from broker.redis.embedded import RedisServer
-from schemas.messages import Mode, WorldStep
+from schemas.codec import decode
+from schemas.messages import Mode, StepResult, WorldStep
 from tests.support import WorkerPool, image
 from tests.test_gateway import SESSIONS, GatewayServer, body, create, http, step_error
 from tests.test_multiturn import reference_engine
@@ -53,6 +54,11 @@ async def test_a_refusal_before_redis_reports_the_sessions_values(http: httpx.As
     await stepped(http, sid, 2)
     bad = step_error(await http.post(f"{SESSIONS}/{sid}/step", json=body(2, images={"cam": "not base64!"})),
                      400, "invalid_request")
+    assert bad["model_metadata"]["committed_step_id"] == 1 and bad["model_metadata"]["context_length"] == 2
+    assert bad["error"]["committed_step_id"] == 1
+    two_joints = body(2)
+    two_joints["action"]["joint_positions"] = [0.1, 0.2]  # refused by the fleet's step schema, in the client
+    bad = step_error(await http.post(f"{SESSIONS}/{sid}/step", json=two_joints), 400, "invalid_request")
     assert bad["model_metadata"]["committed_step_id"] == 1 and bad["model_metadata"]["context_length"] == 2
     assert bad["error"]["committed_step_id"] == 1
 
@@ -123,6 +129,10 @@ async def test_a_closed_session_stays_answerable_for_the_closed_retention(
     status = await http.get(f"{SESSIONS}/{sid}/status")
     assert status.status_code == 200 and status.json()["closed"] is True
     assert (await http.post(f"{SESSIONS}/{sid}/close")).json() == {"session_id": sid, "closed": True}
+    closed = step_error(await http.post(f"{SESSIONS}/{sid}/step", json=body(1)), 410, "session_closed")
+    # As the serving layer answers a step of a session it cannot step: -1 and 0, not the last values.
+    assert closed["model_metadata"]["committed_step_id"] == -1 and closed["model_metadata"]["context_length"] == 0
+    assert closed["error"]["committed_step_id"] == -1
 
 
 async def test_float_images_are_accepted_as_upstream_takes_them(http: httpx.AsyncClient,
@@ -167,3 +177,54 @@ async def test_extra_fields_reach_the_engines_robot_observation_verbatim(http: h
     obs = robot_obs(seen)
     assert obs["observation/wrist_image_left"] == extra["observation/wrist_image_left"]
     assert obs["seed"] == 3 and obs["embodiment_name"] == "droid" and "note" not in obs  # upstream's filter
+
+
+async def test_no_state_invents_no_zeros_and_an_8_value_state_is_joints_and_gripper(
+        http: httpx.AsyncClient, workers: WorkerPool) -> None:
+    """Upstream's DROID mapping: with no action values, ``state[:7]`` are the joints and
+    ``state[7:8]`` the gripper; with neither, the keys are left out (no zeros stand in)."""
+    engine = RecordingEngine()
+    await workers.add(engine)
+    sid = await create(http, model="null-world")
+    steps = [{"observation": {}, "action": {}},
+             {"observation": {"state": [0.5, 1.5, 2.5, 3.5, 4.5, 5.5, 6.5, 0.75]}, "action": {}},
+             {"observation": {"state": [0.5] * 7}, "action": {"gripper_position": 0.25}}]
+    for step_id, step in enumerate(steps):
+        r = await http.post(f"{SESSIONS}/{sid}/step", json={"step_id": step_id, **step})
+        assert r.status_code == 200 and r.json()["error"] is None, r.text
+    empty, eight, seven = (robot_obs(step) for step in engine.steps)
+    assert "observation/joint_position" not in empty and "observation/gripper_position" not in empty
+    assert engine.steps[0].observation.state == () and engine.steps[0].given_robot_state() == (None, None)
+    assert eight["observation/joint_position"].tolist() == [0.5, 1.5, 2.5, 3.5, 4.5, 5.5, 6.5]
+    assert eight["observation/gripper_position"].tolist() == [0.75]
+    assert seven["observation/joint_position"].tolist() == [0.5] * 7
+    assert seven["observation/gripper_position"].tolist() == [0.25]
+
+
+async def test_a_refused_input_is_answered_in_the_serving_layers_order_of_checks(
+        http: httpx.AsyncClient, workers: WorkerPool) -> None:
+    """The serving layer checks the session, then the step id, then the input: a bad input with a
+    wrong step id (or on a closed session) is refused for the id (or the session), as there."""
+    await workers.add(reference_engine())
+    sid = await create(http)
+    await stepped(http, sid, 1)
+
+    def bad(step_id: int) -> dict[str, Any]:
+        return body(step_id, images={"cam": "not base64!"})
+
+    ahead = step_error(await http.post(f"{SESSIONS}/{sid}/step", json=bad(7)), 400, "step_out_of_order")
+    assert ahead["error"]["message"] == "Expected step_id 1, got 7."
+    assert ahead["model_metadata"]["committed_step_id"] == 0 and ahead["model_metadata"]["context_length"] == 1
+    behind = step_error(await http.post(f"{SESSIONS}/{sid}/step", json=bad(0)), 400, "step_already_committed")
+    assert behind["error"]["message"] == "Step 0 is already committed; highest committed step is 0."
+    huge = step_error(await http.post(f"{SESSIONS}/{sid}/step", json=body(2**64)), 400, "step_out_of_order")
+    assert huge["step_id"] == 2**64 and huge["error"]["message"] == f"Expected step_id 1, got {2**64}."
+    packed = await http.post(f"{SESSIONS}/{sid}/step", json=body(2**64), headers={"Accept": "application/msgpack"})
+    assert packed.status_code == 400 and StepResult.from_wire(decode(packed.content)).step_id == -1
+    step_error(await http.post(f"{SESSIONS}/{sid}/step", json=bad(1)), 400, "invalid_request")
+    stateless = step_error(await http.post(f"{SESSIONS}/{sid}/step", json=bad(0) | {"use_session_context": False}),
+                           400, "invalid_request")
+    assert stateless["model_metadata"]["committed_step_id"] == 0
+    await http.post(f"{SESSIONS}/{sid}/close")
+    closed = step_error(await http.post(f"{SESSIONS}/{sid}/step", json=bad(1)), 410, "session_closed")
+    assert closed["model_metadata"]["committed_step_id"] == -1

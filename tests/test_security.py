@@ -20,6 +20,7 @@ from redis.exceptions import NoPermissionError
 
 from broker import FleetClient
 from broker.client.fleet import DEFAULT_SESSION_CHECK_S, DEFAULT_STEP_TIMEOUT_S
+from broker.gateway.errors import MAX_ERROR_CHARS, MAX_INPUT_CHARS, MAX_REPORTED_ERRORS
 from broker.gateway.settings import GatewaySettings
 from broker.ops.acl import fleet_acl_rules
 from broker.ops.arq_queue import MAX_ARQ_JOB_BYTES
@@ -200,6 +201,8 @@ def test_docs_state_the_defaults_the_code_has() -> None:
                                               f"{worker.large_reply_ttl_ms // 60_000} min TTL (else "
                                               f"{worker.reply_ttl_ms // 3_600_000} h)",
         "arq job": f"{MAX_ARQ_JOB_BYTES // mib} MiB",
+        "gateway malformed-body answer": f"{MAX_REPORTED_ERRORS} errors named, each input cut to {MAX_INPUT_CHARS} "
+                                         f"characters, each error to {MAX_ERROR_CHARS}",
         "results stream, consumer group, session id": f"{MAX_NAME_LENGTH} characters, without braces, colons, "
                                                       "spaces or control characters",
     }

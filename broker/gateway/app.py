@@ -18,9 +18,13 @@ read (413), and images are size-checked from their headers (413) and decoded in 
 
 Differences a client can only gain from: a re-sent, already committed step returns its stored
 result (header ``X-Rollout-Duplicate: true``) while it is in the session's result window (with
-``upstream_errors`` set, ``--upstream-errors``, it is upstream's 400 ``step_already_committed``), and
+``upstream_errors`` set, ``--upstream-errors``, it is upstream's 400 ``step_already_committed``),
+images may also be base64 PNG/JPEG/.npy (upstream takes nested lists only), and
 ``Accept: application/msgpack`` returns the fleet's msgpack ``StepResult`` (latents as raw
-ndarrays) instead of base64 JSON.
+ndarrays) instead of base64 JSON. Differences the fleet's contracts impose: an image must be HxWx3
+in [0, 255] and travels as uint8, and step ids are within [0, 2**63). The engines tier's
+``tests/engines/test_gateway_conformance.py`` compares the gateway with vLLM-Omni's own server call
+by call and lists each difference with its reason.
 
     rollout-fleet gateway --redis-url redis://127.0.0.1:6379/0 --port 8000 --api-key "$KEY"
 """
@@ -46,7 +50,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from broker.client import FleetClient, Session
 from broker.gateway.convert import fleet_action, fleet_observation, http_status, step_response
 from broker.gateway.dashboard import router as dashboard_router
-from broker.gateway.errors import error_response
+from broker.gateway.errors import error_response, validation_message, validation_param
 from broker.gateway.guards import CALLER_STATE, BearerAuth, BodyLimit
 from broker.gateway.health import health_problem
 from broker.gateway.models import (
@@ -63,18 +67,19 @@ from broker.gateway.models import (
 from broker.gateway.settings import DEFAULT_MODEL, GatewaySettings
 from broker.gateway.step_metrics import GatewayMetrics
 from broker.gateway.tenancy import Tenancy
-from broker.gateway.upstream import as_upstream_duplicate, served_model, with_session_values
+from broker.gateway.upstream import as_upstream_duplicate, as_upstream_refusal, served_model, with_session_values
 from broker.redis.config import CellConfig
 from schemas.codec import encode
 from schemas.errors import (
     CapacityExhaustedError,
+    ErrorCode,
     FleetError,
     InvalidRequestError,
     SessionClosedError,
     SessionNotFoundError,
     TrainerCapReachedError,
 )
-from schemas.limits import DEFAULT_LIMITS, Limits
+from schemas.limits import DEFAULT_LIMITS, MAX_STEP_ID, Limits
 from schemas.messages import StepResult
 
 logger = logging.getLogger(__name__)
@@ -133,9 +138,10 @@ class Gateway:
         try:
             observation = await self.observation(body)
             action = fleet_action(body.action)
-        except FleetError as exc:  # refused before Redis: the answer still carries the session's values
-            return await with_session_values(
-                self.fleet, StepResult.failure(session_id, body.step_id, exc.code, exc.message))
+        except FleetError as exc:  # refused before Redis: answered as the serving layer orders its checks
+            return await as_upstream_refusal(
+                self.fleet, StepResult.failure(session_id, body.step_id, exc.code, exc.message),
+                body.step_id, body.use_session_context)
         with self.metrics.step(session.model) as answered:
             answered(await session.step(body.step_id, observation=observation, action=action,
                                         use_session_context=body.use_session_context, timeout=self.step_timeout))
@@ -143,13 +149,27 @@ class Gateway:
 
     async def _as_served(self, body: RolloutStepRequest, result: StepResult) -> StepResult:
         """The result as the serving layer reports it: a stateless step's context length is the
-        session's (its throwaway context is gone), and with --upstream-errors a re-sent committed
-        step is refused rather than answered from the stored result."""
+        session's (its throwaway context is gone), a step the client refused before Redis (the
+        fleet's step schema) is answered as the serving layer orders its checks, a closed or unknown
+        session's step reports -1 and 0, and with --upstream-errors a re-sent committed step
+        is refused rather than answered from the stored result."""
         if result.duplicate and self.upstream_errors:
             return await as_upstream_duplicate(self.fleet, result)
+        if _gone(result):  # the serving layer has no session to read values from: -1 and 0
+            return dataclasses.replace(result, committed_step_id=-1, context_length=0)
+        if _refused_input(result):
+            return await as_upstream_refusal(self.fleet, result, body.step_id, body.use_session_context)
         if result.ok and not body.use_session_context:
             return await with_session_values(self.fleet, result)
         return result
+
+
+def _gone(result: StepResult) -> bool:
+    return result.error is not None and result.error.code in (ErrorCode.SESSION_CLOSED, ErrorCode.SESSION_NOT_FOUND)
+
+
+def _refused_input(result: StepResult) -> bool:
+    return result.error is not None and result.error.code in (ErrorCode.INVALID_REQUEST, ErrorCode.PAYLOAD_TOO_LARGE)
 
 
 def _gateway(request: Request) -> Gateway:
@@ -182,6 +202,8 @@ def _step_reply(request: Request, result: StepResult) -> Response:
     headers = {DUPLICATE_HEADER: "true"} if result.duplicate else None
     accept = request.headers.get("accept", "")
     if MSGPACK in accept or "application/x-msgpack" in accept:
+        if not 0 <= result.step_id <= MAX_STEP_ID:  # a refused id past the fleet's range: -1, as the client says
+            result = dataclasses.replace(result, step_id=-1)
         return Response(encode(result.to_wire()), status_code=http_status(result), media_type=MSGPACK,
                         headers=headers)
     return JSONResponse(step_response(result).model_dump(), status_code=http_status(result), headers=headers)
@@ -286,10 +308,8 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 async def _validation_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, RequestValidationError)
     errors = list(exc.errors())
-    plural = "s" if len(errors) != 1 else ""
-    message = f"{len(errors)} validation error{plural}:" + "".join(f"\n  {err}" for err in errors)
-    param = ".".join(str(part) for part in errors[0].get("loc", ())) if errors else None
-    return error_response(HTTPStatus.BAD_REQUEST, message, param=param or None)
+    param = validation_param(errors[0].get("loc", ())) if errors else None
+    return error_response(HTTPStatus.BAD_REQUEST, validation_message(errors), param=param)
 
 
 async def _invalid_request(request: Request, exc: Exception) -> Response:

@@ -2,6 +2,11 @@
 them) or base64 strings (PNG/JPEG, or a .npy file of an HxWx3 uint8 array), each returned as a
 validated uint8 array.
 
+Upstream's protocol (``vllm_omni/entrypoints/openai/protocol/rollout.py``, ``images: dict[str, list]``:
+"Base64 strings are not accepted in P0") takes nested numeric lists only and answers a string with a
+400 validation error; base64 strings are this gateway's extension, so a client whose camera frames
+are already PNG/JPEG or numpy buffers need not expand them into JSON lists (about 4x the bytes).
+
 Every path checks the size an input *declares* before allocating for it: a .npy header's shape and
 dtype, a picture's header size (Pillow reads it without decoding), so a small hostile body cannot
 make the gateway allocate gigabytes or decode for seconds. Errors are ``InvalidRequestError`` or
@@ -24,6 +29,9 @@ from schemas.limits import Limits
 
 _NPY_MAGIC = b"\x93NUMPY"
 _NPY_MAX_HEADER = 10_000  # numpy's own default bound on a header it parses
+# Only these decoders are ever tried: Pillow would otherwise probe every format it knows, some of
+# which (EPS through Ghostscript, multi-frame TIFF/GIF) cost far more than their header admits.
+PICTURE_FORMATS = ("PNG", "JPEG")
 
 
 def decode_image(name: str, value: list[Any] | str, limits: Limits) -> np.ndarray:
@@ -106,7 +114,7 @@ def _decode_picture(name: str, raw: bytes, limits: Limits) -> np.ndarray:
         raise InvalidRequestError(f"image {name!r}: encoded pictures need Pillow on the gateway; "
                                   "send nested lists or a base64 .npy array") from exc
     try:
-        with pil_image.open(io.BytesIO(raw)) as picture:
+        with pil_image.open(io.BytesIO(raw), formats=PICTURE_FORMATS) as picture:
             width, height = picture.size  # from the header: nothing is decoded yet
             _check_elements(name, width * height * 3, limits)
             return np.asarray(picture.convert("RGB"), dtype=np.uint8)

@@ -216,12 +216,17 @@ def build_serving(client: Any, model_name: str | None = None) -> Any:
 
 
 def build_app(client: Any, model_name: str | None = None) -> Any:
-    """A FastAPI app with vLLM-Omni's router and its rollout serving state set."""
+    """A FastAPI app with vLLM-Omni's router, vLLM's exception handlers and the rollout serving state."""
     from fastapi import FastAPI
+    from vllm.entrypoints.serve.exception_handling.register import init_exception_handler
     from vllm_omni.entrypoints.openai.api_server import router
 
     app = FastAPI()
     app.include_router(router)
+    # vLLM's error bodies, as vLLM-Omni's server gets them from vLLM's app builder: an HTTPException
+    # or a malformed body answers {"error": {...}} (a malformed body: 400, not FastAPI's 422).
+    init_exception_handler(app)
+    app.state.args = argparse.Namespace(log_error_stack=False)
     app.state.rl_rollout_serving = build_serving(client, model_name)
     app.state.engine_client = client
     if os.environ.get("VLLM_SERVER_DEV_MODE") == "1":
