@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-cluster test-engines test-verl lint clean
+.PHONY: venv demo test test-cluster test-engines test-verl test-areal lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,10 @@ test-cluster: $(STAMP)
 # verl's own agent loops through the fleet: builds (once, cached outside the repo) the verl venv.
 test-verl:
 	bash scripts/run_verl_tests.sh
+
+# AReaL's own rollout workflows through the fleet: builds (once, cached outside the repo) the AReaL venv.
+test-areal:
+	bash scripts/run_areal_tests.sh
 
 # Real vLLM / vLLM-Omni on CPU: builds (once, cached outside the repo) the engines venv.
 test-engines:

@@ -28,8 +28,9 @@ def root_logging_restored() -> Iterator[None]:
 
 
 # Tiers collected only when -m names their mark: the cluster tier (tests/cluster/) starts a 6-node
-# Redis Cluster; the verl tier (tests/verl/) needs the verl venv (scripts/run_verl_tests.sh).
-OPT_IN_MARKS = ("cluster", "verl")
+# Redis Cluster; the verl tier (tests/verl/) needs the verl venv (scripts/run_verl_tests.sh); the
+# AReaL tier (tests/areal/) needs the AReaL venv (scripts/run_areal_tests.sh).
+OPT_IN_MARKS = ("cluster", "verl", "areal")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
