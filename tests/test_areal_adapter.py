@@ -181,6 +181,10 @@ async def test_a_group_forks_one_prompt_into_n_samples(engine: FleetInferenceEng
         turn = await engine.agenerate(Request([*ids, *group[1].output_tokens, *FEEDBACK]))  # continues branch 1
         assert engine.export_stats()["fleet/continued"] == 1.0 and len(turn.output_tokens) > 0
     assert all([(await fleet.status(sid)).closed for sid in opened])
+    for n in (0, 257):
+        with pytest.raises(InvalidRequestError, match="n_samples"):
+            await engine.agenerate_group(Request(ids, GConfig(n_samples=n)))
+    assert engine.open_session_ids() == []  # refused before any session was opened
 
 
 async def test_a_conversation_past_its_staleness_bound_is_dropped(

@@ -38,6 +38,7 @@ from typing import Any, NoReturn
 from redis.exceptions import RedisError
 
 from broker.client import DEFAULT_URL, Admission, FleetClient
+from broker.client.groups import MAX_BRANCHES
 from broker.integrations.areal_requests import (
     Conversation,
     ConversationIndex,
@@ -192,6 +193,8 @@ class FleetInferenceEngine:
         parent's worker, and each branch samples on its own. Every branch, and the parent (holding
         the prompt), stays open for continuation like any conversation."""
         n = int(req.gconfig.n_samples)
+        if not 1 <= n <= MAX_BRANCHES:
+            raise InvalidRequestError(f"gconfig.n_samples must be in [1, {MAX_BRANCHES}], got {n}")
         input_ids, sampling = self._prepare(req)
         index = self._index()
         parent = await self._conversation(index, input_ids)
