@@ -9,10 +9,12 @@
 # A stamp file records what was installed; a second run with the same inputs does nothing.
 #
 # areal is installed with --no-deps: its full requirement list (sglang/vllm launchers' extras, wandb,
-# swanlab, litellm, openhands, agent SDKs, ...) is for training clusters. What stays is what the
-# modules the tests import need at import time (areal.api, areal.infra, areal.workflow.rlvr and
-# areal.workflow.multi_turn and what they import), listed in AREAL_IMPORT_DEPS below. torch is pinned
-# to the CPU wheel (without the pin pip picks a CUDA torch), as the other setup scripts do.
+# swanlab, litellm, openhands, agent SDKs, ...) is for training clusters. What stays is what importing
+# the modules the tests use needs (areal.api, areal.workflow.rlvr, areal.workflow.multi_turn and
+# areal.infra.remote_inf_engine; areal/__init__ imports all of areal.infra, and with areal.api.cli_args
+# they pull ray, flask, fastapi, numba, openai, ...), listed in
+# AREAL_IMPORT_DEPS below from areal 1.0.4's imports (a superset: not pared down one by one). torch
+# is pinned to the CPU wheel (without the pin pip picks a CUDA torch), as the other setup scripts do.
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -20,8 +22,8 @@ VENV="${ROLLOUT_FLEET_AREAL_VENV:-$HOME/.cache/rollout-fleet/areal-venv}"
 PYTHON_BIN="${PYTHON:-python3}"
 AREAL_VERSION="1.0.4"
 TORCH_PIN="torch==2.13.0+cpu"
-# The import-time needs of areal.api, areal.infra and the two workflows; the pins of hydra-core and
-# omegaconf are areal 1.0.4's own (its cli_args module uses their pre-release APIs).
+# The import-time needs of those modules; the pins (hydra-core, omegaconf, math-verify, transformers)
+# are areal 1.0.4's own requirements.
 AREAL_IMPORT_DEPS=(
   "transformers>=5.0.0,<=5.3.0" "torchdata" "numpy" "pillow" "hydra-core==1.4.0.dev1" "omegaconf==2.4.0.dev2"
   "uvloop>=0.21.0" "pyyaml" "aiohttp>=3.13.3,<4" "requests" "httpx" "orjson" "pydantic" "psutil" "colorlog"
