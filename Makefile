@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-cluster test-engines test-verl test-rlinf lint clean
+.PHONY: venv demo test test-cluster test-engines test-verl test-rlinf test-areal lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,10 @@ test-verl:
 # RLinf 0.3's own world-model env base class through the fleet: builds (once, cached) the RLinf venv.
 test-rlinf:
 	bash scripts/run_rlinf_tests.sh
+
+# AReaL's own rollout workflows through the fleet: builds (once, cached outside the repo) the AReaL venv.
+test-areal:
+	bash scripts/run_areal_tests.sh
 
 # Real vLLM / vLLM-Omni on CPU: builds (once, cached outside the repo) the engines venv.
 test-engines:
