@@ -4,7 +4,8 @@ conversations, same seeds, same tokens out:
 - ``direct``: the way vime/slime roll out: each conversation keeps its own context and POSTs it to
   vLLM's token-in/token-out ``/inference/v1/generate`` through a session-affine router (a session
   stays on the server that saw its first turn, so that server's prefix cache holds its context);
-- ``fleet vllm-http``: the same server behind one fleet worker (``vllm-http`` engine);
+- ``fleet vllm-http``: the same server behind one fleet worker (``vllm-http`` engine), and behind one
+  worker per session (no two sessions' turns share a worker's engine batch);
 - ``fleet vllm``: one fleet worker running vLLM in process (``vllm`` engine).
 
 A conversation is the vime geo3k shape: a prompt, then observation turns appended to the context,
@@ -169,11 +170,11 @@ async def reset_prefix_cache(url: str) -> None:
 # --------------------------------------------------------------------------- through the fleet
 
 
-async def fleet_runs(url: str, engine: Engine, rounds: list[list[list[Turn]]],
+async def fleet_runs(url: str, engines: Sequence[Engine], rounds: list[list[list[Turn]]],
                      before: Callable[[], Awaitable[None]] | None = None) -> tuple[list[Run], dict[str, float]]:
-    """Every round through one in-process worker around ``engine``; the runs and the batch sizes."""
+    """Every round through in-process workers, one per engine; the runs and the batch sizes."""
     runs = []
-    async with fleet_of(url, f"brt{uuid.uuid4().hex[:6]}", [engine]) as fleet:
+    async with fleet_of(url, f"brt{uuid.uuid4().hex[:6]}", engines) as fleet:
         for convs in rounds:
             if before is not None:
                 await before()
@@ -223,27 +224,39 @@ def mismatches(reference: Sequence[Run], other: Sequence[Run], name: str) -> lis
     return found
 
 
+def http_engines(url: str, count: int) -> list[Engine]:
+    return [VLLMHTTPEngine(VLLMHTTPConfig(base_url=url, model=MODEL)) for _ in range(count)]
+
+
 async def measure(size: Size) -> tuple[list[Row], list[str]]:
-    rounds = [conversations(size, r) for r in range(size.rounds + 1)]  # round 0 warms up every system
+    """Round 0 of every system warms up and is not counted. The fleet's vllm-http runs twice: one
+    worker for every session (the deployment: a worker fronts a server), and one worker per
+    session, where no session's turn ever shares an engine batch with another's."""
+    rounds = [conversations(size, r) for r in range(size.rounds + 1)]
     model_dir = tiny_model()
     with private_redis() as redis:
         with vllm_server(model_dir, MODEL) as server:
+            async def cold() -> None:
+                await reset_prefix_cache(server.url)
+
             direct = []
             for convs in rounds:
-                await reset_prefix_cache(server.url)
+                await cold()
                 direct.append(await direct_run([server.url], convs))
-            http_runs, http_batches = await fleet_runs(
-                redis.url, VLLMHTTPEngine(VLLMHTTPConfig(base_url=server.url, model=MODEL)), rounds,
-                before=lambda: reset_prefix_cache(server.url))
-        inproc_runs, inproc_batches = await fleet_runs(redis.url, inproc_engine(model_dir), rounds)
+            http_runs, http_batches = await fleet_runs(redis.url, http_engines(server.url, 1), rounds, cold)
+            apart_runs, apart_batches = await fleet_runs(redis.url, http_engines(server.url, size.sessions),
+                                                         rounds, cold)
+        inproc_runs, inproc_batches = await fleet_runs(redis.url, [inproc_engine(model_dir)], rounds)
     rows = [row("direct /inference/v1/generate", size, direct[1:]),
             row("fleet vllm-http", size, http_runs[1:], http_batches),
+            row(f"fleet vllm-http, {size.sessions} workers", size, apart_runs[1:], apart_batches),
             row("fleet vllm (in process)", size, inproc_runs[1:], inproc_batches)]
     ratio = rows[1].values["tokens_s"] / rows[0].values["tokens_s"]
     rows.append(Row(BENCH, rows[0].case, "fleet vllm-http / direct",
                     {"throughput_ratio": ratio, "overhead_pct": 100.0 * (1.0 - ratio)}, "",
                     "target: overhead <= 5% of direct throughput"))
-    bad = mismatches(direct, http_runs, "fleet vllm-http") + mismatches(direct, inproc_runs, "fleet vllm")
+    bad = (mismatches(direct, http_runs, "fleet vllm-http") + mismatches(direct, apart_runs, "fleet vllm-http apart")
+           + mismatches(direct, inproc_runs, "fleet vllm"))
     return rows, bad
 
 

@@ -4,7 +4,8 @@ sessions, same inputs, same latents out:
 
 - ``direct``: a client of the rollout API (``POST /v1/realtime/sessions``, ``.../{id}/step``), one
   server session per episode, as a trainer without the fleet calls it;
-- ``fleet vllm-omni-http``: the same server behind one fleet worker;
+- ``fleet vllm-omni-http``: the same server behind one fleet worker, and behind one worker per
+  episode (no two episodes' steps share a worker's engine batch);
 - ``fleet vllm-omni``: one fleet worker running the serving layer's engine client in process.
 
 Every episode steps at once (one step of each in flight); latency is one step's request to answer,
@@ -115,9 +116,10 @@ async def direct_run(url: str, size: Size, round_no: int) -> Run:
         return await timed(size.episodes, episode)
 
 
-async def fleet_runs(url: str, engine: Engine, size: Size) -> tuple[list[Run], dict[str, float]]:
+async def fleet_runs(url: str, engines: Sequence[Engine], size: Size) -> tuple[list[Run], dict[str, float]]:
+    """Every round through in-process workers, one per engine; the runs and the batch sizes."""
     runs = []
-    async with fleet_of(url, f"brw{uuid.uuid4().hex[:6]}", [engine]) as fleet:
+    async with fleet_of(url, f"brw{uuid.uuid4().hex[:6]}", engines) as fleet:
         for round_no in range(size.rounds + 1):
             async def episode(k: int, step_ms: list[float], round_no: int = round_no) -> list[bytes]:
                 session = await fleet.client.create_session(model=MODEL, mode="world_model_env")
@@ -157,21 +159,30 @@ def mismatches(reference: Sequence[Run], other: Sequence[Run], name: str) -> lis
             for i, (la, lb) in enumerate(zip(ea, eb, strict=True)) if la != lb]
 
 
+def http_engines(url: str, count: int) -> list[Engine]:
+    return [VLLMOmniHTTPEngine(VLLMOmniHTTPConfig(base_url=url, model=MODEL)) for _ in range(count)]
+
+
 async def measure(size: Size) -> tuple[list[Row], list[str]]:
-    """Round 0 of every system warms up and is not counted."""
+    """Round 0 of every system warms up and is not counted. The fleet's vllm-omni-http runs twice:
+    one worker for every episode, and one worker per episode (no two episodes' steps share a
+    worker's engine batch)."""
     with private_redis() as redis:
         with omni_server(MODEL, size.latent_shape) as server:
             direct = [await direct_run(server.url, size, r) for r in range(size.rounds + 1)]
-            engine = VLLMOmniHTTPEngine(VLLMOmniHTTPConfig(base_url=server.url, model=MODEL))
-            http_runs, http_batches = await fleet_runs(redis.url, engine, size)
-        inproc_runs, inproc_batches = await fleet_runs(redis.url, inproc_engine(size), size)
+            http_runs, http_batches = await fleet_runs(redis.url, http_engines(server.url, 1), size)
+            apart_runs, apart_batches = await fleet_runs(redis.url, http_engines(server.url, size.episodes), size)
+        inproc_runs, inproc_batches = await fleet_runs(redis.url, [inproc_engine(size)], size)
     rows = [row("direct rollout API (HTTP)", size, direct[1:]),
             row("fleet vllm-omni-http", size, http_runs[1:], http_batches),
+            row(f"fleet vllm-omni-http, {size.episodes} workers", size, apart_runs[1:], apart_batches),
             row("fleet vllm-omni (in process)", size, inproc_runs[1:], inproc_batches)]
     ratio = rows[1].values["steps_s"] / rows[0].values["steps_s"]
     rows.append(Row(BENCH, rows[0].case, "fleet vllm-omni-http / direct",
                     {"throughput_ratio": ratio, "overhead_pct": 100.0 * (1.0 - ratio)}))
-    bad = mismatches(direct, http_runs, "fleet vllm-omni-http") + mismatches(direct, inproc_runs, "fleet vllm-omni")
+    bad = (mismatches(direct, http_runs, "fleet vllm-omni-http")
+           + mismatches(direct, apart_runs, "fleet vllm-omni-http apart")
+           + mismatches(direct, inproc_runs, "fleet vllm-omni"))
     return rows, bad
 
 

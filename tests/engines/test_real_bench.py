@@ -13,26 +13,29 @@ pytestmark = pytest.mark.engines
 
 
 @requires_vllm
+@pytest.mark.timeout(1800)  # two vLLM starts (a server, then the in-process engine): minutes each on 2 loaded CPUs
 async def test_token_rollouts_run_and_every_system_gives_the_direct_tokens() -> None:
     size = real_tokens.SIZES["smoke"]
     rows, bad = await real_tokens.measure(size)
     assert bad == []
     systems = {row.system: row.values for row in rows}
     generated = size.rounds * size.sessions * size.turns
-    for name in ("direct /inference/v1/generate", "fleet vllm-http", "fleet vllm (in process)"):
+    for name in ("direct /inference/v1/generate", "fleet vllm-http", f"fleet vllm-http, {size.sessions} workers",
+                 "fleet vllm (in process)"):
         assert systems[name]["tokens"] >= generated, (name, systems[name])  # at least one token a turn
     assert systems["fleet vllm-http"]["batches"] > 0 and systems["fleet vllm (in process)"]["batches"] > 0
 
 
 @requires_vllm_omni
+@pytest.mark.timeout(900)
 async def test_world_steps_run_and_every_system_gives_the_direct_latents() -> None:
     size = real_world.SIZES["smoke"]
     rows, bad = await real_world.measure(size)
     assert bad == []
     steps = float(size.rounds * size.episodes * size.steps)
-    for row in rows[:3]:
+    for row in rows[:4]:
         assert row.values["steps"] == steps, row
-    assert rows[1].values["batches"] > 0 and rows[2].values["batches"] > 0
+    assert all(row.values["batches"] > 0 for row in rows[1:4])
 
 
 def test_mismatches_name_the_turn_that_differs() -> None:
