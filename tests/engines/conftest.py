@@ -306,7 +306,7 @@ def omni_server(logs_dir: Path) -> Iterator[Service]:
     if not (HAS_VLLM and HAS_VLLM_OMNI):
         pytest.skip(f"vllm_omni is not installed; {WHY}")
     port = free_port()
-    server = start([sys.executable, "-m", "tests.engines.world_standin", "--port", str(port),
+    server = start([sys.executable, "-m", "bench.world_standin", "--port", str(port),
                     "--model", OMNI_MODEL, "--latent-shape", ",".join(map(str, OMNI_SHAPE))],
                    logs_dir / "omni-server.log", dev_mode=True)
     server.url = f"http://127.0.0.1:{port}"

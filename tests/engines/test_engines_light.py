@@ -57,7 +57,7 @@ def test_registry_builds_an_engine_named_by_module_and_class() -> None:
 
 def test_engine_modules_import_no_heavy_library() -> None:
     code = ("import sys, workers.engines.registry, workers.engines.vllm_engine, workers.engines.vllm_http, "
-            "workers.engines.vllm_omni_engine, workers.engines.vllm_omni_http, tests.engines.world_standin, "
+            "workers.engines.vllm_omni_engine, workers.engines.vllm_omni_http, bench.world_standin, "
             "workers.engines.http_common, workers.engines.token_sessions\n"
             "heavy = [m for m in ('torch', 'vllm', 'vllm_omni') if m in sys.modules]\n"
             "assert not heavy, heavy")

@@ -16,12 +16,12 @@ import httpx
 import numpy as np
 import pytest
 
+from bench.world_standin import ReferenceWorldClient, build_serving
 from broker import FleetClient
 from broker.redis.embedded import RedisServer
 from schemas.errors import ContextLost, InvalidRequestError
 from schemas.messages import WorldStep
 from tests.engines.conftest import OMNI_MODEL, OMNI_SHAPE, Service, requires_vllm_omni
-from tests.engines.world_standin import ReferenceWorldClient, build_serving
 from tests.support import image, worker_pool
 from workers.engines.base import Engine, EngineRequest
 from workers.engines.reference import ReferenceEngine, ReferenceEngineConfig

@@ -20,7 +20,7 @@ not implement it answers ``{"todo": ...}`` and the update fails with that reason
 keep serving). Session contexts are kept across a reload, as the in-process vLLM engine keeps them.
 
 The engine client is injectable: ``engine_client=`` (an object), or ``client_factory="module:callable"``
-with ``client_options`` (e.g. the CPU stand-in of the tests, ``tests.engines.world_standin:ReferenceWorldClient``);
+with ``client_options`` (e.g. the CPU stand-in of the tests, ``bench.world_standin:ReferenceWorldClient``);
 by default ``vllm_omni.entrypoints.async_omni.AsyncOmni(model=weights, **client_options)`` (DreamZero
 on a GPU). vllm_omni is imported when the engine starts.
 """

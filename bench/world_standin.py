@@ -20,7 +20,7 @@ With ``VLLM_SERVER_DEV_MODE=1`` the launcher also serves vLLM's development rout
 ``/collective_rpc``, ``/reset_prefix_cache``, ``/resume``, ...) around this client, as vLLM-Omni's
 API server does.
 
-    python -m tests.engines.world_standin --port 8000 [--latent-shape 1,4,2,8,10] [--seed 0]
+    python -m bench.world_standin --port 8000 [--latent-shape 1,4,2,8,10] [--seed 0]
 
 serves ``/v1/realtime/sessions...`` of ``vllm_omni.entrypoints.openai.api_server.router`` with
 ``app.state.rl_rollout_serving = ServingRLRollout(ServingRealtimeRobotOpenPI(ReferenceWorldClient()))``.
