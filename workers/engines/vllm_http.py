@@ -22,7 +22,8 @@ cannot be done. ``abort_running`` cancels this worker's generate calls (the serv
 whose client went away). One worker fronts a server.
 
 Stop reason: the server's answer has none, so it is found here as vLLM finds it: a step that ends
-on one of ``sampling.stop_token_ids`` names that id; else, when ``sampling.stop`` strings were
+on one of ``sampling.stop_token_ids`` names that id (vLLM names none when that id is also the
+model's EOS, which this engine does not know); else, when ``sampling.stop`` strings were
 asked for, the string the last token completes in the output text (``POST /detokenize`` of the
 output with and without its last token; only for steps that end with "stop"). The server's
 detokenize keeps the text of special tokens, which vLLM's own output text skips: a stop string found
