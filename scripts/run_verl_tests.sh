@@ -5,7 +5,10 @@
 #
 # 1. scripts/setup_verl_env.sh (idempotent; the venv lives outside the repo, see that script)
 # 2. pytest -m verl tests/verl with the verl venv's python
-# The tests start their own Redis and in-process workers (reference LM, scripted LM) and stop them.
+# The tests start their own Redis and in-process workers (reference LM, scripted LM) and stop them;
+# tests/verl/test_verl_vllm.py also starts a vLLM worker process (and vLLM's offline anchor) with the
+# engines venv's python ($ROLLOUT_FLEET_ENGINES_VENV, built by scripts/setup_engines_env.sh: the
+# engines tier runs first in CI).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 

@@ -43,12 +43,30 @@ def test_sampling_params_map_or_are_refused() -> None:
     assert fleet_sampling(VERL_PARAMS, 64) == {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "max_tokens": 64}
     assert fleet_sampling({"max_new_tokens": 5, "stop_token_ids": [1], "seed": 3}, 64) == {
         "max_tokens": 5, "stop_token_ids": [1], "seed": 3}
-    for bad in ({"repetition_penalty": 1.2}, {"logprobs": 5}, {"presence_penalty": 0.5}, {"beam_width": 2}):
+    passed = {"repetition_penalty": 1.2, "presence_penalty": 0.5, "frequency_penalty": -0.5, "min_tokens": 2,
+              "stop": ["x y"]}
+    assert fleet_sampling({**VERL_PARAMS, **passed}, 64) == {**fleet_sampling(VERL_PARAMS, 64), **passed}
+    for bad in ({"n": 2}, {"logprobs": 5}, {"beam_width": 2}):
         with pytest.raises(ValueError, match="sampling_params"):
             fleet_sampling(bad)
     with pytest.raises(ValueError, match="unknown fleet settings"):
         FleetSettings.from_kwargs({"fleet_modle": "x"})
     assert FleetSettings.from_kwargs({"fleet_model": "m", "fleet_cell": None, "other": 1}).model == "m"
+
+
+async def test_stop_strings_and_penalties_reach_the_engine(manager: FleetServerManager) -> None:
+    """A stop string of the greedy answer ends the turn there, named in ``extra_fields``; a penalty
+    (negative: repeats are favoured) changes the greedy answer."""
+    full = fields(await manager.generate("a", prompt_ids=prompt("stop"), sampling_params=VERL_PARAMS))
+    text = TOK.decode(full["token_ids"])
+    stop = next(text[i : i + 2] for i in range(2, len(text) - 1) if text[i : i + 2].isprintable())
+    cut = fields(await manager.generate("b", prompt_ids=prompt("stop"), sampling_params={**VERL_PARAMS,
+                                                                                    "stop": [stop]}))
+    assert cut["extra_fields"]["finish_reason"] == "stop" and cut["extra_fields"]["stop_reason"] == stop
+    assert TOK.decode(cut["token_ids"]).endswith(stop) and full["extra_fields"]["stop_reason"] is None
+    penalized = fields(await manager.generate("c", prompt_ids=prompt("stop"),
+                                              sampling_params={**VERL_PARAMS, "presence_penalty": -2.0}))
+    assert penalized["token_ids"] != full["token_ids"]
 
 
 async def test_turns_of_a_request_share_a_session_and_send_only_new_tokens(
@@ -84,8 +102,8 @@ async def test_a_rewritten_history_starts_a_fresh_session(manager: FleetServerMa
 async def test_bad_input_is_refused_and_leaves_no_session(manager: FleetServerManager, fleet: FleetClient) -> None:
     with pytest.raises(ValueError, match="multimodal"):
         await manager.generate("r", prompt_ids=prompt("hi"), sampling_params=VERL_PARAMS, image_data=[object()])
-    with pytest.raises(ValueError, match="repetition_penalty"):
-        await manager.generate("r", prompt_ids=prompt("hi"), sampling_params={"repetition_penalty": 2.0})
+    with pytest.raises(ValueError, match="'n'"):
+        await manager.generate("r", prompt_ids=prompt("hi"), sampling_params={"n": 2})
     assert manager.open_requests == []
     with pytest.raises(VerlFleetError, match="invalid_request") as info:
         await manager.generate("r", prompt_ids=prompt("hi"), sampling_params={"top_p": 3.0})

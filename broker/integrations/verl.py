@@ -2,7 +2,9 @@
 
 verl (0.9.x) agent loops call ``await self.server_manager.generate(request_id=..., prompt_ids=...,
 sampling_params=..., image_data=..., ...)`` and read a ``TokenOutput`` (``token_ids``, ``log_probs``,
-``routed_experts``, ``stop_reason``). :class:`FleetServerManager` answers that call on the fleet:
+``routed_experts``, ``stop_reason``; ``extra_fields`` here add the fleet's ``finish_reason`` and
+``stop_reason``: the stop string or stop token id, else None). :class:`FleetServerManager` answers
+that call on the fleet:
 
 - each ``request_id`` is a fleet session (sticky): its first call sends the whole prompt, later
   calls send only the tokens after the session's context (the worker keeps the context). When a
@@ -38,10 +40,13 @@ DEFAULT_IDLE_TIMEOUT_S = 600.0
 # verl's sampling keys the fleet's token step takes (renamed where verl names them differently).
 _SAMPLING_RENAMES = {"max_tokens": "max_tokens", "max_new_tokens": "max_tokens", "temperature": "temperature",
                      "top_p": "top_p", "top_k": "top_k", "seed": "seed", "stop_token_ids": "stop_token_ids"}
+# vLLM sampling keys the fleet's token step takes as they are, sent only when not vLLM's default (so a
+# plain verl config's step is what it always was).
+_PASSED = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_tokens": 0,
+           "stop": None}
 # Keys verl sends that change nothing on the fleet: the fleet always returns the sampled tokens' log
-# probs, and these are verl's neutral values of filters the reference engines do not implement.
-_NEUTRAL = {"logprobs": None, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
-            "min_tokens": 0, "n": 1, "detokenize": None, "skip_special_tokens": None,
+# probs (verl's TokenOutput has no place for more), one sample per request, token ids without text.
+_NEUTRAL = {"logprobs": None, "n": 1, "detokenize": None, "skip_special_tokens": None,
             "include_stop_str_in_output": None}
 
 
@@ -55,21 +60,19 @@ class VerlFleetError(RuntimeError):
 
 def fleet_sampling(sampling_params: Mapping[str, Any], response_length: int | None = None) -> dict[str, Any]:
     """verl's ``sampling_params`` as the fleet's ``sampling``. ``top_k`` -1 (verl's "off") is 0 here;
-    ``max_tokens`` defaults to ``response_length``. A key the fleet cannot honour is refused, never
-    ignored: ``repetition_penalty`` other than 1.0, ``logprobs`` other than 0/1/None, ..."""
+    ``max_tokens`` defaults to ``response_length``; the penalties, ``min_tokens`` and ``stop`` strings
+    go as they are. A key the fleet cannot honour is refused, never ignored: ``n`` other than 1,
+    ``logprobs`` other than 0/1/None, ..."""
     sampling: dict[str, Any] = {}
     for key, value in sampling_params.items():
         if key in _SAMPLING_RENAMES:
             if value is not None:
                 sampling[_SAMPLING_RENAMES[key]] = value
+        elif key in _PASSED:
+            if value is not None and value != _PASSED[key]:
+                sampling[key] = value
         elif key in _NEUTRAL:
-            if key == "logprobs" and value in (None, False, 0, 1, True):
-                continue
-            if value != _NEUTRAL[key] and _NEUTRAL[key] is not None:
-                raise ValueError(f"sampling_params[{key!r}] = {value!r} is not supported by the fleet")
-            if key == "logprobs":
-                raise ValueError(f"sampling_params['logprobs'] = {value!r}: the fleet returns the sampled "
-                                 "tokens' log probs only")
+            _check_neutral(key, value)
         else:
             raise ValueError(f"sampling_params[{key!r}] is not a sampling parameter the fleet knows")
     if "max_tokens" not in sampling and response_length is not None:
@@ -77,6 +80,17 @@ def fleet_sampling(sampling_params: Mapping[str, Any], response_length: int | No
     if sampling.get("top_k") is not None and int(sampling["top_k"]) < 0:
         sampling["top_k"] = 0
     return sampling
+
+
+def _check_neutral(key: str, value: Any) -> None:
+    """Refuse a value of a neutral key that would change what verl gets."""
+    if key == "logprobs" and value in (None, False, 0, 1, True):
+        return
+    if value != _NEUTRAL[key] and _NEUTRAL[key] is not None:
+        raise ValueError(f"sampling_params[{key!r}] = {value!r} is not supported by the fleet")
+    if key == "logprobs":
+        raise ValueError(f"sampling_params['logprobs'] = {value!r}: the fleet returns the sampled "
+                         "tokens' log probs only")
 
 
 @dataclass
@@ -183,7 +197,8 @@ class FleetServerManager:
             "token_ids": tokens, "log_probs": log_probs,
             "routed_experts": np.concatenate(track.routed, axis=0) if track.routed else None,
             "stop_reason": "aborted" if finish in ("abort", "cancelled") else "completed",
-            "extra_fields": {"finish_reason": finish, "policy_version": result.policy_version,
+            "extra_fields": {"finish_reason": finish, "stop_reason": output.get("stop_reason"),
+                             "policy_version": result.policy_version,
                              "global_steps": result.policy_version, "fleet_session_id": track.session.session_id},
         }
         return _token_output(fields)

@@ -5,6 +5,7 @@ what a weight reload says when a server cannot do it."""
 from __future__ import annotations
 
 import base64
+import json
 import subprocess
 import sys
 from typing import Any
@@ -21,7 +22,7 @@ from workers.engines.mm_features import merge_features, shift_features
 from workers.engines.null import NullEngine
 from workers.engines.registry import ENGINES, REAL_ENGINES, build_engine
 from workers.engines.vllm_engine import VLLMEngine
-from workers.engines.vllm_http import VLLMHTTPConfig, VLLMHTTPEngine
+from workers.engines.vllm_http import VLLMHTTPConfig, VLLMHTTPEngine, stop_string_at_end, top_from_content
 from workers.engines.vllm_omni_engine import VLLMOmniEngine, robot_obs
 from workers.engines.vllm_omni_http import VLLMOmniHTTPConfig, VLLMOmniHTTPEngine, decode_latent, step_body
 
@@ -88,6 +89,51 @@ async def test_unreachable_server_is_transient() -> None:
     engine = VLLMHTTPEngine(VLLMHTTPConfig(base_url="http://127.0.0.1:9", model="m", timeout_s=2.0))
     out = await engine.run_batch("m", [EngineRequest("s", "m", TokenStep.from_wire(TURN), reset=True)])
     assert isinstance(out[0], TransientEngineError)
+    await engine.close()
+
+
+def listed(*pairs: tuple[int, float]) -> dict[str, Any]:
+    """One position of the server's logprobs content (the sampled token listed first)."""
+    return {"top_logprobs": [{"token": f"token_id:{t}", "logprob": lp} for t, lp in pairs]}
+
+
+def test_top_k_from_the_servers_k_plus_one_list() -> None:
+    # Sampled token 7 outside the top 2: the server lists it first, then the top 2 in rank order.
+    assert top_from_content(listed((7, -5.0), (3, -1.0), (4, -2.0)), 2) == [[3, -1.0], [4, -2.0]]
+    # Sampled token 4 ranked second: the list is the top 3, the sampled token moved to the front.
+    assert top_from_content(listed((4, -2.0), (3, -1.0), (9, -3.0)), 2) == [[3, -1.0], [4, -2.0]]
+    assert top_from_content(listed((3, -1.0), (4, -2.0), (9, -3.0)), 2) == [[3, -1.0], [4, -2.0]]
+    with pytest.raises(TransientEngineError, match="token name"):
+        top_from_content({"top_logprobs": [{"token": "abc", "logprob": -1.0}]}, 1)
+
+
+def test_stop_string_named_as_vllm_names_it() -> None:
+    assert stop_string_at_end("xpef", "xp", ["never", "pef"]) == "pef"  # completed across two tokens
+    assert stop_string_at_end("pefab", "pef", ["pef"]) is None  # completed earlier, not by this token
+    assert stop_string_at_end("abcd", "ab", ["cd", "bc"]) == "bc"  # the one that completes first
+    assert stop_string_at_end("ab", "ab", ["b"]) is None  # the last token added no text
+
+
+@pytest.mark.asyncio
+async def test_http_step_reports_top_logprobs_and_the_stop_string() -> None:
+    seen: list[Any] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        seen.append((request.url.path, body))
+        if request.url.path == "/detokenize":
+            return httpx.Response(200, json={"prompt": {2: "ab", 1: "a"}[len(body["tokens"])]})
+        content = [{"logprob": -1.0, **listed((10, -1.0), (11, -2.0))},
+                   {"logprob": -3.0, **listed((12, -3.0), (10, -0.5), (11, -2.5))}]
+        return httpx.Response(200, json={"choices": [{"token_ids": [10, 12], "finish_reason": "stop",
+                                                      "logprobs": {"content": content}}]})
+
+    engine = VLLMHTTPEngine(VLLMHTTPConfig(base_url="http://test", model="m"), transport=httpx.MockTransport(answer))
+    step = TokenStep.from_wire({"token_ids": [1], "sampling": {"max_tokens": 4, "logprobs": 2, "stop": ["b"]}})
+    out = (await engine.run_batch("m", [EngineRequest("s", "m", step, reset=True)]))[0]
+    assert not isinstance(out, BaseException), out
+    assert out.output["top_logprobs"] == [[[10, -1.0], [11, -2.0]], [[10, -0.5], [11, -2.5]]]
+    assert out.output["stop_reason"] == "b" and seen[0][1]["sampling_params"]["logprobs"] == 3
     await engine.close()
 
 

@@ -50,6 +50,16 @@ CONVERSATIONS: list[list[dict[str, Any]]] = [
                                         "frequency_penalty": 0.5, "presence_penalty": 0.5, "logprobs": 3}},
      {"token_ids": TURN, "sampling": {"max_tokens": 10, "seed": 14, "min_tokens": 6, "stop_token_ids": STOPS}},
      {"token_ids": [205], "sampling": {"max_tokens": 12, "seed": 15, "stop": ["e", "an", "in"]}}],
+    # Each option alone. Greedy from PROMPT the tiny Llama says "p", "ef", ...: "pef" is a stop string
+    # of two tokens. Sampled at temperature 1 its tokens are far from the top 5 (whose list then lacks
+    # them); greedy (above, logprobs 3) they are the first of it.
+    [{"token_ids": PROMPT, "sampling": {"max_tokens": 8, "temperature": 0.0, "stop": ["never", "pef"]}},
+     {"token_ids": TURN, "sampling": {"max_tokens": 8, "seed": 16, "logprobs": 5}},
+     {"token_ids": [205], "sampling": {"max_tokens": 8, "seed": 17, "presence_penalty": 1.5}}],
+    [{"token_ids": PROMPT, "sampling": {"max_tokens": 8, "temperature": 0.8, "seed": 18, "frequency_penalty": 1.0}},
+     {"token_ids": TURN, "sampling": {"max_tokens": 8, "temperature": 0.0, "repetition_penalty": 1.3}},
+     {"token_ids": [205], "sampling": {"max_tokens": 8, "seed": 19, "min_tokens": 4, "stop_token_ids": STOPS,
+                                       "logprobs": 2}}],
 ]
 # Greedy from PROMPT, the tiny Llama never emits its end token: a long step (about 2 s) to abort.
 LONG_TURN: dict[str, Any] = {"token_ids": PROMPT, "sampling": {"max_tokens": 1000, "temperature": 0.0}}
@@ -112,10 +122,29 @@ def assert_equal_to_offline(results: list[list[Any]], offline: list[list[dict[st
             assert r.output["logprobs"] == e["logprobs"], where  # bitwise: same floats
             assert r.output["finish_reason"] == e["finish_reason"], where
             assert r.context_length == e["context_length"], where
+            for key in ("top_logprobs", "stop_reason"):  # absent on both sides when not asked / not stopped so
+                assert r.output.get(key) == e.get(key), (where, key)
             if "routed_experts" in e:
                 assert r.output["routed_experts"].tolist() == e["routed_experts"], where
     seen = {e["finish_reason"] for conv in offline for e in conv}
     assert seen == (reasons or {"stop", "length"}), seen  # both ways of finishing are covered
+
+
+async def test_offline_answers_cover_the_sampling_api(vllm_services: VLLMServices) -> None:
+    """The comparisons with vLLM's answers test something: those answers hold a stop string that the
+    last token completes without holding it alone, a stop token id, and top-k lists that hold the
+    sampled token and lists that do not."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(vllm_services.model, local_files_only=True)
+    answers = [e for conv in vllm_services.offline for e in conv]
+    strings = [e for e in answers if isinstance(e.get("stop_reason"), str)]
+    assert any(e["stop_reason"] not in tok.decode(e["token_ids"][-1:]) for e in strings), strings
+    assert any(isinstance(e.get("stop_reason"), int) and e["token_ids"][-1] == e["stop_reason"] for e in answers)
+    positions = [(token, [t for t, _ in top]) for e in answers if "top_logprobs" in e
+                 for token, top in zip(e["token_ids"], e["top_logprobs"], strict=True)]
+    assert any(token in top for token, top in positions) and any(token not in top for token, top in positions)
+    assert all(len(top) == len(set(top)) for _, top in positions)
 
 
 async def test_inprocess_engine_through_fleet_equals_offline_generate(

@@ -9,7 +9,9 @@ the conversation's earlier prompts and generations plus its own ids, with every 
 ``multi_modal_data`` (its ``token_ids`` hold one image token per image; vLLM expands them). All
 conversations' turn k go to one ``LLM.generate`` call. OUT: per run, per conversation, per turn,
 ``{"token_ids", "logprobs", "finish_reason", "context_length"}`` (context length counted in vLLM's
-expanded prompt) (+ ``"routed_experts"`` as nested lists when the engine returns them).
+expanded prompt) (+ ``"routed_experts"`` as nested lists when the engine returns them, ``"top_logprobs"``
+(per token, the k ``[token_id, logprob]`` pairs of rank <= k, in rank order) when the turn asks for
+``logprobs`` k > 0, and ``"stop_reason"`` (vLLM's: the stop string or stop token id) when it has one).
 
 vLLM starts engine processes: this runs as its own process, under the ``__main__`` guard.
 """
@@ -58,6 +60,13 @@ def run(spec: dict[str, Any]) -> list[list[dict[str, Any]]]:
             contexts[i] = [*contexts[i], *ids]
             entry = {"token_ids": ids, "logprobs": logprobs, "finish_reason": completion.finish_reason,
                      "context_length": len(out.prompt_token_ids) + len(ids)}
+            k = params[live.index(i)].logprobs
+            if k:  # by vLLM's ranks: the sampled token is listed whatever its rank
+                entry["top_logprobs"] = [[[int(t), float(lp.logprob)] for t, lp in
+                                          sorted(position.items(), key=lambda item: item[1].rank)
+                                          if lp.rank <= k] for position in completion.logprobs]
+            if completion.stop_reason is not None:
+                entry["stop_reason"] = completion.stop_reason
             if completion.routed_experts is not None:
                 entry["routed_experts"] = completion.routed_experts.tolist()
             results[i].append(entry)

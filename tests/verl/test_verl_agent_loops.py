@@ -39,9 +39,11 @@ async def fleet_keys(redis_server: RedisServer, prefix: str) -> AsyncIterator[di
     await vime.close_fleets()
 
 
-def build_loop(tmp_path: Path, target: str, tools: list[Any], **fleet: Any) -> Any:
+def build_loop(tmp_path: Path, target: str, tools: list[Any], *, tokenizer: Any = None,
+               rollout: dict[str, Any] | None = None, **fleet: Any) -> Any:
     """The agent loop as verl builds it: its config file (rollout.agent.agent_loop_config_path),
-    then hydra.utils.instantiate with the arguments AgentLoopWorker._run_agent_loop passes."""
+    then hydra.utils.instantiate with the arguments AgentLoopWorker._run_agent_loop passes.
+    ``tokenizer``: default the reference LM's; ``rollout``: keys over ROLLOUT's."""
     import hydra
     from omegaconf import OmegaConf
     from verl.experimental.agent_loop.agent_loop import DictConfigWrap, ToolListWrap
@@ -49,10 +51,11 @@ def build_loop(tmp_path: Path, target: str, tools: list[Any], **fleet: Any) -> A
 
     path = tmp_path / "agent_loops.yaml"
     OmegaConf.save(OmegaConf.create([{"name": "fleet", "_target_": target, **fleet}]), path)
-    config = OmegaConf.create({"actor_rollout_ref": {"rollout": ROLLOUT}, "data": {"apply_chat_template_kwargs": {}}})
+    config = OmegaConf.create({"actor_rollout_ref": {"rollout": {**ROLLOUT, **(rollout or {})}},
+                               "data": {"apply_chat_template_kwargs": {}}})
     (loop_config,) = OmegaConf.load(path)
     return hydra.utils.instantiate(config=loop_config, trainer_config=DictConfigWrap(config=config),
-                                   server_manager=None, tokenizer=hf_reference_tokenizer(), processor=None,
+                                   server_manager=None, tokenizer=tokenizer or hf_reference_tokenizer(), processor=None,
                                    hf_model_type=None, dataset_cls=RLHFDataset,
                                    data_config=DictConfigWrap(config.data), tools=ToolListWrap(tools))
 

@@ -7,9 +7,13 @@ The context changes only when a step succeeds (transactional); reset, close and 
 forget it; a stateless step starts from an empty context and keeps nothing.
 
 Output of a step: ``token_ids`` (list[int]), ``logprobs`` (list[float], the sampled tokens' log
-probabilities), ``finish_reason`` ("stop" | "length" | "abort") and ``routed_experts`` (ndarray
-``(tokens - 1, layers, top_k)``, when the step asks and the engine can return them). Randomness
-comes from the step's seed, else the engine's ``default_seed``.
+probabilities), ``finish_reason`` ("stop" | "length" | "abort"), ``top_logprobs`` (when
+``sampling.logprobs`` k > 0: per token, the k most likely ``[token_id, logprob]`` pairs, most likely
+first, the reference LM's layout), ``stop_reason`` (when a ``sampling.stop`` string ended the step:
+that string; when one of ``sampling.stop_token_ids`` did: that id; absent for EOS and length, as
+vLLM's ``stop_reason`` None) and ``routed_experts`` (ndarray ``(tokens - 1, layers, top_k)``, when
+the step asks and the engine can return them). Randomness comes from the step's seed, else the
+engine's ``default_seed``.
 
 Nothing here imports vllm: the engines bring their own ``generate``.
 """
@@ -41,6 +45,8 @@ class Generation:
     logprobs: list[float]
     finish_reason: str
     routed_experts: np.ndarray | None = None
+    top_logprobs: list[list[list[Any]]] | None = None  # per token, k [token_id, logprob] pairs
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended the step
 
 
 def token_step(request: EngineRequest) -> TokenStep:
@@ -77,6 +83,10 @@ def sampling_fields(sampling: SamplingParams, default_seed: int) -> dict[str, An
 def generation_output(gen: Generation, want_experts: bool) -> dict[str, Any]:
     out: dict[str, Any] = {"token_ids": list(gen.token_ids), "logprobs": list(gen.logprobs),
                            "finish_reason": gen.finish_reason}
+    if gen.top_logprobs is not None:
+        out["top_logprobs"] = gen.top_logprobs
+    if gen.stop_reason is not None:
+        out["stop_reason"] = gen.stop_reason
     if want_experts and gen.routed_experts is not None:
         out["routed_experts"] = np.ascontiguousarray(gen.routed_experts)
     return out

@@ -149,7 +149,7 @@ class VLLMEngine(TokenSessionEngine):
             self._aborted.discard(request_id)
         if final is None or not final.outputs:
             raise RuntimeError(f"vLLM returned no output for {request_id}")
-        generation = completion_generation(final.outputs[0])
+        generation = completion_generation(final.outputs[0], step.sampling.logprobs)
         if aborted and generation.finish_reason == "abort":  # a finished one keeps its output
             raise PartialAbort("aborted for a weight update", generation.token_ids, generation.logprobs)
         self._features.commit(request, parts)
@@ -237,14 +237,28 @@ def prompt_input(prompt: list[int], features: Mapping[str, Any] | None) -> Any:
                     mm_hashes=parsed.mm_hashes, mm_placeholders=placeholders)
 
 
-def completion_generation(completion: Any) -> Generation:
-    """A ``vllm.outputs.CompletionOutput`` (with ``logprobs=0``) as a Generation."""
+def completion_generation(completion: Any, top_k: int = 0) -> Generation:
+    """A ``vllm.outputs.CompletionOutput`` as a Generation: with ``top_k`` > 0 (the params asked
+    ``logprobs=top_k``) each position's k most likely tokens too, and vLLM's ``stop_reason``."""
     ids = [int(t) for t in completion.token_ids]
+    entries = list(completion.logprobs or [])
     logprobs: list[float] = []
-    for token, entry in zip(ids, completion.logprobs or [], strict=False):
+    for token, entry in zip(ids, entries, strict=False):
         logprobs.append(float(entry[token].logprob))
     if len(logprobs) != len(ids):
         raise RuntimeError(f"vLLM returned {len(logprobs)} logprobs for {len(ids)} tokens")
     experts = getattr(completion, "routed_experts", None)
+    stop = completion.stop_reason
     return Generation(token_ids=ids, logprobs=logprobs, finish_reason=str(completion.finish_reason or "abort"),
-                      routed_experts=None if experts is None else np.asarray(experts))
+                      routed_experts=None if experts is None else np.asarray(experts),
+                      top_logprobs=[ranked_top(entry, top_k) for entry in entries[:len(ids)]] if top_k else None,
+                      stop_reason=stop if isinstance(stop, (str, int)) else None)
+
+
+def ranked_top(entry: Mapping[int, Any], k: int) -> list[list[Any]]:
+    """One position's ``{token_id: Logprob}`` (the sampled token and the top ``k``, each with its
+    rank) as the ``k`` most likely ``[token_id, logprob]`` pairs in rank order. The sampled token
+    is among them only when its rank is within ``k`` (vLLM adds it to the dict whatever its rank)."""
+    ranked = sorted((int(lp.rank), int(token), float(lp.logprob)) for token, lp in entry.items()
+                    if lp.rank is not None and lp.rank <= k)
+    return [[token, logprob] for _, token, logprob in ranked]
