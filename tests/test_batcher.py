@@ -88,3 +88,48 @@ async def test_a_request_whose_caller_gave_up_is_left_out_of_the_batch() -> None
         await batcher.close()
     assert isinstance(out, EngineOutput)
     assert engine.batch_sizes == [1, 1]  # the cancelled request never reached the engine
+
+
+class HeldEngine(NullEngine):
+    """Holds every batch until released, counting the batches inside run_batch at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = asyncio.Event()
+        self.inside = 0
+        self.most_inside = 0
+
+    async def run_batch(self, model: str, requests: Sequence[EngineRequest]) -> list[EngineOutput | BaseException]:
+        self.inside += 1
+        self.most_inside = max(self.most_inside, self.inside)
+        try:
+            await asyncio.wait_for(self.release.wait(), 10)
+            return await super().run_batch(model, requests)
+        finally:
+            self.inside -= 1
+
+
+@pytest.mark.parametrize("in_flight", [1, 2])
+async def test_an_engine_that_batches_on_its_own_gets_several_batches_at_once(in_flight: int) -> None:
+    engine = HeldEngine()
+    batcher = Batcher(engine, MODEL, max_batch=2, in_flight=in_flight)
+    try:
+        tasks = [asyncio.create_task(batcher.run(request(f"s{i}"))) for i in range(6)]
+        for _ in range(100):  # bounded: until the batcher has handed over all it may
+            await asyncio.sleep(0.01)
+            if engine.inside == in_flight:
+                break
+        await asyncio.sleep(0.05)  # time for a batch beyond the bound to (wrongly) start
+        assert engine.most_inside == in_flight
+        assert batcher.waiting() == 6 - 2 * in_flight
+        engine.release.set()
+        outs = await asyncio.gather(*tasks)
+    finally:
+        await batcher.close()
+    assert all(isinstance(out, EngineOutput) for out in outs)
+    assert batcher.items == 6
+
+
+def test_batches_in_flight_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="at least 1"):
+        Batcher(NullEngine(), MODEL, max_batch=2, in_flight=0)

@@ -2,6 +2,11 @@
 
 When more requests wait than fit in a batch, interactive ones go first (schemas/sharing.py): an
 evaluation step never waits behind a queue of bulk training steps. Within a class, arrival order.
+
+An engine that only fans a batch out to a server batching on its own (vLLM's continuous batching)
+takes several batches at once (``Engine.batches_in_flight``): otherwise a step that finished early
+waits for the slowest of its batch before the next batch may start. A session's steps never overlap
+either way: the worker runs them one after the other (its per-session lanes).
 """
 
 from __future__ import annotations
@@ -22,7 +27,9 @@ _Item = tuple[EngineRequest, "asyncio.Future[EngineOutput]"]
 
 class Batcher:
     def __init__(self, engine: Engine, model: str, *, max_batch: int, wait_ms: float = 0.0,
-                 metrics: WorkerMetrics | None = None) -> None:
+                 metrics: WorkerMetrics | None = None, in_flight: int = 1) -> None:
+        if in_flight < 1:
+            raise ValueError(f"batches in flight must be at least 1, got {in_flight}")
         self.engine = engine
         self.metrics = metrics
         self.model = model
@@ -33,6 +40,8 @@ class Batcher:
             p: collections.deque() for p in sorted(Priority, key=lambda p: p.rank)}
         self._arrived = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._slots = asyncio.Semaphore(in_flight)
+        self._running: set[asyncio.Task[None]] = set()
         self.batches = 0
         self.items = 0
 
@@ -51,11 +60,13 @@ class Batcher:
         return sum(len(q) for p, q in self._queues.items() if priority in (None, p))
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        tasks = [*self._running, *([self._task] if self._task is not None else [])]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+                await task
+        self._task = None
 
     async def _collect(self) -> list[_Item]:
         while not self.waiting():
@@ -72,25 +83,38 @@ class Batcher:
 
     async def _loop(self) -> None:
         while True:
-            batch = await self._collect()
+            await self._slots.acquire()  # a batch is collected only once a slot is free to run it
+            try:
+                batch = await self._collect()
+            except BaseException:
+                self._slots.release()
+                raise
             live = [(req, fut) for req, fut in batch if not fut.done()]
             if not live:
+                self._slots.release()
                 continue
-            try:
-                outs = await self.engine.run_batch(self.model, [req for req, _ in live])
-                if len(outs) != len(live):
-                    raise RuntimeError(f"engine returned {len(outs)} outputs for {len(live)} requests")
-            except Exception as exc:  # the whole batch failed: every request sees the cause
-                log.warning("batch of %d for %s failed: %s", len(live), self.model, exc)
-                outs = [exc] * len(live)
-            self.batches += 1
-            self.items += len(live)
-            if self.metrics is not None:
-                self.metrics.batch(self.model, len(live))
-            for (_, fut), out in zip(live, outs, strict=True):
-                if fut.done():
-                    continue
-                if isinstance(out, BaseException):
-                    fut.set_exception(out)
-                else:
-                    fut.set_result(out)
+            task = asyncio.create_task(self._run(live), name=f"batch:{self.model}")
+            self._running.add(task)
+            task.add_done_callback(self._running.discard)
+
+    async def _run(self, live: list[_Item]) -> None:
+        try:
+            outs = await self.engine.run_batch(self.model, [req for req, _ in live])
+            if len(outs) != len(live):
+                raise RuntimeError(f"engine returned {len(outs)} outputs for {len(live)} requests")
+        except Exception as exc:  # the whole batch failed: every request sees the cause
+            log.warning("batch of %d for %s failed: %s", len(live), self.model, exc)
+            outs = [exc] * len(live)
+        finally:
+            self._slots.release()
+        self.batches += 1
+        self.items += len(live)
+        if self.metrics is not None:
+            self.metrics.batch(self.model, len(live))
+        for (_, fut), out in zip(live, outs, strict=True):
+            if fut.done():
+                continue
+            if isinstance(out, BaseException):
+                fut.set_exception(out)
+            else:
+                fut.set_result(out)

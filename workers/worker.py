@@ -99,8 +99,8 @@ class Worker:
         self._scripts = Scripts(self._redis, self.keys)
         await self.engine.start()
         self._batchers = {
-            model: Batcher(self.engine, model, max_batch=self.engine.max_batch_size(model),
-                           wait_ms=self.settings.batch_wait_ms, metrics=self.metrics)
+            model: Batcher(self.engine, model, max_batch=self.engine.max_batch_size(model), metrics=self.metrics,
+                           wait_ms=self.settings.batch_wait_ms, in_flight=self.engine.batches_in_flight(model))
             for model in self.engine.models()
         }
         self.weights = WeightControl(self.engine, self._redis, self.keys, block_ms=self.settings.block_ms)

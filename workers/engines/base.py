@@ -180,6 +180,12 @@ class Engine(abc.ABC):
     def max_batch_size(self, model: str) -> int:
         return 32
 
+    def batches_in_flight(self, model: str) -> int:
+        """Batches of ``model`` the worker may hand over at once. 1 for an engine that runs a batch
+        itself; more for one that only fans a batch out to a server batching on its own (vLLM's
+        continuous batching), so that a step that finished early does not wait for its batch."""
+        return 1
+
     def load(self) -> EngineLoad:
         """The engine's load signals, read once per heartbeat on the event loop: cheap, no I/O."""
         return EngineLoad()

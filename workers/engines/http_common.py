@@ -114,6 +114,8 @@ class ServerConfig(Protocol):
     def max_connections(self) -> int: ...
     @property
     def max_batch_size(self) -> int: ...
+    @property
+    def batches_in_flight(self) -> int: ...
 
 
 class ServerEngine(Engine):
@@ -133,6 +135,9 @@ class ServerEngine(Engine):
 
     def max_batch_size(self, model: str) -> int:
         return self.server_config.max_batch_size
+
+    def batches_in_flight(self, model: str) -> int:
+        return self.server_config.batches_in_flight
 
     @property
     def server_model(self) -> str:

@@ -9,16 +9,17 @@ so the trainer client and the CLI stay light (no torch / vllm / vllm_omni on imp
 | ``vllm``         | tokens            | ``model`` (checkpoint dir, required), ``served_model_name``, ``dtype``,   |
 |                  |                   | ``max_model_len``, ``enforce_eager``, ``enable_prefix_caching``,          |
 |                  |                   | ``enable_return_routed_experts``, ``seed``, ``default_seed``,             |
-|                  |                   | ``max_batch_size``, ``engine_args`` (more AsyncEngineArgs), ``env``       |
+|                  |                   | ``max_batch_size``, ``batches_in_flight``, ``engine_args``                |
+|                  |                   | (more AsyncEngineArgs), ``env``                                           |
 | ``vllm-http``    | tokens            | ``base_url`` and ``model`` (required), ``server_model``, ``timeout_s``,   |
 |                  |                   | ``connect_timeout_s``, ``max_connections``, ``default_seed``,             |
-|                  |                   | ``max_batch_size``                                                        |
+|                  |                   | ``max_batch_size``, ``batches_in_flight`` (default 4)                     |
 | ``vllm-omni``    | world_model_env   | ``model`` (default ``dreamzero``), ``weights``, ``client_factory``        |
 |                  |                   | (``module:callable``), ``client_options``, ``default_seed``,              |
 |                  |                   | ``max_batch_size``                                                        |
 | ``vllm-omni-http`` | world_model_env | ``base_url`` (required), ``model``, ``server_model``, ``timeout_s``,      |
 |                  |                   | ``connect_timeout_s``, ``max_connections``, ``default_seed``,             |
-|                  |                   | ``max_batch_size``                                                        |
+|                  |                   | ``max_batch_size``, ``batches_in_flight`` (default 4)                     |
 
 Any other engine: ``--engine package.module:Class``, an ``Engine`` subclass importable by the worker
 (e.g. ``bench.sim_engine:SimEngine``); its options fill its ``config_type``, or are its constructor's

@@ -63,6 +63,7 @@ class VLLMEngineConfig:
     seed: int = 0
     default_seed: int = DEFAULT_SEED
     max_batch_size: int = 64
+    batches_in_flight: int = 4  # the server batches continuously: see Engine.batches_in_flight
     engine_args: Mapping[str, Any] = field(default_factory=dict)
     env: Mapping[str, str] = field(default_factory=dict)
 
@@ -90,6 +91,9 @@ class VLLMEngine(TokenSessionEngine):
 
     def max_batch_size(self, model: str) -> int:
         return self.config.max_batch_size
+
+    def batches_in_flight(self, model: str) -> int:
+        return self.config.batches_in_flight
 
     async def start(self) -> None:
         if self._llm is not None:

@@ -78,6 +78,7 @@ class VLLMHTTPConfig:
     max_connections: int = 64
     default_seed: int = DEFAULT_SEED
     max_batch_size: int = 64
+    batches_in_flight: int = 4  # the server batches continuously: see Engine.batches_in_flight
 
 
 def http_sampling(sampling: SamplingParams, default_seed: int) -> dict[str, Any]:

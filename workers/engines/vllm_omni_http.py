@@ -63,6 +63,7 @@ class VLLMOmniHTTPConfig:
     connect_timeout_s: float = 10.0
     max_connections: int = 64
     max_batch_size: int = 16
+    batches_in_flight: int = 4  # the server batches continuously: see Engine.batches_in_flight
     default_seed: int | None = 0  # as VLLMOmniEngineConfig.default_seed
 
 
