@@ -13,6 +13,7 @@ from typing import Any
 
 from redis.typing import EncodableT, FieldT
 
+from broker.redis.blobs import blob_gone, blob_key
 from schemas.codec import decode
 from schemas.errors import InvalidRequestError
 from schemas.limits import Limits
@@ -191,7 +192,12 @@ class ReplyEntry:
         return {"kind": self.kind, "job_id": self.job_id, "committed": self.committed, "result": self.result}
 
     def step_result(self, limits: Limits) -> StepResult:
-        """The ``StepResult`` the entry carries, decoded once (InvalidRequestError if malformed)."""
+        """The ``StepResult`` the entry carries, decoded once (InvalidRequestError if malformed). A
+        reference left unresolved (its blob was gone when read: broker/redis/blobs.py) raises
+        step_already_committed: a re-send of the step reads it from the log while its window keeps it."""
+        key = blob_key(self.result)
+        if key is not None:
+            raise blob_gone(f"the step of job {self.job_id}", key)
         return StepResult.from_wire(decode(self.result, limits))
 
 
