@@ -9,6 +9,7 @@ from broker import FleetClient
 from broker.redis.blobs import BLOB_MARK, STAGE_BYTES, blob_key
 from broker.redis.durability import ReplicaWait
 from broker.redis.keys import INBOX_GROUP
+from broker.redis.layouts import ReplyBounds
 from broker.redis.script_replies import (
     Applied,
     CommitReply,
@@ -169,3 +170,17 @@ async def test_a_latent_round_trip_goes_through_the_blob_path(fleet: FleetClient
     # the reader took each reply blob with the entry it read: none is left behind
     stem = keys.reply(fleet.client_id) + ":blob:"
     assert [key async for key in fleet.redis.scan_iter(match=stem + "*")] == []
+
+
+async def test_the_reply_stream_budget_bounds_its_blobs(scripts: Scripts) -> None:
+    """A reader that left: entries past the stream's byte budget lose their blobs, as a trimmed
+    inline entry loses its bytes."""
+    redis, k = scripts.redis, scripts.keys
+    await _session(scripts, window=1)
+    bounds = ReplyBounds(stream_bytes=3 * (len(big(9)) + 128))  # about 3 latents
+    for step in range(8):
+        assert await scripts.commit(session_id="s1", worker_id="w1", epoch=1, step_id=step, entry_id="0-1",
+                                    result=big(step), context_length=step + 1, job_id=f"j{step}", reply_to="c",
+                                    reply_ttl_ms=60000, reply_bounds=bounds) == Committed()
+    blobs = [key async for key in redis.scan_iter(match=k.reply("c") + ":blob:*")]
+    assert sorted(blobs) == [k.reply_blob("c", f"j{step}").encode() for step in range(5, 8)]

@@ -89,9 +89,11 @@ async def after_command(redis: Redis, command: list[Any], script: AsyncScript, k
 
 
 def unless_unstaged(raw: Any) -> Any:
-    """commit.lua's reply, unless it says the staged result was missing (its SET failed or was
-    lost; nothing changed): that raises as a lost connection would, and the caller's retry stages
-    the result again."""
+    """commit.lua's reply, unless it is an error (raised) or says the staged result was missing (its
+    SET failed or was lost; nothing changed): that raises as a lost connection would, and the
+    caller's retry stages the result again."""
+    if isinstance(raw, Exception):
+        raise raw
     if isinstance(raw, list) and raw and raw[0] in (b"unstaged", "unstaged"):
         raise RedisConnectionError("the staged result was not there when the commit ran; commit again")
     return raw

@@ -79,6 +79,7 @@ class Scripts:
         "register", "heartbeat", "leave_pools", "failover", "retire", "ack_result", "close_idle",
         "set_capacity", "unplaced", "announce", "cancel", "fork", "snapshot",
     )
+    stage_bytes = STAGE_BYTES  # results of this size or more are staged (bench.result_blobs varies it)
 
     def __init__(self, redis: Redis, keys: CellKeys, *, coalesce: bool = True) -> None:
         self.redis = redis
@@ -270,8 +271,6 @@ class Scripts:
         if isinstance(raw, NoScriptError):  # a master that never ran it (a promoted replica): load, again
             await self.redis.script_load(lua_source("commit"))
             raw, acked = await call_then_wait(self.redis, keys[0], command, wait, before)
-        if isinstance(raw, Exception):
-            raise raw
         return decode_commit(unless_unstaged(raw)), acked
 
     def _commit_call(self, session_id: str, worker_id: str, epoch: int, step_id: int, entry_id: str, result: bytes,
@@ -280,7 +279,7 @@ class Scripts:
                      cancels: int | None) -> tuple[list[str], list[Any], list[Any] | None]:
         k = self.keys
         stage = k.staged_result(session_id, step_id, worker_id, epoch)
-        before = stage_command(stage, result) if len(result) >= STAGE_BYTES else None
+        before = stage_command(stage, result) if len(result) >= self.stage_bytes else None
         return (
             [k.session(session_id), k.log(session_id), k.inbox(worker_id), k.reply(reply_to), stage,
              k.result_blob(session_id, step_id), k.reply_blob(reply_to, job_id)],

@@ -83,11 +83,23 @@ end
 -- stream is trimmed to the entries of this size its byte budget holds (128 bytes stand for the
 -- entry's other fields), and a large result gives the stream the shorter TTL. `size` and `blob`
 -- (optional): a result held in a reply blob (reply_value) counts its blob's size, and the blob
--- expires with the stream.
+-- expires with the stream. The blobs of the oldest entries this one pushes past the budget are
+-- deleted (trimming the stream would not free them): such an entry reads as a result that is gone.
 local function add_reply(key, ttl_ms, stream_bytes, large_bytes, large_ttl_ms, kind, job_id, committed, result,
                          size, blob)
   size = size or #result
   local maxlen = math.max(1, math.floor(tonumber(stream_bytes) / (size + 128)))
+  local over = redis.call('XLEN', key) + 1 - maxlen
+  if over > 0 then
+    for _, entry in ipairs(redis.call('XRANGE', key, '-', '+', 'COUNT', over)) do
+      local fields = entry[2]
+      for i = 1, #fields - 1, 2 do
+        if fields[i] == 'result' and string.sub(fields[i + 1], 1, 1) == BLOB_MARK then
+          redis.call('DEL', string.sub(fields[i + 1], 2))
+        end
+      end
+    end
+  end
   redis.call('XADD', key, 'MAXLEN', '~', maxlen, '*', 'kind', kind, 'job_id', job_id, 'committed', committed,
     'result', result)
   local ttl = tonumber(ttl_ms)
