@@ -6,7 +6,8 @@ when staged, the SET before it) for results from 4 KiB to 1.8 MB, with the resul
 argument and staged (the threshold of ``Scripts.stage_bytes`` moved to force either path).
 ``cell`` rows: steps/s of one cell with 1, 2 and 4 null-engine worker processes, 64 closed-loop
 world sessions whose results are (1, 16, 2, 44, 80) float32 latents (450 KB), and the CPU each
-process spent per step (redis: the cell's one Redis thread, the bound of a cell).
+process spent per step; ``redis_us_per_step``: Redis's own time in commands per step (INFO
+commandstats), the part of the cell's one thread each step takes, and the bound it sets.
 """
 
 from __future__ import annotations
@@ -87,16 +88,30 @@ async def cell_row(server: RedisServer, workers: int, size: Size) -> Row:
             sessions = await asyncio.gather(*(fleet.create_session("null-world", "world_model_env")
                                               for _ in range(SESSIONS)))
 
+            steps = 0
+
             async def step(session: Any, k: int) -> None:
+                nonlocal steps
                 result = await session.step(k, **world_inputs(k))
                 if not result.ok:
                     raise RuntimeError(result.error)
+                steps += 1
 
             redis_pid = [server.process.pid] if server.process is not None else []
             meter = CpuMeter({"workers": [p.pid for p in children.procs], "redis": redis_pid})
+            await fleet.redis.config_resetstat()
             row = await timed_window(NAME, sessions, step, size.warmup_s, size.window_s, meter)
+            row.values.update(await _redis_time(fleet, steps))
     row.case, row.system = f"{workers} workers x {SESSIONS} latent sessions", "fleet"
     return row
+
+
+async def _redis_time(fleet: FleetClient, steps: int) -> dict[str, float]:
+    """Redis's own time in commands per step (INFO commandstats, every command of the run): the
+    time of the cell's one thread a step takes, so 1e6 / it bounds the cell's steps/s."""
+    stats: Any = await fleet.redis.info("commandstats")
+    per_step = sum(float(v["usec"]) for v in stats.values()) / max(1, steps)
+    return {"redis_us_per_step": per_step, "cell_bound_steps_s": 1e6 / per_step if per_step else 0.0}
 
 
 async def run(size: str) -> list[Row]:

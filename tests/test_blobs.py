@@ -17,6 +17,7 @@ from broker.redis.script_replies import (
     Created,
     Duplicate,
     Forked,
+    Published,
     Queued,
     Refused,
     StaleOwner,
@@ -184,3 +185,31 @@ async def test_the_reply_stream_budget_bounds_its_blobs(scripts: Scripts) -> Non
                                     reply_ttl_ms=60000, reply_bounds=bounds) == Committed()
     blobs = [key async for key in redis.scan_iter(match=k.reply("c") + ":blob:*")]
     assert sorted(blobs) == [k.reply_blob("c", f"j{step}").encode() for step in range(5, 8)]
+
+
+async def test_a_large_stateless_result_is_published_as_a_blob(scripts: Scripts) -> None:
+    redis, k = scripts.redis, scripts.keys
+    await _session(scripts)
+
+    async def report(worker: str) -> object:
+        return await scripts.report(session_id="s1", worker_id=worker, epoch=1, entry_id="0-1", job_id="free",
+                                    result=big(3), fallback_gen=None, reply_to="c", reply_ttl_ms=60000)
+
+    assert await report("zombie") == StaleOwner("w1", 1)
+    assert not await redis.exists(k.staged_reply("c", "free", "zombie")) and await redis.xlen(k.reply("c")) == 0
+    assert isinstance(await report("w1"), Published)
+    assert await _last_reply(scripts) == BLOB_MARK + k.reply_blob("c", "free").encode()
+    assert await redis.get(k.reply_blob("c", "free")) == big(3)
+    assert 0 < await redis.pttl(k.reply_blob("c", "free")) <= 600_000
+    assert not await redis.exists(k.staged_reply("c", "free", "w1"))
+    assert await redis.hget(k.session("s1"), "committed_step_id") == b"-1"  # a report commits nothing
+
+
+async def test_a_stateless_latent_step_round_trip(fleet: FleetClient, workers: WorkerPool) -> None:
+    await workers.add(NullEngine(NullEngineConfig(latent_shape=LATENT)))
+    s = await fleet.create_session(model="null-world", mode="world_model_env")
+    r = await s.step(0, use_session_context=False, **world_step(0))
+    assert r.ok, r.error
+    assert r.output["video_latent"].shape == LATENT and r.committed_step_id == -1
+    keys = fleet.keys_of(s.session_id)
+    assert [key async for key in fleet.redis.scan_iter(match=keys.reply(fleet.client_id) + ":*")] == []

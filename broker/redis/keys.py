@@ -184,6 +184,10 @@ class CellKeys:
         """STREAM of results for one trainer/consumer."""
         return f"{self.base}:reply:{consumer}"
 
+    def staged_reply(self, consumer: str, job_id: str, worker_id: str) -> str:
+        """STRING: a large stateless result a worker wrote just before report.lua publishes it."""
+        return f"{self.reply(consumer)}:stage:{job_id}:{worker_id}"
+
     def reply_blob(self, consumer: str, job_id: str) -> str:
         """STRING: the large result of one reply entry (the entry holds a reference to it)."""
         return f"{self.reply(consumer)}:blob:{job_id}"

@@ -150,7 +150,8 @@ def max_staleness_of(max_staleness: object) -> int | None:
 # ---------------------------------------------------------------------- rf:{c}:log:<sid> HASH
 
 def log_result_field(step_id: int) -> str:
-    """The stored result of a committed step (kept for the session's result window)."""
+    """The stored result of a committed step (kept for the session's result window); a large one
+    as a reference to its blob (broker/redis/blobs.py, CellKeys.result_blob)."""
     return f"result:{step_id}"
 
 
@@ -181,7 +182,7 @@ class ReplyEntry:
     kind: str  # step | reset | close
     job_id: str
     committed: int
-    result: bytes  # an encoded StepResult ('' for reset and close)
+    result: bytes  # an encoded StepResult ('' for reset and close), or a reference to its reply blob
 
     @classmethod
     def from_fields(cls, fields: Fields) -> ReplyEntry:

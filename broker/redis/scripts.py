@@ -7,7 +7,6 @@ script touches is passed in KEYS and built by :mod:`broker.redis.keys`.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
 from typing import Any
 
 from redis.asyncio import Redis
@@ -15,6 +14,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError
 
 from broker.redis.admission import Admission
+from broker.redis.aio import settle
 from broker.redis.blobs import STAGE_BYTES, after_command, stage_command, stored_resolved, unless_unstaged
 from broker.redis.cells import touch_cell
 from broker.redis.connect import is_cluster
@@ -58,17 +58,6 @@ from broker.redis.script_replies import (
 )
 
 _Pending = tuple[str, list[str], list[Any], "asyncio.Future[Any]", list[Any] | None]  # before: a staging SET
-
-
-async def _settle(fut: asyncio.Future[Any], call: Awaitable[Any]) -> None:
-    try:
-        result = await call
-    except Exception as exc:
-        if not fut.done():
-            fut.set_exception(exc)
-        return
-    if not fut.done():
-        fut.set_result(result)
 
 
 class Scripts:
@@ -137,7 +126,7 @@ class Scripts:
     async def _flush(self, batch: list[_Pending]) -> None:
         if len(batch) == 1:  # nothing to coalesce: the plain call
             name, keys, args, fut, before = batch[0]
-            await _settle(fut, self._direct(name, keys, args, before))
+            await settle(fut, self._direct(name, keys, args, before))
             return
         try:
             results = await self._pipelined(batch)
@@ -151,7 +140,7 @@ class Scripts:
             if fut.done():
                 continue
             if isinstance(result, NoScriptError):  # not loaded on this server yet: the plain call loads it
-                await _settle(fut, self._direct(name, keys, args, before))
+                await settle(fut, self._direct(name, keys, args, before))
             elif isinstance(result, Exception):
                 fut.set_exception(result)
             else:
@@ -296,13 +285,15 @@ class Scripts:
         """Publish a non-committing outcome; ``dead_letter`` fields also dead-letter the job."""
         k = self.keys
         flat = [item for pair in (dead_letter or {}).items() for item in pair]
+        keys, before = [k.session(session_id), k.inbox(worker_id), k.reply(reply_to), k.dead], None
+        if len(result) >= self.stage_bytes:  # a large stateless result: staged as a commit's is
+            keys += [k.staged_reply(reply_to, job_id, worker_id), k.reply_blob(reply_to, job_id)]
+            before, result = stage_command(keys[4], result), b""
         raw = await self._call(
-            "report",
-            [k.session(session_id), k.inbox(worker_id), k.reply(reply_to), k.dead],
+            "report", keys,
             [worker_id, epoch, entry_id, job_id, result, "" if fallback_gen is None else fallback_gen,
-             reply_ttl_ms, INBOX_GROUP, DEAD_LETTER_MAXLEN, *reply_bounds.args(), *flat],
-        )
-        return decode_report(raw)
+             reply_ttl_ms, INBOX_GROUP, DEAD_LETTER_MAXLEN, *reply_bounds.args(), *flat], before)
+        return decode_report(unless_unstaged(raw))
 
     async def failover(self, *, session_id: str, mode: str, model: str, old: str, new: str, lease_ms: int,
                        reason: str) -> FailoverReply:
