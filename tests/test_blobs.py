@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from broker import FleetClient
+from broker.client.consumer import ResultConsumer
 from broker.redis.blobs import BLOB_MARK, STAGE_BYTES, blob_key
 from broker.redis.durability import ReplicaWait
 from broker.redis.keys import INBOX_GROUP
@@ -213,3 +214,23 @@ async def test_a_stateless_latent_step_round_trip(fleet: FleetClient, workers: W
     assert r.output["video_latent"].shape == LATENT and r.committed_step_id == -1
     keys = fleet.keys_of(s.session_id)
     assert [key async for key in fleet.redis.scan_iter(match=keys.reply(fleet.client_id) + ":*")] == []
+
+
+async def test_a_consumer_group_reads_a_latent_and_its_ack_frees_the_blob(
+    fleet: FleetClient, workers: WorkerPool
+) -> None:
+    await workers.add(NullEngine(NullEngineConfig(latent_shape=LATENT)))
+    s = await fleet.create_session(model="null-world", mode="world_model_env")
+    assert (await s.enqueue(0, results_stream="rollouts", **world_step(0))).status == "queued"
+    stem = fleet.keys_of(s.session_id).reply("rollouts") + ":blob:"
+    async with ResultConsumer(fleet, "rollouts", group="g", consumer="c1") as results:
+        deliveries = []
+        for _ in range(50):  # bounded: 50 reads of at most 200 ms
+            deliveries += await results.read(block_ms=200)
+            if deliveries:
+                break
+        assert [d.result.step_id for d in deliveries] == [0]
+        assert deliveries[0].result.output["video_latent"].shape == LATENT
+        assert [key async for key in fleet.redis.scan_iter(match=stem + "*")] != []  # kept until handled
+        assert await deliveries[0].ack() is True
+    assert [key async for key in fleet.redis.scan_iter(match=stem + "*")] == []
