@@ -12,7 +12,8 @@
 -- Fields (broker/redis/layouts.py): reads session owner, epoch, committed_step_id, reset_pending, trainer;
 --       writes session committed_step_id, context_length, reset_pending (reset), drops first_version
 --       (reset: the next committed step starts a new trajectory, docs/async_rl.md); drops the log
---       and its result blobs (reset; a close expires them with the log, prelude.lua log_blobs); adds a reply entry (kind, job_id, committed, result '') unless job_id is 
+--       and its result blobs (reset; a close expires them with the log, prelude.lua log_blobs);
+--       adds a reply entry (kind, job_id, committed, result '') unless job_id is '' (an idle close)
 -- A reset that control.lua never enqueued (reset_pending 0: a forged or replayed entry) is refused
 -- like a fenced job: applied, it would move committed to -1 while next_step_id stays put. A retry
 -- of a call that went through (the entry is no longer in the inbox) changes nothing.

@@ -25,8 +25,8 @@
 --       max_staleness, first_version, cancels; writes first_version (when absent and max_staleness is set);
 --       writes session committed_step_id, context_length, updated_ms, unconfirmed_step (deferred: the
 --       lowest step committed and not yet confirmed; any publish clears it); log result:<step> (the
---       last result_window kept, a large one as a reference to its blob) and input:<step> (per ARGV 11); adds a reply entry (kind,
---       job_id, committed, result)
+--       last result_window kept, a large one as a reference to its blob) and input:<step> (per
+--       ARGV 11); adds a reply entry (kind, job_id, committed, result: a large one as a reference)
 -- Returns {'committed'} | {'duplicate'} | {'duplicate_unstored', committed}
 --       | {'fenced', owner, epoch} | {'out_of_order', committed} | {'cancelled', committed}
 --       | {'unstaged', committed} (ARGV 18 '1' and KEYS[5] missing: nothing changed, call again)

@@ -18,7 +18,8 @@
 --       committed_step_id, next_step_id, context_length, closed, gen, reset_pending, mode, model,
 --       retention, result_window, idle_timeout_ms, priority, trainer, max_staleness, first_version;
 --       writes each branch's whole session hash (as create.lua, plus forked_from) and log (a result
---       stored as a blob reference gets the branch's own copy of the blob: COPY, never read); adds an inbox entry (the fields of enqueue.lua's,
+--       stored as a blob reference gets the branch's own copy of the blob: COPY, never read); adds
+--       an inbox entry (the fields of enqueue.lua's,
 --       kind 'fork', step_id = the fork point, job_id and reply_to '', payload = the branch ids
 --       separated by spaces)
 -- Returns {'forked', committed} | {'error', code, message, committed, context_length} | {'moved', owner}
