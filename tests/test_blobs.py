@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from broker import FleetClient
 from broker.client.consumer import ResultConsumer
-from broker.redis.blobs import BLOB_MARK, STAGE_BYTES, blob_key
+from broker.redis.blobs import BLOB_MARK, STAGE_BYTES, blob_key, unless_unstaged
 from broker.redis.durability import ReplicaWait
 from broker.redis.keys import INBOX_GROUP
 from broker.redis.layouts import ReplyBounds
@@ -24,7 +25,7 @@ from broker.redis.script_replies import (
     StaleOwner,
     Stored,
 )
-from broker.redis.scripts import Scripts
+from broker.redis.scripts import Scripts, lua_source
 from schemas.errors import ErrorCode
 from tests.support import WorkerPool, world_step
 from workers.engines.null import NullEngine, NullEngineConfig
@@ -234,3 +235,19 @@ async def test_a_consumer_group_reads_a_latent_and_its_ack_frees_the_blob(
         assert [key async for key in fleet.redis.scan_iter(match=stem + "*")] != []  # kept until handled
         assert await deliveries[0].ack() is True
     assert [key async for key in fleet.redis.scan_iter(match=stem + "*")] == []
+
+
+async def test_a_commit_whose_staging_is_missing_changes_nothing_and_is_retried(scripts: Scripts) -> None:
+    """The SET before the commit failed or was lost: commit.lua answers 'unstaged' before any write,
+    and the wrapper raises it as a lost connection, which the worker's retry stages again."""
+    redis, k = scripts.redis, scripts.keys
+    await _session(scripts)
+    keys = [k.session("s1"), k.log("s1"), k.inbox("w1"), k.reply("c"), k.staged_result("s1", 0, "w1", 1),
+            k.result_blob("s1", 0), k.reply_blob("c", "j0")]
+    args = ["w1", 1, 0, "0-1", "", 1, "j0", 60000, INBOX_GROUP, "", -1, *ReplyBounds().args(), "0", "", "", "1"]
+    raw = await redis.eval(lua_source("commit"), len(keys), *keys, *args)
+    assert raw == [b"unstaged", -1]
+    assert await redis.hget(k.session("s1"), "committed_step_id") == b"-1" and await redis.xlen(k.reply("c")) == 0
+    with pytest.raises(RedisConnectionError):
+        unless_unstaged(raw)
+    assert await _commit(scripts, 0) == Committed()  # the retry stages it again
