@@ -21,16 +21,17 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from redis.exceptions import ResponseError
 
 from broker.client.fleet import MAX_BLOCK_MS, FleetClient
 from broker.redis.aio import resolve
+from broker.redis.blobs import blob_key, resolved
 from broker.redis.keys import CellKeys, check_stream_name
 from broker.redis.layouts import LayoutError, ReplyEntry, handled_field
-from schemas.errors import InvalidRequestError
+from schemas.errors import FleetError, InvalidRequestError
 from schemas.messages import StepResult
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,7 @@ class Delivery:
     consumer: ResultConsumer
     entry_id: str
     result: StepResult
+    blob: str | None = None  # the reply blob the result was read from (broker/redis/blobs.py)
 
     @property
     def key(self) -> tuple[str, int]:
@@ -132,14 +134,17 @@ class ResultConsumer:
             if not fields:
                 continue
             try:
-                result = ReplyEntry.from_fields(fields).step_result(self.fleet.limits)
-            except (InvalidRequestError, LayoutError) as exc:
+                reply = ReplyEntry.from_fields(fields)
+                blob = blob_key(reply.result)
+                data = await resolved(self.fleet.redis, reply.result)
+                result = replace(reply, result=reply.result if data is None else data).step_result(self.fleet.limits)
+            except (FleetError, LayoutError) as exc:  # undecodable, or its blob is gone
                 log.error("dropping undecodable result %s: %s", eid, exc)
                 await self.fleet.redis.xack(self._key, self.group, eid)
                 continue
             handled = handled_field(result.session_id, result.step_id)
             seen = await resolve(self.fleet.redis.hexists(self._handled, handled))
-            delivery = Delivery(self, eid, result)
+            delivery = Delivery(self, eid, result, blob)
             if seen and result.ok:
                 await self.ack(delivery)  # a duplicate of a step the group already handled
                 continue
@@ -153,8 +158,11 @@ class ResultConsumer:
             await self.fleet.redis.xdel(self._key, delivery.entry_id)
             return True
         scripts = self.fleet.link(self.cell).scripts
-        return await scripts.ack_result(stream=self.stream, group=self.group, entry_id=delivery.entry_id,
-                                        session_id=r.session_id, step_id=r.step_id, handled_ttl_ms=self.handled_ttl_ms)
+        first = await scripts.ack_result(stream=self.stream, group=self.group, entry_id=delivery.entry_id,
+                                         session_id=r.session_id, step_id=r.step_id, handled_ttl_ms=self.handled_ttl_ms)
+        if delivery.blob is not None:  # handled by the group: no other consumer claims it again
+            await self.fleet.redis.delete(delivery.blob)
+        return first
 
     def __aiter__(self) -> AsyncIterator[Delivery]:
         return self._iterate()

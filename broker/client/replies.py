@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from typing import Any
 
 from redis.asyncio import Redis
 
 from broker.redis.backoff import REDIS_ERRORS, Backoff
+from broker.redis.blobs import blob_key, resolved
 from broker.redis.layouts import ReplyEntry
 
 log = logging.getLogger(__name__)
@@ -79,13 +81,13 @@ class ReplyReader:
                 await backoff.wait()
                 continue
             if entries:
-                self._dispatch(entries[0][1])
+                await self._dispatch(entries[0][1])
 
-    def _dispatch(self, items: list[tuple[bytes, dict[bytes, bytes]]]) -> None:
+    async def _dispatch(self, items: list[tuple[bytes, dict[bytes, bytes]]]) -> None:
         ids: list[Any] = []
         for entry_id, fields in items:
             ids.append(entry_id)
-            reply = ReplyEntry.from_fields(fields)
+            reply = await self._resolved(ReplyEntry.from_fields(fields))
             fut = self._waiters.pop(reply.job_id, None)
             if fut is not None and not fut.done():
                 fut.set_result(reply)
@@ -94,6 +96,19 @@ class ReplyReader:
         task = asyncio.create_task(self._delete(ids))
         self._deletes.add(task)
         task.add_done_callback(self._deletes.discard)
+
+    async def _resolved(self, reply: ReplyEntry) -> ReplyEntry:
+        """The entry with its result blob read (broker/redis/blobs.py) and deleted: this reader is
+        the blob's one reader, as it is the entry's. A blob that is gone, or Redis unreachable for
+        that one read, leaves the reference, which decodes as step_already_committed."""
+        if blob_key(reply.result) is None:
+            return reply
+        try:
+            data = await resolved(self.redis, reply.result, delete=True)
+        except REDIS_ERRORS as exc:
+            log.warning("result blob of job %s unreadable: %s", reply.job_id, exc)
+            return reply
+        return reply if data is None else dataclasses.replace(reply, result=data)
 
     async def _delete(self, ids: list[Any]) -> None:
         with contextlib.suppress(Exception):

@@ -17,6 +17,7 @@ from redis.asyncio import Redis
 
 from broker.client.fleet import FleetClient
 from broker.redis.aio import resolve
+from broker.redis.blobs import resolved
 from broker.redis.config import CellConfig
 from broker.redis.connect import server_time_ms
 from broker.redis.keys import CellKeys, check_session_id
@@ -128,6 +129,7 @@ async def show_session(redis: Redis, keys: CellKeys, session_id: str) -> Session
     version = None
     if h.committed_step_id >= 0:
         stored: Any = await resolve(redis.hget(keys.log(sid), log_result_field(h.committed_step_id)))
+        stored = await resolved(redis, stored) if stored else None  # a blob gone: no version to show
         if stored:
             version = StepResult.from_wire(decode(stored, DEFAULT_LIMITS)).policy_version
     now = await _now_ms(redis, keys)

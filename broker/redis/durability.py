@@ -40,19 +40,22 @@ class ReplicaWait:
             raise ValueError("a replica wait needs at least 1 replica and 1 ms")
 
 
-async def call_then_wait(redis: Redis, key: str, command: list[Any], wait: ReplicaWait) -> tuple[Any, int]:
+async def call_then_wait(redis: Redis, key: str, command: list[Any], wait: ReplicaWait,
+                         before: list[Any] | None = None) -> tuple[Any, int]:
     """Send ``command`` (whose keys all hash to ``key``'s slot) and then ``WAIT`` on one connection:
     its reply (an exception object when it failed) and how many replicas acknowledged it. A
     failed WAIT raises, and so does a slot that moved or a cluster without a master for it (as a
-    connection error: the caller retries the pair, and a commit repeated is a duplicate)."""
-    wait_args = ["WAIT", wait.replicas, wait.wait_ms]
+    connection error: the caller retries the pair, and a commit repeated is a duplicate).
+    ``before``: a command of the same slot sent first on that connection (a staged result)."""
+    commands = [*([before] if before is not None else []), command, ["WAIT", wait.replicas, wait.wait_ms]]
     if is_cluster(redis):
-        reply, acked = await _on_slot_master(cast(RedisCluster, redis), key, [command, wait_args])
+        replies = await _on_slot_master(cast(RedisCluster, redis), key, commands)
     else:
         async with redis.pipeline(transaction=False) as pipe:
-            pipe.execute_command(*command)
-            pipe.execute_command(*wait_args)
-            reply, acked = await pipe.execute(raise_on_error=False)
+            for args in commands:
+                pipe.execute_command(*args)
+            replies = await pipe.execute(raise_on_error=False)
+    reply, acked = replies[-2:]
     if isinstance(reply, _FAILOVER_ERRORS):
         raise RedisConnectionError(f"the slot's master is changing: {reply}") from reply
     if isinstance(acked, Exception):

@@ -170,9 +170,27 @@ class CellKeys:
         """HASH of committed step records of one session (results, inputs per retention)."""
         return f"{self.base}:log:{session_id}"
 
+    def result_blob(self, session_id: str, step_id: int) -> str:
+        """STRING: a committed step's large result, outside the log hash (broker/redis/blobs.py).
+        prelude.lua's result_blob builds the same name from the log key (fork, reset, close)."""
+        return f"{self.log(session_id)}:blob:{step_id}"
+
+    def staged_result(self, session_id: str, step_id: int, worker_id: str, epoch: int) -> str:
+        """STRING: a large result a worker wrote just before its commit; one per (step, worker,
+        epoch), so a fenced worker's staging never touches anyone else's."""
+        return f"{self.log(session_id)}:stage:{step_id}:{worker_id}:{epoch}"
+
     def reply(self, consumer: str) -> str:
         """STREAM of results for one trainer/consumer."""
         return f"{self.base}:reply:{consumer}"
+
+    def staged_reply(self, consumer: str, job_id: str, worker_id: str) -> str:
+        """STRING: a large stateless result a worker wrote just before report.lua publishes it."""
+        return f"{self.reply(consumer)}:stage:{job_id}:{worker_id}"
+
+    def reply_blob(self, consumer: str, job_id: str) -> str:
+        """STRING: the large result of one reply entry (the entry holds a reference to it)."""
+        return f"{self.reply(consumer)}:blob:{job_id}"
 
     def handled(self, consumer: str, group: str) -> str:
         """HASH of "session:step" a consumer group has handled (duplicates are recognised here)."""

@@ -13,6 +13,7 @@ from typing import Any
 
 from redis.typing import EncodableT, FieldT
 
+from broker.redis.blobs import blob_gone, blob_key
 from schemas.codec import decode
 from schemas.errors import InvalidRequestError
 from schemas.limits import Limits
@@ -149,7 +150,8 @@ def max_staleness_of(max_staleness: object) -> int | None:
 # ---------------------------------------------------------------------- rf:{c}:log:<sid> HASH
 
 def log_result_field(step_id: int) -> str:
-    """The stored result of a committed step (kept for the session's result window)."""
+    """The stored result of a committed step (kept for the session's result window); a large one
+    as a reference to its blob (broker/redis/blobs.py, CellKeys.result_blob)."""
     return f"result:{step_id}"
 
 
@@ -180,7 +182,7 @@ class ReplyEntry:
     kind: str  # step | reset | close
     job_id: str
     committed: int
-    result: bytes  # an encoded StepResult ('' for reset and close)
+    result: bytes  # an encoded StepResult ('' for reset and close), or a reference to its reply blob
 
     @classmethod
     def from_fields(cls, fields: Fields) -> ReplyEntry:
@@ -191,7 +193,12 @@ class ReplyEntry:
         return {"kind": self.kind, "job_id": self.job_id, "committed": self.committed, "result": self.result}
 
     def step_result(self, limits: Limits) -> StepResult:
-        """The ``StepResult`` the entry carries, decoded once (InvalidRequestError if malformed)."""
+        """The ``StepResult`` the entry carries, decoded once (InvalidRequestError if malformed). A
+        reference left unresolved (its blob was gone when read: broker/redis/blobs.py) raises
+        step_already_committed: a re-send of the step reads it from the log while its window keeps it."""
+        key = blob_key(self.result)
+        if key is not None:
+            raise blob_gone(f"the step of job {self.job_id}", key)
         return StepResult.from_wire(decode(self.result, limits))
 
 

@@ -7,9 +7,6 @@ script touches is passed in KEYS and built by :mod:`broker.redis.keys`.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
-from functools import cache
-from importlib import resources
 from typing import Any
 
 from redis.asyncio import Redis
@@ -17,6 +14,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError
 
 from broker.redis.admission import Admission
+from broker.redis.aio import settle
+from broker.redis.blobs import STAGE_BYTES, after_command, stage_command, stored_resolved, unless_unstaged
 from broker.redis.cells import touch_cell
 from broker.redis.connect import is_cluster
 from broker.redis.durability import ReplicaWait, call_then_wait
@@ -28,6 +27,9 @@ from broker.redis.layouts import (
     ReplyBounds,
     handled_field,
 )
+from broker.redis.lua_files import PRELUDE_MARK as PRELUDE_MARK
+from broker.redis.lua_files import lua_file as lua_file
+from broker.redis.lua_files import lua_source as lua_source
 from broker.redis.script_replies import (
     ApplyControlReply,
     CancelReply,
@@ -55,34 +57,7 @@ from broker.redis.script_replies import (
     decode_retire,
 )
 
-_Pending = tuple[str, list[str], list[Any], "asyncio.Future[Any]"]
-
-
-async def _settle(fut: asyncio.Future[Any], call: Awaitable[Any]) -> None:
-    try:
-        result = await call
-    except Exception as exc:
-        if not fut.done():
-            fut.set_exception(exc)
-        return
-    if not fut.done():
-        fut.set_result(result)
-
-
-PRELUDE_MARK = "-- Uses: prelude.lua"
-
-
-def lua_file(name: str) -> str:
-    """One .lua file as written (without the prelude)."""
-    return resources.files("broker.redis").joinpath("lua", f"{name}.lua").read_text(encoding="utf-8")
-
-
-@cache
-def lua_source(name: str) -> str:
-    """A script as Redis runs it: the file, after prelude.lua when its header says it uses it
-    (Redis has no include; the shared idioms stay written once)."""
-    source = lua_file(name)
-    return lua_file("prelude") + source if PRELUDE_MARK in source else source
+_Pending = tuple[str, list[str], list[Any], "asyncio.Future[Any]", list[Any] | None]  # before: a staging SET
 
 
 class Scripts:
@@ -93,6 +68,7 @@ class Scripts:
         "register", "heartbeat", "leave_pools", "failover", "retire", "ack_result", "close_idle",
         "set_capacity", "unplaced", "announce", "cancel", "fork", "snapshot",
     )
+    stage_bytes = STAGE_BYTES  # results of this size or more are staged (bench.result_blobs varies it)
 
     def __init__(self, redis: Redis, keys: CellKeys, *, coalesce: bool = True) -> None:
         self.redis = redis
@@ -102,20 +78,22 @@ class Scripts:
         self._pending: list[_Pending] = []
         self._flushing: set[asyncio.Task[None]] = set()
 
-    async def _call(self, name: str, keys: list[str], args: list[Any]) -> Any:
+    async def _call(self, name: str, keys: list[str], args: list[Any], before: list[Any] | None = None) -> Any:
         """Script calls made in the same event-loop turn (many lanes committing, many sessions
         enqueueing) leave as one pipeline: one write and one read instead of one per call.
         Calls keep their order; each caller gets its own result or error."""
         if not self.coalesce:
-            return await self._direct(name, keys, args)
+            return await self._direct(name, keys, args, before)
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
         if not self._pending:
             loop.call_soon(self._flush_soon)  # after the callbacks already ready: they join this batch
-        self._pending.append((name, keys, args, fut))
+        self._pending.append((name, keys, args, fut, before))
         return await fut
 
-    async def _direct(self, name: str, keys: list[str], args: list[Any]) -> Any:
+    async def _direct(self, name: str, keys: list[str], args: list[Any], before: list[Any] | None = None) -> Any:
+        if before is not None:
+            return await after_command(self.redis, before, self._scripts[name], keys, args)
         return await self._scripts[name](keys=keys, args=args)  # EVALSHA, loads on NOSCRIPT
 
     async def cancel_pending(self) -> None:
@@ -123,7 +101,7 @@ class Scripts:
         a flush that outlived its pool would open a fresh connection nobody closes. Their callers
         see a cancellation (a commit that was sent is fenced like any lost reply)."""
         batch, self._pending = self._pending, []
-        for *_, fut in batch:
+        for _, _, _, fut, _ in batch:
             fut.cancel()
         for task in list(self._flushing):
             task.cancel()
@@ -147,28 +125,38 @@ class Scripts:
 
     async def _flush(self, batch: list[_Pending]) -> None:
         if len(batch) == 1:  # nothing to coalesce: the plain call
-            await _settle(batch[0][3], self._direct(*batch[0][:3]))
+            name, keys, args, fut, before = batch[0]
+            await settle(fut, self._direct(name, keys, args, before))
             return
         try:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for name, keys, args, _ in batch:
-                    pipe.execute_command("EVALSHA", self._scripts[name].sha, len(keys), *keys, *args)
-                results = await pipe.execute(raise_on_error=False)
+            results = await self._pipelined(batch)
         except Exception as exc:  # the connection failed: every caller sees it, as it would alone
             exc = self._as_redis_error(exc)
-            for *_, fut in batch:
-                if not fut.done():
-                    fut.set_exception(exc)
+            for pending in batch:
+                if not pending[3].done():
+                    pending[3].set_exception(exc)
             return
-        for (name, keys, args, fut), result in zip(batch, results, strict=True):
+        for (name, keys, args, fut, before), result in zip(batch, results, strict=True):
             if fut.done():
                 continue
             if isinstance(result, NoScriptError):  # not loaded on this server yet: the plain call loads it
-                await _settle(fut, self._direct(name, keys, args))
+                await settle(fut, self._direct(name, keys, args, before))
             elif isinstance(result, Exception):
                 fut.set_exception(result)
             else:
                 fut.set_result(result)
+
+    async def _pipelined(self, batch: list[_Pending]) -> list[Any]:
+        """One pipeline of the batch's calls: each script's reply or error, in the batch's order."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for name, keys, args, _, before in batch:
+                if before is not None:
+                    pipe.execute_command(*before)
+                pipe.execute_command("EVALSHA", self._scripts[name].sha, len(keys), *keys, *args)
+            replies = iter(await pipe.execute(raise_on_error=False))
+        # A staging SET's reply is skipped: had it failed, its script answers 'unstaged'.
+        return [(next(replies), next(replies))[1] if before is not None else next(replies)
+                for *_, before in batch]
 
     # ------------------------------------------------------------------ trainer side
 
@@ -199,7 +187,8 @@ class Scripts:
             [owner, step_id, "1" if contextual else "0", job_id, reply_to, payload, session_id, attempt,
              min_version],
         )
-        return decode_enqueue(raw)
+        return await stored_resolved(self.redis, decode_enqueue(raw), session_key=k.session(session_id),
+                                     step_id=step_id)
 
     async def control(self, session_id: str, owner: str, *, kind: str, job_id: str,
                       reply_to: str) -> ControlReply:
@@ -249,11 +238,11 @@ class Scripts:
         (see :meth:`commit_and_wait`); a later call with an empty result publishes. ``version``:
         the policy version the step ran on (a session with max_staleness records its first one).
         ``cancels``: the job's cancel count; a step of a session cancelled since then does not
-        commit (None: unchecked)."""
-        keys, args = self._commit_call(session_id, worker_id, epoch, step_id, entry_id, result, context_length,
-                                       job_id, reply_to, reply_ttl_ms, record, keep_records, reply_bounds, deferred)
-        args += ["" if version is None else version, "" if cancels is None else cancels]
-        return decode_commit(await self._call("commit", keys, args))
+        commit (None: unchecked). A result of STAGE_BYTES or more is staged (broker/redis/blobs.py)."""
+        keys, args, before = self._commit_call(
+            session_id, worker_id, epoch, step_id, entry_id, result, context_length, job_id, reply_to, reply_ttl_ms,
+            record, keep_records, reply_bounds, deferred, version, cancels)
+        return decode_commit(unless_unstaged(await self._call("commit", keys, args, before)))
 
     async def commit_and_wait(self, *, wait: ReplicaWait, session_id: str, worker_id: str, epoch: int,
                               step_id: int, entry_id: str, result: bytes, context_length: int, job_id: str,
@@ -263,27 +252,30 @@ class Scripts:
         """A deferred commit (an empty ``result``: a deferred duplicate) followed by ``WAIT`` on the
         same connection, never coalesced with other calls: the reply and how many replicas have the
         commit. Nothing is published until :meth:`commit` with ``result=b""`` runs after it."""
-        keys, args = self._commit_call(session_id, worker_id, epoch, step_id, entry_id, result, context_length,
-                                       job_id, reply_to, reply_ttl_ms, record, keep_records, reply_bounds, True)
-        args += ["" if version is None else version, "" if cancels is None else cancels]
-        sha = self._scripts["commit"].sha
-        raw, acked = await call_then_wait(self.redis, keys[0], ["EVALSHA", sha, len(keys), *keys, *args], wait)
+        keys, args, before = self._commit_call(
+            session_id, worker_id, epoch, step_id, entry_id, result, context_length, job_id, reply_to, reply_ttl_ms,
+            record, keep_records, reply_bounds, True, version, cancels)
+        command = ["EVALSHA", self._scripts["commit"].sha, len(keys), *keys, *args]
+        raw, acked = await call_then_wait(self.redis, keys[0], command, wait, before)
         if isinstance(raw, NoScriptError):  # a master that never ran it (a promoted replica): load, again
             await self.redis.script_load(lua_source("commit"))
-            raw, acked = await call_then_wait(self.redis, keys[0], ["EVALSHA", sha, len(keys), *keys, *args],
-                                              wait)
-        if isinstance(raw, Exception):
-            raise raw
-        return decode_commit(raw), acked
+            raw, acked = await call_then_wait(self.redis, keys[0], command, wait, before)
+        return decode_commit(unless_unstaged(raw)), acked
 
     def _commit_call(self, session_id: str, worker_id: str, epoch: int, step_id: int, entry_id: str, result: bytes,
                      context_length: int, job_id: str, reply_to: str, reply_ttl_ms: int, record: bytes,
-                     keep_records: int, reply_bounds: ReplyBounds, deferred: bool) -> tuple[list[str], list[Any]]:
+                     keep_records: int, reply_bounds: ReplyBounds, deferred: bool, version: int | None,
+                     cancels: int | None) -> tuple[list[str], list[Any], list[Any] | None]:
         k = self.keys
+        stage = k.staged_result(session_id, step_id, worker_id, epoch)
+        before = stage_command(stage, result) if len(result) >= self.stage_bytes else None
         return (
-            [k.session(session_id), k.log(session_id), k.inbox(worker_id), k.reply(reply_to)],
-            [worker_id, epoch, step_id, entry_id, result, context_length, job_id, reply_ttl_ms, INBOX_GROUP,
-             record, keep_records, *reply_bounds.args(), "1" if deferred else "0"],
+            [k.session(session_id), k.log(session_id), k.inbox(worker_id), k.reply(reply_to), stage,
+             k.result_blob(session_id, step_id), k.reply_blob(reply_to, job_id)],
+            [worker_id, epoch, step_id, entry_id, b"" if before else result, context_length, job_id, reply_ttl_ms,
+             INBOX_GROUP, record, keep_records, *reply_bounds.args(), "1" if deferred else "0",
+             "" if version is None else version, "" if cancels is None else cancels, "1" if before else ""],
+            before,
         )
 
     async def report(self, *, session_id: str, worker_id: str, epoch: int, entry_id: str, job_id: str,
@@ -293,13 +285,15 @@ class Scripts:
         """Publish a non-committing outcome; ``dead_letter`` fields also dead-letter the job."""
         k = self.keys
         flat = [item for pair in (dead_letter or {}).items() for item in pair]
+        keys, before = [k.session(session_id), k.inbox(worker_id), k.reply(reply_to), k.dead], None
+        if len(result) >= self.stage_bytes:  # a large stateless result: staged as a commit's is
+            keys += [k.staged_reply(reply_to, job_id, worker_id), k.reply_blob(reply_to, job_id)]
+            before, result = stage_command(keys[4], result), b""
         raw = await self._call(
-            "report",
-            [k.session(session_id), k.inbox(worker_id), k.reply(reply_to), k.dead],
+            "report", keys,
             [worker_id, epoch, entry_id, job_id, result, "" if fallback_gen is None else fallback_gen,
-             reply_ttl_ms, INBOX_GROUP, DEAD_LETTER_MAXLEN, *reply_bounds.args(), *flat],
-        )
-        return decode_report(raw)
+             reply_ttl_ms, INBOX_GROUP, DEAD_LETTER_MAXLEN, *reply_bounds.args(), *flat], before)
+        return decode_report(unless_unstaged(raw))
 
     async def failover(self, *, session_id: str, mode: str, model: str, old: str, new: str, lease_ms: int,
                        reason: str) -> FailoverReply:

@@ -3,7 +3,7 @@
 -- log (stored results, the bulk) expires after the grace TTL and the small session hash after the
 -- closed retention, so status and a second close still answer 'closed' for that long, as the
 -- serving layer does (docs/architecture.md).
--- Uses: prelude.lua (fenced, add_reply)
+-- Uses: prelude.lua (fenced, add_reply, log_blobs)
 -- KEYS: 1 session hash, 2 log hash, 3 inbox, 4 reply stream, 5 pool zset, 6 sessions hash, 7 owned hash,
 --       8 trainer open hash (a close counts the session's trainer down, as it counts the owner down)
 -- ARGV: 1 worker id, 2 job epoch, 3 inbox entry id, 4 job_id, 5 kind, 6 grace ttl ms,
@@ -12,7 +12,8 @@
 -- Fields (broker/redis/layouts.py): reads session owner, epoch, committed_step_id, reset_pending, trainer;
 --       writes session committed_step_id, context_length, reset_pending (reset), drops first_version
 --       (reset: the next committed step starts a new trajectory, docs/async_rl.md); drops the log
---       (reset); adds a reply entry (kind, job_id, committed, result '') unless job_id is 
+--       and its result blobs (reset; a close expires them with the log, prelude.lua log_blobs);
+--       adds a reply entry (kind, job_id, committed, result '') unless job_id is '' (an idle close)
 -- A reset that control.lua never enqueued (reset_pending 0: a forged or replayed entry) is refused
 -- like a fenced job: applied, it would move committed to -1 while next_step_id stays put. A retry
 -- of a call that went through (the entry is no longer in the inbox) changes nothing.
@@ -33,6 +34,9 @@ end
 if s[1] then
   if ARGV[5] == 'reset' then
     committed = -1
+    for _, blob in ipairs(log_blobs(KEYS[2])) do
+      redis.call('DEL', blob)
+    end
     redis.call('DEL', KEYS[2])
     local pending = tonumber(s[4] or '1') - 1
     if pending < 0 then pending = 0 end
@@ -53,6 +57,9 @@ if s[1] then
     end
     redis.call('HDEL', KEYS[6], ARGV[9])
     redis.call('PEXPIRE', KEYS[1], ARGV[13] or ARGV[6])
+    for _, blob in ipairs(log_blobs(KEYS[2])) do
+      redis.call('PEXPIRE', blob, ARGV[6])
+    end
     redis.call('PEXPIRE', KEYS[2], ARGV[6])
   end
 end

@@ -1,6 +1,7 @@
 -- Commit step k of a session: the exactly-once point. Fenced by owner and lease epoch.
--- Uses: prelude.lua (now_ms, fenced, add_reply, step_text)
--- KEYS: 1 session hash, 2 log hash, 3 inbox, 4 reply stream
+-- Uses: prelude.lua (now_ms, fenced, add_reply, step_text, result_blob, reply_value)
+-- KEYS: 1 session hash, 2 log hash, 3 inbox, 4 reply stream, 5 staged result (CellKeys.staged_result),
+--       6 this step's result blob, 7 this job's reply blob (broker/redis/blobs.py)
 -- ARGV: 1 worker id, 2 job epoch, 3 step_id, 4 inbox entry id, 5 result, 6 context_length,
 --       7 job_id, 8 reply ttl ms, 9 inbox group, 10 step record for context rebuild ('' = none),
 --       11 records kept (-1 = all, N = the last N), 12-14 reply stream bounds (bytes, large result
@@ -8,7 +9,10 @@
 --       16 the policy version the step ran on ('' = not given)
 -- A session with max_staleness records the version its trajectory's first committed step ran on
 --       (first_version; a reset clears it) for the staleness check of enqueue.lua and the worker.
---       17 the job's cancel count ('' = not checked: a re-publish)
+--       17 the job's cancel count ('' = not checked: a re-publish), 18 '1': the result is staged in
+--       KEYS[5] (ARGV 5 is then ''), otherwise ''
+-- Staged (large) results: the commit RENAMEs KEYS[5] to KEYS[6] and stores a reference to it; every
+--       other outcome DELetes KEYS[5]. Neither path, nor a re-publish, reads blob bytes into Lua.
 -- Cancel (cancel.lua): a step enqueued before the session's last cancel never commits; a step
 --       committed before the cancel stays committed (its duplicates re-publish as usual).
 -- Deferred (replicated durability, broker/redis/durability.py): the commit is written but the job
@@ -21,27 +25,41 @@
 --       max_staleness, first_version, cancels; writes first_version (when absent and max_staleness is set);
 --       writes session committed_step_id, context_length, updated_ms, unconfirmed_step (deferred: the
 --       lowest step committed and not yet confirmed; any publish clears it); log result:<step> (the
---       last result_window kept) and input:<step> (per ARGV 11); adds a reply entry (kind,
---       job_id, committed, result)
+--       last result_window kept, a large one as a reference to its blob) and input:<step> (per
+--       ARGV 11); adds a reply entry (kind, job_id, committed, result: a large one as a reference)
 -- Returns {'committed'} | {'duplicate'} | {'duplicate_unstored', committed}
 --       | {'fenced', owner, epoch} | {'out_of_order', committed} | {'cancelled', committed}
+--       | {'unstaged', committed} (ARGV 18 '1' and KEYS[5] missing: nothing changed, call again)
 local s = redis.call('HMGET', KEYS[1], 'owner', 'epoch', 'committed_step_id', 'result_window', 'unconfirmed_step',
   'max_staleness', 'first_version', 'cancels')
+local staged = ARGV[18] == '1'
+local function unstage()
+  if staged then
+    redis.call('DEL', KEYS[5])
+  end
+end
 if fenced(s[1], s[2], ARGV[1], ARGV[2]) then
+  unstage()
   return {'fenced', s[1] or '', s[2] or ''}
 end
 local step = tonumber(ARGV[3])
 local committed = tonumber(s[3])
 local deferred = ARGV[15] == '1'
-local function publish(result, current)
+local function publish(stored, current)
+  local result, size, blob = reply_value(stored, KEYS[7])
+  if not result then
+    return false
+  end
   if s[5] then  -- published after a replica confirmed every earlier write of this master
     redis.call('HDEL', KEYS[1], 'unconfirmed_step')
   end
   redis.call('XACK', KEYS[3], ARGV[9], ARGV[4])
   redis.call('XDEL', KEYS[3], ARGV[4])
-  add_reply(KEYS[4], ARGV[8], ARGV[12], ARGV[13], ARGV[14], 'step', ARGV[7], current, result)
+  add_reply(KEYS[4], ARGV[8], ARGV[12], ARGV[13], ARGV[14], 'step', ARGV[7], current, result, size, blob)
+  return true
 end
 if committed >= step then
+  unstage()
   local stored = redis.call('HGET', KEYS[2], 'result:' .. step_text(step))
   if not stored then
     return {'duplicate_unstored', committed}
@@ -50,23 +68,37 @@ if committed >= step then
     redis.call('HSET', KEYS[2], 'result:' .. step_text(step), stored)
     return {'duplicate'}
   end
-  publish(stored, committed)
+  if not publish(stored, committed) then  -- the reference outlived its blob: not stored either
+    return {'duplicate_unstored', committed}
+  end
   return {'duplicate'}
 end
 if ARGV[17] and ARGV[17] ~= '' and ARGV[17] ~= (s[8] or '0') then
+  unstage()
   return {'cancelled', committed}
 end
-if committed ~= step - 1 or ARGV[5] == '' then  -- an empty result only re-publishes: never a commit
+if committed ~= step - 1 or (ARGV[5] == '' and not staged) then  -- an empty result only re-publishes
+  unstage()
   return {'out_of_order', committed}
+end
+local result = ARGV[5]
+if staged then
+  if redis.call('EXISTS', KEYS[5]) == 0 then
+    return {'unstaged', committed}
+  end
+  redis.call('RENAME', KEYS[5], KEYS[6])
+  redis.call('PERSIST', KEYS[6])  -- RENAME keeps the staging TTL: the blob lives as its log field does
+  result = BLOB_MARK .. KEYS[6]
 end
 redis.call('HSET', KEYS[1], 'committed_step_id', step, 'context_length', ARGV[6], 'updated_ms', now_ms())
 if s[6] and not s[7] and ARGV[16] and ARGV[16] ~= '' then
   redis.call('HSET', KEYS[1], 'first_version', ARGV[16])
 end
-redis.call('HSET', KEYS[2], 'result:' .. step_text(step), ARGV[5])
+redis.call('HSET', KEYS[2], 'result:' .. step_text(step), result)
 local window = tonumber(s[4] or '1')
 if step - window >= 0 then
   redis.call('HDEL', KEYS[2], 'result:' .. step_text(step - window))
+  redis.call('DEL', result_blob(KEYS[2], step - window))
 end
 local keep = tonumber(ARGV[11])
 if ARGV[10] ~= '' and keep ~= 0 then
@@ -82,5 +114,5 @@ if deferred then
   end
   return {'committed'}
 end
-publish(ARGV[5], step)
+publish(result, step)
 return {'committed'}

@@ -9,7 +9,7 @@
 -- fork point is its committed step, here and on the worker): otherwise step_out_of_order. A `fork`
 -- entry in the owner's inbox lets the worker copy the parent's engine state into the branches
 -- (workers/groups.py); without it a branch rebuilds from its records on its first step.
--- Uses: prelude.lua (now_ms, session_refusal)
+-- Uses: prelude.lua (now_ms, session_refusal, result_blob)
 -- KEYS: 1 parent session hash, 2 parent log hash, 3 sessions hash, 4 owned hash, 5 capacity hash,
 --       6 pool zset (mode, model), 7 owner's inbox, 8 trainer caps hash, 9 trainer open hash, then
 --       per branch: its session hash, its log hash
@@ -17,7 +17,9 @@
 -- Fields (broker/redis/layouts.py SessionHash, inbox.py): reads the parent's owner, epoch,
 --       committed_step_id, next_step_id, context_length, closed, gen, reset_pending, mode, model,
 --       retention, result_window, idle_timeout_ms, priority, trainer, max_staleness, first_version;
---       writes each branch's whole session hash (as create.lua, plus forked_from) and log; adds an inbox entry (the fields of enqueue.lua's,
+--       writes each branch's whole session hash (as create.lua, plus forked_from) and log (a result
+--       stored as a blob reference gets the branch's own copy of the blob: COPY, never read); adds
+--       an inbox entry (the fields of enqueue.lua's,
 --       kind 'fork', step_id = the fork point, job_id and reply_to '', payload = the branch ids
 --       separated by spaces)
 -- Returns {'forked', committed} | {'error', code, message, committed, context_length} | {'moved', owner}
@@ -72,6 +74,14 @@ for i = 1, n do
   end
   if s[17] then
     redis.call('HSET', child, 'first_version', s[17])
+  end
+  for j = 1, #log, 2 do  -- a branch owns its blobs: a reset or close of one never touches another's
+    local step = string.match(log[j], '^result:(%-?%d+)$')
+    if step and string.sub(log[j + 1], 1, 1) == BLOB_MARK then
+      local blob = result_blob(child_log, step)
+      redis.call('COPY', result_blob(KEYS[2], step), blob, 'REPLACE')
+      log[j + 1] = BLOB_MARK .. blob
+    end
   end
   for j = 1, #log, 1000 do  -- in slices: unpack of a whole long log would overflow Lua's stack
     redis.call('HSET', child_log, unpack(log, j, math.min(j + 999, #log)))

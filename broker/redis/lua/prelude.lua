@@ -15,6 +15,47 @@ local function step_text(step)
   return string.format('%d', step)
 end
 
+-- Large results (broker/redis/blobs.py): a stored result may be a reference, the byte 0xc1 (never
+-- the first byte of msgpack) and then a key name. The bytes stay in that key: a script moves them
+-- with RENAME / COPY and never reads them into Lua, which costs ~1.4 us per KiB.
+local BLOB_MARK = '\193'
+
+-- The blob of step `step` (a number or decimal text) of the session whose log hash is `log_key`:
+-- CellKeys.result_blob names it the same way. Built from a key the caller passed, so it shares that
+-- key's hash tag and slot.
+local function result_blob(log_key, step)
+  if type(step) == 'number' then
+    step = step_text(step)
+  end
+  return log_key .. ':blob:' .. step
+end
+
+-- The blob keys a log hash may refer to: one per result:<step> field (a key that does not exist,
+-- for a result stored inline, costs a DEL or PEXPIRE nothing).
+local function log_blobs(log_key)
+  local blobs = {}
+  for _, field in ipairs(redis.call('HKEYS', log_key)) do
+    local step = string.match(field, '^result:(%-?%d+)$')
+    if step then
+      blobs[#blobs + 1] = result_blob(log_key, step)
+    end
+  end
+  return blobs
+end
+
+-- What a reply entry carries for a stored result, with the result's size and the reply blob to
+-- expire with the stream: a reference is copied to the reply's own blob (a reader then does not
+-- depend on the session's result window). nil when the referenced blob is gone.
+local function reply_value(stored, reply_blob)
+  if string.sub(stored, 1, 1) ~= BLOB_MARK then
+    return stored, #stored, nil
+  end
+  if redis.call('COPY', string.sub(stored, 2), reply_blob, 'REPLACE') == 0 then
+    return nil
+  end
+  return BLOB_MARK .. reply_blob, redis.call('STRLEN', reply_blob), reply_blob
+end
+
 -- The fence: true when the session hash's owner and lease epoch (as stored, strings) are not the
 -- caller's worker id and job epoch (ARGV strings). A fenced caller changes nothing.
 local function fenced(owner, epoch, worker_id, job_epoch)
@@ -40,16 +81,35 @@ end
 
 -- Add an entry to a reply stream within its bounds (broker/redis/layouts.py ReplyBounds): the
 -- stream is trimmed to the entries of this size its byte budget holds (128 bytes stand for the
--- entry's other fields), and a large result gives the stream the shorter TTL.
-local function add_reply(key, ttl_ms, stream_bytes, large_bytes, large_ttl_ms, kind, job_id, committed, result)
-  local maxlen = math.max(1, math.floor(tonumber(stream_bytes) / (#result + 128)))
+-- entry's other fields), and a large result gives the stream the shorter TTL. `size` and `blob`
+-- (optional): a result held in a reply blob (reply_value) counts its blob's size, and the blob
+-- expires with the stream. The blobs of the oldest entries this one pushes past the budget are
+-- deleted (trimming the stream would not free them): such an entry reads as a result that is gone.
+local function add_reply(key, ttl_ms, stream_bytes, large_bytes, large_ttl_ms, kind, job_id, committed, result,
+                         size, blob)
+  size = size or #result
+  local maxlen = math.max(1, math.floor(tonumber(stream_bytes) / (size + 128)))
+  local over = redis.call('XLEN', key) + 1 - maxlen
+  if over > 0 then
+    for _, entry in ipairs(redis.call('XRANGE', key, '-', '+', 'COUNT', over)) do
+      local fields = entry[2]
+      for i = 1, #fields - 1, 2 do
+        if fields[i] == 'result' and string.sub(fields[i + 1], 1, 1) == BLOB_MARK then
+          redis.call('DEL', string.sub(fields[i + 1], 2))
+        end
+      end
+    end
+  end
   redis.call('XADD', key, 'MAXLEN', '~', maxlen, '*', 'kind', kind, 'job_id', job_id, 'committed', committed,
     'result', result)
   local ttl = tonumber(ttl_ms)
-  if #result >= tonumber(large_bytes) then
+  if size >= tonumber(large_bytes) then
     ttl = math.min(ttl, tonumber(large_ttl_ms))
   end
   redis.call('PEXPIRE', key, ttl)
+  if blob then
+    redis.call('PEXPIRE', blob, ttl)
+  end
 end
 
 -- Per-worker capacity (create and failover): a worker's sessions over all its pools count against

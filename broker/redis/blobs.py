@@ -1,0 +1,112 @@
+"""Large step results outside Lua arguments: staged with a plain SET, moved by commit.lua, read by one GET.
+
+Redis copies every script argument into a Lua string on its single thread: ~620 us for a 450 KB
+latent result and 2.6 ms for 1.8 MB, against ~4 us for the same bytes as a SET argument
+(docs/benchmarks.md, "Result bytes out of Lua arguments"), which capped a cell well under 1,000
+latent steps/s whatever its number of workers. So a result of ``STAGE_BYTES`` or more leaves the
+worker as ``SET <staged key> <bytes> PX STAGE_TTL_MS`` pipelined right before the commit call on
+the same connection (the same slot: every key carries the cell's hash tag). commit.lua moves it
+with RENAME / COPY, commands that never bring the bytes into Lua: into the step's result blob
+(``CellKeys.result_blob``, kept like the log hash field it stands for) and, for the reply, into a
+reply blob (``CellKeys.reply_blob``, with the reply stream's TTL). The log field ``result:<step>``
+and the reply entry's ``result`` then hold a reference: ``BLOB_MARK`` followed by the key name.
+0xc1 is the one byte msgpack never uses, so a reference can never be mistaken for a result.
+
+Readers resolve a reference with one GET; a blob that is gone (its TTL passed, its session was
+reset) reads as ``None``, which each reader answers like a result that was not stored.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.commands.core import AsyncScript
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError
+
+from broker.redis.aio import resolve
+from broker.redis.script_replies import EnqueueReply, Refused, Stored
+from schemas.errors import ErrorCode, FleetError, error_for
+
+# From the transport bench (python -m bench.transport --size full): below ~32 KiB the Lua copy
+# costs less than the extra SET command it would save; from there on it grows by ~1.4 us per KiB.
+STAGE_BYTES = 32 * 1024
+# How long a staged result waits for its commit: the commit is the next command on the same
+# connection, so this only bounds what a worker that died between the two leaves behind.
+STAGE_TTL_MS = 60_000
+BLOB_MARK = b"\xc1"
+
+
+def blob_key(value: bytes | None) -> str | None:
+    """The key a stored result refers to, or None when ``value`` is the result itself."""
+    if value is None or not value.startswith(BLOB_MARK):
+        return None
+    return value[len(BLOB_MARK):].decode("utf-8", "replace")
+
+
+def stage_command(key: str, result: bytes) -> list[Any]:
+    """The SET that stages ``result`` under ``key`` before its commit."""
+    return ["SET", key, result, "PX", STAGE_TTL_MS]
+
+
+async def resolved(redis: Redis, value: bytes, *, delete: bool = False) -> bytes | None:
+    """``value`` itself, or the bytes of the blob it refers to (None: the blob is gone).
+    ``delete``: read it with GETDEL (a reader that is the blob's only reader)."""
+    key = blob_key(value)
+    if key is None:
+        return value
+    data: Any = await (redis.getdel(key) if delete else redis.get(key))
+    return None if data is None else bytes(data)
+
+
+def gone_message(what: str, key: str) -> str:
+    """Why a reference's result cannot be read: the step stays committed, its bytes are gone."""
+    return (f"{what} was committed but its result (stored outside the log, {key}) is gone: it expired or its "
+            "session was reset or closed before it was read")
+
+
+def blob_gone(what: str, key: str) -> FleetError:
+    """The error of a reference whose blob is gone (step_already_committed)."""
+    return error_for(ErrorCode.STEP_ALREADY_COMMITTED, gone_message(what, key))
+
+
+async def after_command(redis: Redis, command: list[Any], script: AsyncScript, keys: list[str],
+                        args: list[Any]) -> Any:
+    """``command`` and then ``script`` in one pipeline: one connection, in this order (on a cluster,
+    the node of their one slot). The script is loaded when the server answers NOSCRIPT."""
+    for _ in range(2):
+        async with redis.pipeline(transaction=False) as pipe:
+            pipe.execute_command(*command)
+            pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+            _, reply = await pipe.execute(raise_on_error=False)
+        if not isinstance(reply, NoScriptError):
+            break
+        await redis.script_load(script.script)
+    if isinstance(reply, Exception):
+        raise reply
+    return reply
+
+
+def unless_unstaged(raw: Any) -> Any:
+    """commit.lua's reply, unless it is an error (raised) or says the staged result was missing (its
+    SET failed or was lost; nothing changed): that raises as a lost connection would, and the
+    caller's retry stages the result again."""
+    if isinstance(raw, Exception):
+        raise raw
+    if isinstance(raw, list) and raw and raw[0] in (b"unstaged", "unstaged"):
+        raise RedisConnectionError("the staged result was not there when the commit ran; commit again")
+    return raw
+
+
+async def stored_resolved(redis: Redis, reply: EnqueueReply, *, session_key: str, step_id: int) -> EnqueueReply:
+    """enqueue.lua's reply with a stored result's blob read; a blob that is gone answers as a result
+    that was not stored does (step_already_committed)."""
+    if not isinstance(reply, Stored) or blob_key(reply.result) is None:
+        return reply
+    data = await resolved(redis, reply.result)
+    if data is not None:
+        return Stored(data, reply.committed_step_id)
+    context: Any = await resolve(redis.hget(session_key, "context_length"))
+    message = gone_message(f"step {step_id}", blob_key(reply.result) or "")
+    return Refused(ErrorCode.STEP_ALREADY_COMMITTED, message, reply.committed_step_id, int(context or 0))

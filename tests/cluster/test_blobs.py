@@ -1,0 +1,36 @@
+"""Large results on a Redis Cluster: the staging SET and the commit reach the cell's master on one
+connection (pipelined with other commits, or with the WAIT of replicated durability), and the
+trainer reads the blobs back through a client pointed at any node."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from broker import FleetClient
+from broker.redis.blobs import STAGE_BYTES, blob_key
+from tests.support import WorkerPool, world_step
+from workers.engines.null import NullEngine, NullEngineConfig
+
+pytestmark = pytest.mark.cluster
+LATENT = (1, 16, 2, 44, 80)
+
+
+@pytest.mark.parametrize("durability", ["async", "replicated"])
+async def test_latent_results_travel_as_blobs(fleet: FleetClient, workers: WorkerPool, durability: str) -> None:
+    await workers.add(NullEngine(NullEngineConfig(latent_shape=LATENT)), durability=durability)
+    sessions = [await fleet.create_session(model="null-world", mode="world_model_env", result_window=2)
+                for _ in range(3)]
+    # several sessions at once: their commits leave in one pipeline, each behind its staging SET
+    results = await asyncio.gather(*[s.submit(i, **world_step(i)) for s in sessions for i in range(3)])
+    assert all(r.ok for r in results), [r.error for r in results if not r.ok]
+    assert all(r.output["video_latent"].nbytes >= STAGE_BYTES for r in results)
+    s = sessions[0]
+    keys = fleet.keys_of(s.session_id)
+    assert blob_key(await fleet.redis.hget(keys.log(s.session_id), "result:2")) == keys.result_blob(s.session_id, 2)
+    assert not await fleet.redis.exists(keys.result_blob(s.session_id, 0))  # left the window of 2
+    again = await s.step(2, **world_step(2))
+    assert again.ok and again.duplicate
+    assert np.array_equal(again.output["video_latent"], results[2].output["video_latent"])

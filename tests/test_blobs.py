@@ -1,0 +1,253 @@
+"""Large results outside Lua arguments (broker/redis/blobs.py): staged, moved by commit.lua, read by one GET."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from broker import FleetClient
+from broker.client.consumer import ResultConsumer
+from broker.redis.blobs import BLOB_MARK, STAGE_BYTES, blob_key, unless_unstaged
+from broker.redis.durability import ReplicaWait
+from broker.redis.keys import INBOX_GROUP
+from broker.redis.layouts import ReplyBounds
+from broker.redis.script_replies import (
+    Applied,
+    CommitReply,
+    Committed,
+    Created,
+    Duplicate,
+    Forked,
+    Published,
+    Queued,
+    Refused,
+    StaleOwner,
+    Stored,
+)
+from broker.redis.scripts import Scripts, lua_source
+from schemas.errors import ErrorCode
+from tests.support import WorkerPool, world_step
+from workers.engines.null import NullEngine, NullEngineConfig
+
+pytestmark = pytest.mark.asyncio
+LATENT = (1, 16, 2, 44, 80)  # one latent of the rollout API's world model: 450,560 float32 bytes
+
+
+def big(step: int) -> bytes:
+    return bytes([step % 251]) * (STAGE_BYTES + 1000 + step)
+
+
+async def _session(scripts: Scripts, window: int = 2) -> str:
+    await scripts.register("w1", capacity=4, pools=[scripts.keys.pool("tokens", "m")], ttl_ms=15000,
+                           fields={"state": "active"})
+    assert await scripts.create("s1", "tokens", "m", lease_ms=5000, retention="full",
+                                result_window=window) == Created("w1")
+    queued = await scripts.enqueue("s1", "w1", step_id=0, contextual=True, job_id="j0", reply_to="c", payload=b"p")
+    assert isinstance(queued, Queued)
+    return "s1"
+
+
+async def _commit(scripts: Scripts, step: int, *, worker: str = "w1", epoch: int = 1, job: str = "j",
+                  result: bytes | None = None) -> CommitReply:
+    return await scripts.commit(session_id="s1", worker_id=worker, epoch=epoch, step_id=step, entry_id="0-1",
+                                result=big(step) if result is None else result, context_length=step + 1,
+                                job_id=f"{job}{step}", reply_to="c", reply_ttl_ms=60000)
+
+
+async def _blob_keys(scripts: Scripts) -> set[bytes]:
+    stem = scripts.keys.log("s1")
+    return {key async for key in scripts.redis.scan_iter(match=stem + ":*", count=500)}
+
+
+async def _last_reply(scripts: Scripts) -> bytes:
+    entries = await scripts.redis.xrevrange(scripts.keys.reply("c"), count=1)
+    result: bytes = entries[0][1][b"result"]
+    return result
+
+
+async def test_a_large_result_is_committed_as_a_reference_to_its_blobs(scripts: Scripts) -> None:
+    redis, k = scripts.redis, scripts.keys
+    await _session(scripts)
+    assert await _commit(scripts, 0) == Committed()
+    stored = await redis.hget(k.log("s1"), "result:0")
+    assert stored == BLOB_MARK + k.result_blob("s1", 0).encode()
+    assert await redis.get(k.result_blob("s1", 0)) == big(0)
+    assert await redis.pttl(k.result_blob("s1", 0)) == -1  # kept as long as its log field
+    reply = await _last_reply(scripts)
+    assert reply == BLOB_MARK + k.reply_blob("c", "j0").encode()
+    assert await redis.get(k.reply_blob("c", "j0")) == big(0)
+    assert 0 < await redis.pttl(k.reply_blob("c", "j0")) <= 600_000  # the large result's reply TTL
+    assert not await redis.exists(k.staged_result("s1", 0, "w1", 1))
+    # a small result keeps the inline path
+    assert await _commit(scripts, 1, result=b"small") == Committed()
+    assert await redis.hget(k.log("s1"), "result:1") == b"small" and await _last_reply(scripts) == b"small"
+
+
+async def test_a_duplicate_republishes_the_stored_blob_and_a_resend_reads_it(scripts: Scripts) -> None:
+    redis, k = scripts.redis, scripts.keys
+    await _session(scripts)
+    assert await _commit(scripts, 0) == Committed()
+    assert await _commit(scripts, 0, job="again", result=big(7)) == Duplicate()  # never a second commit
+    assert not await redis.exists(k.staged_result("s1", 0, "w1", 1))
+    assert await _last_reply(scripts) == BLOB_MARK + k.reply_blob("c", "again0").encode()
+    assert await redis.get(k.reply_blob("c", "again0")) == big(0)
+    stored = await scripts.enqueue("s1", "w1", step_id=0, contextual=True, job_id="r", reply_to="c", payload=b"p")
+    assert stored == Stored(big(0), 0)
+    await redis.delete(k.result_blob("s1", 0))  # gone: answered as a result that was not stored
+    gone = await scripts.enqueue("s1", "w1", step_id=0, contextual=True, job_id="r", reply_to="c", payload=b"p")
+    assert isinstance(gone, Refused) and gone.code is ErrorCode.STEP_ALREADY_COMMITTED
+    assert gone.committed_step_id == 0 and gone.context_length == 1 and "is gone" in gone.message
+
+
+async def test_a_fenced_zombie_never_publishes_its_staged_result(scripts: Scripts) -> None:
+    redis, k = scripts.redis, scripts.keys
+    await _session(scripts)
+    assert await _commit(scripts, 0, worker="zombie", epoch=1) == StaleOwner("w1", 1)
+    assert await _commit(scripts, 0, worker="w1", epoch=0) == StaleOwner("w1", 1)
+    assert await _blob_keys(scripts) == set()  # both stagings deleted, nothing stored
+    assert await redis.hget(k.log("s1"), "result:0") is None and await redis.xlen(k.reply("c")) == 0
+    assert await redis.hget(k.session("s1"), "committed_step_id") == b"-1"
+
+
+async def test_window_eviction_reset_and_close_leave_no_blobs(scripts: Scripts) -> None:
+    redis, k = scripts.redis, scripts.keys
+    await _session(scripts, window=2)
+    for step in range(4):
+        assert await _commit(scripts, step) == Committed()
+    assert await _blob_keys(scripts) == {k.result_blob("s1", 2).encode(), k.result_blob("s1", 3).encode()}
+
+    async def control(kind: str) -> None:
+        queued = await scripts.control("s1", "w1", kind=kind, job_id=kind, reply_to="c")
+        assert isinstance(queued, Queued)
+        await redis.xreadgroup(INBOX_GROUP, "w1", {k.inbox("w1"): ">"})
+        applied = await scripts.apply_control(
+            session_id="s1", worker_id="w1", epoch=1, entry_id=queued.entry_id, job_id=kind, kind=kind,
+            mode="tokens", model="m", reply_to="c", grace_ms=30_000, reply_ttl_ms=1000)
+        assert isinstance(applied, Applied)
+
+    await control("reset")
+    assert await _blob_keys(scripts) == set()
+    assert await _commit(scripts, 0) == Committed()
+    await control("close")
+    assert await _blob_keys(scripts) == {k.result_blob("s1", 0).encode()}
+    assert 0 < await redis.pttl(k.result_blob("s1", 0)) <= 30_000  # expires with the log
+
+
+async def test_a_branch_owns_copies_of_the_blobs_it_forks(scripts: Scripts) -> None:
+    redis, k = scripts.redis, scripts.keys
+    await _session(scripts)
+    assert await _commit(scripts, 0) == Committed()
+    assert await scripts.fork("s1", "w1", mode="tokens", model="m", branches=["b1"]) == Forked(0)
+    assert await redis.hget(k.log("b1"), "result:0") == BLOB_MARK + k.result_blob("b1", 0).encode()
+    await redis.delete(k.result_blob("s1", 0))  # the parent's reset or close never reaches the branch
+    stored = await scripts.enqueue("b1", "w1", step_id=0, contextual=True, job_id="r", reply_to="c", payload=b"p")
+    assert stored == Stored(big(0), 0)
+
+
+async def test_a_replicated_commit_publishes_its_blob_only_on_the_second_call(scripts: Scripts) -> None:
+    redis, k = scripts.redis, scripts.keys
+    await _session(scripts)
+    reply, acked = await scripts.commit_and_wait(
+        wait=ReplicaWait(replicas=1, wait_ms=10), session_id="s1", worker_id="w1", epoch=1, step_id=0,
+        entry_id="0-1", result=big(0), context_length=1, job_id="j0", reply_to="c", reply_ttl_ms=60000)
+    assert reply == Committed() and acked == 0  # no replica here: written, not published
+    assert await redis.xlen(k.reply("c")) == 0 and await redis.get(k.result_blob("s1", 0)) == big(0)
+    assert await _commit(scripts, 0, result=b"") == Duplicate()  # the publish once a replica has it
+    assert await redis.get(blob_key(await _last_reply(scripts)) or "") == big(0)
+
+
+async def test_a_latent_round_trip_goes_through_the_blob_path(fleet: FleetClient, workers: WorkerPool) -> None:
+    await workers.add(NullEngine(NullEngineConfig(latent_shape=LATENT)))
+    s = await fleet.create_session(model="null-world", mode="world_model_env", result_window=2)
+    first = await s.step(0, **world_step(0))
+    assert first.ok, first.error
+    latent = first.output["video_latent"]
+    assert latent.shape == LATENT and latent.nbytes >= STAGE_BYTES
+    keys = fleet.keys_of(s.session_id)
+    stored = await fleet.redis.hget(keys.log(s.session_id), "result:0")
+    assert blob_key(stored) == keys.result_blob(s.session_id, 0)
+    again = await s.step(0, **world_step(0))
+    assert again.ok and again.duplicate
+    assert np.array_equal(again.output["video_latent"], latent)
+    # the reader took each reply blob with the entry it read: none is left behind
+    stem = keys.reply(fleet.client_id) + ":blob:"
+    assert [key async for key in fleet.redis.scan_iter(match=stem + "*")] == []
+
+
+async def test_the_reply_stream_budget_bounds_its_blobs(scripts: Scripts) -> None:
+    """A reader that left: entries past the stream's byte budget lose their blobs, as a trimmed
+    inline entry loses its bytes."""
+    redis, k = scripts.redis, scripts.keys
+    await _session(scripts, window=1)
+    bounds = ReplyBounds(stream_bytes=3 * (len(big(9)) + 128))  # about 3 latents
+    for step in range(8):
+        assert await scripts.commit(session_id="s1", worker_id="w1", epoch=1, step_id=step, entry_id="0-1",
+                                    result=big(step), context_length=step + 1, job_id=f"j{step}", reply_to="c",
+                                    reply_ttl_ms=60000, reply_bounds=bounds) == Committed()
+    blobs = [key async for key in redis.scan_iter(match=k.reply("c") + ":blob:*")]
+    assert sorted(blobs) == [k.reply_blob("c", f"j{step}").encode() for step in range(5, 8)]
+
+
+async def test_a_large_stateless_result_is_published_as_a_blob(scripts: Scripts) -> None:
+    redis, k = scripts.redis, scripts.keys
+    await _session(scripts)
+
+    async def report(worker: str) -> object:
+        return await scripts.report(session_id="s1", worker_id=worker, epoch=1, entry_id="0-1", job_id="free",
+                                    result=big(3), fallback_gen=None, reply_to="c", reply_ttl_ms=60000)
+
+    assert await report("zombie") == StaleOwner("w1", 1)
+    assert not await redis.exists(k.staged_reply("c", "free", "zombie")) and await redis.xlen(k.reply("c")) == 0
+    assert isinstance(await report("w1"), Published)
+    assert await _last_reply(scripts) == BLOB_MARK + k.reply_blob("c", "free").encode()
+    assert await redis.get(k.reply_blob("c", "free")) == big(3)
+    assert 0 < await redis.pttl(k.reply_blob("c", "free")) <= 600_000
+    assert not await redis.exists(k.staged_reply("c", "free", "w1"))
+    assert await redis.hget(k.session("s1"), "committed_step_id") == b"-1"  # a report commits nothing
+
+
+async def test_a_stateless_latent_step_round_trip(fleet: FleetClient, workers: WorkerPool) -> None:
+    await workers.add(NullEngine(NullEngineConfig(latent_shape=LATENT)))
+    s = await fleet.create_session(model="null-world", mode="world_model_env")
+    r = await s.step(0, use_session_context=False, **world_step(0))
+    assert r.ok, r.error
+    assert r.output["video_latent"].shape == LATENT and r.committed_step_id == -1
+    keys = fleet.keys_of(s.session_id)
+    assert [key async for key in fleet.redis.scan_iter(match=keys.reply(fleet.client_id) + ":*")] == []
+
+
+async def test_a_consumer_group_reads_a_latent_and_its_ack_frees_the_blob(
+    fleet: FleetClient, workers: WorkerPool
+) -> None:
+    await workers.add(NullEngine(NullEngineConfig(latent_shape=LATENT)))
+    s = await fleet.create_session(model="null-world", mode="world_model_env")
+    assert (await s.enqueue(0, results_stream="rollouts", **world_step(0))).status == "queued"
+    stem = fleet.keys_of(s.session_id).reply("rollouts") + ":blob:"
+    async with ResultConsumer(fleet, "rollouts", group="g", consumer="c1") as results:
+        deliveries = []
+        for _ in range(50):  # bounded: 50 reads of at most 200 ms
+            deliveries += await results.read(block_ms=200)
+            if deliveries:
+                break
+        assert [d.result.step_id for d in deliveries] == [0]
+        assert deliveries[0].result.output["video_latent"].shape == LATENT
+        assert [key async for key in fleet.redis.scan_iter(match=stem + "*")] != []  # kept until handled
+        assert await deliveries[0].ack() is True
+    assert [key async for key in fleet.redis.scan_iter(match=stem + "*")] == []
+
+
+async def test_a_commit_whose_staging_is_missing_changes_nothing_and_is_retried(scripts: Scripts) -> None:
+    """The SET before the commit failed or was lost: commit.lua answers 'unstaged' before any write,
+    and the wrapper raises it as a lost connection, which the worker's retry stages again."""
+    redis, k = scripts.redis, scripts.keys
+    await _session(scripts)
+    keys = [k.session("s1"), k.log("s1"), k.inbox("w1"), k.reply("c"), k.staged_result("s1", 0, "w1", 1),
+            k.result_blob("s1", 0), k.reply_blob("c", "j0")]
+    args = ["w1", 1, 0, "0-1", "", 1, "j0", 60000, INBOX_GROUP, "", -1, *ReplyBounds().args(), "0", "", "", "1"]
+    raw = await redis.eval(lua_source("commit"), len(keys), *keys, *args)
+    assert raw == [b"unstaged", -1]
+    assert await redis.hget(k.session("s1"), "committed_step_id") == b"-1" and await redis.xlen(k.reply("c")) == 0
+    with pytest.raises(RedisConnectionError):
+        unless_unstaged(raw)
+    assert await _commit(scripts, 0) == Committed()  # the retry stages it again
