@@ -1,6 +1,7 @@
 """Run every benchmark (or ``--only`` some), print one table, write JSON results and a latency plot.
 
     python -m bench.run_all --size smoke|full [--only round_trip] [--plot docs/bench_latency.png]
+        [--markdown docs/benchmarks.md]
 
 Results go to ``bench/results/latest.json`` (gitignored). Nothing here asserts a speed: the
 ``targets`` rows say met or missed.
@@ -14,6 +15,7 @@ import json
 import os
 import platform
 import subprocess
+import sys
 import time
 import traceback
 from collections.abc import Mapping, Sequence
@@ -23,7 +25,8 @@ from typing import Any
 from tqdm import tqdm
 
 from bench import batch_fill, cells, failover, memory, round_trip, throughput, transport, weight_update
-from bench.common import SIZES, BenchFn, Row, format_markdown, format_table, tune_malloc
+from bench import report as report_md
+from bench.common import SIZES, BenchFn, Row, format_table, tune_malloc
 from bench.targets import evaluate
 from workers.cli_env import EnvError, apply_env, attach_env
 
@@ -94,7 +97,9 @@ def _parser() -> argparse.ArgumentParser:
                         help=f"run only this benchmark (repeatable): {', '.join(BENCHMARKS)}")
     parser.add_argument("--results", type=Path, default=RESULTS / "latest.json")
     parser.add_argument("--plot", type=Path, default=RESULTS / "latency.png", help="PNG of round-trip percentiles")
-    parser.add_argument("--markdown", type=Path, default=None, help="also write the table as markdown here")
+    parser.add_argument("--markdown", type=Path, default=None,
+                        help="also write the run as markdown here: between bench.report's markers when the file "
+                             "has them (docs/benchmarks.md), else the whole file")
     parser.add_argument("--malloc-tuned", action="store_true",
                         help="glibc malloc keeps large blocks (mallopt here, MALLOC_* env for every child)")
     parser.add_argument("--no-progress", action="store_true")
@@ -114,7 +119,15 @@ def parse_args(argv: Sequence[str] | None, environ: Mapping[str, str]) -> argpar
     return args
 
 
+def _load1() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except OSError:  # not available on this platform
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv, os.environ)
     if args.malloc_tuned:
         tune_malloc()
@@ -122,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[Row] = []
     failed: list[str] = []
     wall_s: dict[str, float] = {}
-    started = time.time()
+    started, load_start = time.time(), _load1()
     for name in tqdm(names, desc=f"bench ({args.size})", unit="bench", disable=args.no_progress):
         t0 = time.monotonic()
         try:
@@ -136,11 +149,12 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(rows), flush=True)
     report = {"size": args.size, "only": names, "malloc_tuned": args.malloc_tuned, "machine": machine(),
               "started": started, "elapsed_s": time.time() - started, "wall_s": wall_s, "failed": failed,
+              "loadavg": {"start": load_start, "end": _load1()}, "command": report_md.command_line(argv),
               "rows": [r.to_json() for r in rows]}
     args.results.parent.mkdir(parents=True, exist_ok=True)
     args.results.write_text(json.dumps(report, indent=1), encoding="utf-8")
     if args.markdown is not None:
-        args.markdown.write_text(format_markdown(rows) + "\n", encoding="utf-8")
+        report_md.write(args.markdown, report_md.markdown(report, rows))
     plotted = plot(rows, args.plot)
     print(f"results: {args.results}" + (f"; plot: {args.plot}" if plotted else ""), flush=True)
     return 1 if failed else 0
