@@ -132,6 +132,8 @@ def test_commands_are_packed_in_c_into_the_same_bytes_as_redis_pys_packer(url: s
         ours, theirs = conn.pack_command(*args), base.pack_command(conn, *args)
         assert b"".join(ours) == b"".join(theirs)
     assert conn.pack_command("SET", "k", large)[-2] is large
+    view = memoryview(b"abc")
+    assert conn.pack_command("SET", "k", view)[-2] is view
     for bad in (True, None, object()):  # refused as redis-py refuses it, before anything is sent
         with pytest.raises(DataError):
             conn.pack_command("SET", "k", bad)

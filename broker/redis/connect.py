@@ -119,8 +119,8 @@ def packing_in_c(base: type[AbstractConnection]) -> type[AbstractConnection]:
     redis-py's asyncio connection packs every argument in Python (an encoder call, two joins and a
     ``str(len)`` each): a step's script call has 10-15 arguments, and that packing was the largest
     single item of the trainer's and the worker's CPU per tiny step (docs/benchmarks.md). The bytes
-    on the wire are the same. A command carrying a large value (a latent result) keeps redis-py's
-    packer, which sends that value as its own buffer instead of copying it into one.
+    on the wire are the same. A command carrying a large value (a latent result) or a memoryview
+    keeps redis-py's packer, which sends that value as its own buffer instead of copying it into one.
     """
     if _RESP is None:  # hiredis not installed: redis-py's own packer
         return base
@@ -130,8 +130,8 @@ def packing_in_c(base: type[AbstractConnection]) -> type[AbstractConnection]:
 
     def pack_command(self: AbstractConnection, *args: Any) -> list[bytes]:
         for arg in args:
-            if isinstance(arg, (bytes, memoryview)) and len(arg) > _LARGE_ARG:
-                return base.pack_command(self, *args)
+            if isinstance(arg, memoryview) or (isinstance(arg, bytes) and len(arg) > _LARGE_ARG):
+                return base.pack_command(self, *args)  # sent as their own buffers, uncopied
         return _RESP.pack(*args)  # type: ignore[no-any-return]
 
     packed = _PACKED[base] = type(f"CPacked{base.__name__}", (base,), {"pack_command": pack_command})
