@@ -133,31 +133,34 @@ def main(argv: list[str] | None = None) -> int:
         tune_malloc()
     names = args.only or list(BENCHMARKS)
     rows: list[Row] = []
-    failed: list[str] = []
-    wall_s: dict[str, float] = {}
-    started, load_start = time.time(), _load1()
+    report: dict[str, Any] = {"size": args.size, "only": names, "malloc_tuned": args.malloc_tuned,
+                              "machine": machine(), "started": time.time(), "wall_s": {}, "failed": [],
+                              "loadavg": {"start": _load1()}, "command": report_md.command_line(argv)}
     for name in tqdm(names, desc=f"bench ({args.size})", unit="bench", disable=args.no_progress):
         t0 = time.monotonic()
         try:
             rows += asyncio.run(BENCHMARKS[name](args.size))
         except Exception as exc:  # one broken benchmark must not hide the others' numbers
-            failed.append(name)
+            report["failed"].append(name)
             traceback.print_exc()
             rows.append(Row(name, "-", "FAILED", {}, "", f"{type(exc).__name__}: {exc}"[:300]))
-        wall_s[name] = time.monotonic() - t0
-    rows += evaluate(rows)
-    print(format_table(rows), flush=True)
-    report = {"size": args.size, "only": names, "malloc_tuned": args.malloc_tuned, "machine": machine(),
-              "started": started, "elapsed_s": time.time() - started, "wall_s": wall_s, "failed": failed,
-              "loadavg": {"start": load_start, "end": _load1()}, "command": report_md.command_line(argv),
-              "rows": [r.to_json() for r in rows]}
+        report["wall_s"][name] = time.monotonic() - t0
+        _write(args, report, rows)  # after each benchmark: a run cut short keeps what it measured
+    print(format_table(rows + evaluate(rows)), flush=True)
+    plotted = plot(rows, args.plot)
+    print(f"results: {args.results}" + (f"; plot: {args.plot}" if plotted else ""), flush=True)
+    return 1 if report["failed"] else 0
+
+
+def _write(args: argparse.Namespace, report: dict[str, Any], rows: list[Row]) -> None:
+    """The results JSON and the markdown of the benchmarks done so far, with the targets they allow."""
+    done = rows + evaluate(rows)
+    report.update(elapsed_s=time.time() - report["started"], rows=[r.to_json() for r in done])
+    report["loadavg"]["end"] = _load1()
     args.results.parent.mkdir(parents=True, exist_ok=True)
     args.results.write_text(json.dumps(report, indent=1), encoding="utf-8")
     if args.markdown is not None:
-        report_md.write(args.markdown, report_md.markdown(report, rows))
-    plotted = plot(rows, args.plot)
-    print(f"results: {args.results}" + (f"; plot: {args.plot}" if plotted else ""), flush=True)
-    return 1 if failed else 0
+        report_md.write(args.markdown, report_md.markdown(report, done))
 
 
 if __name__ == "__main__":
