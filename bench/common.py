@@ -113,6 +113,25 @@ class CpuMeter:
         return {f"cpu_us_{name}": 1e6 * used / steps for name, used in self.used_s.items()} if steps else {}
 
 
+async def closed_loop(handles: Sequence[Any], total: int, start: int, step: StepFn) -> Latencies:
+    """Each handle steps ``total / len(handles)`` times, one step in flight at a time."""
+    lat = Latencies()
+    per = max(1, total // len(handles))
+
+    async def drive(handle: Any) -> None:
+        for k in range(start, start + per):
+            t0 = time.perf_counter()
+            try:
+                await step(handle, k)
+            except Exception as exc:
+                lat.failed(exc)
+                continue
+            lat.samples_ms.append((time.perf_counter() - t0) * 1000.0)
+
+    await asyncio.gather(*(drive(h) for h in handles))
+    return lat
+
+
 async def timed_window(bench: str, handles: Sequence[Any], step: StepFn, warmup_s: float,
                        window_s: float, meter: CpuMeter | None = None) -> Row:
     """Every handle steps closed loop (one step in flight); steps/s finished inside the window,
@@ -272,7 +291,7 @@ def format_markdown(rows: Sequence[Row]) -> str:
 def _values(row: Row) -> str:
     parts = []
     for key, value in row.values.items():
-        if key in ("n", "errors", "sessions", "workers", "window") or key.startswith("cpu_us") \
+        if key in ("n", "errors", "sessions", "workers", "trainers", "window") or key.startswith("cpu_us") \
                 or float(value).is_integer():
             parts.append(f"{key}={value:.0f}")
         else:

@@ -11,10 +11,9 @@ latent. Every session runs closed loop: next step when the last returned.
 
 from __future__ import annotations
 
-import asyncio
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +26,8 @@ from bench.common import (
     Children,
     Latencies,
     Row,
+    StepFn,
+    closed_loop,
     module_main,
     new_prefix,
     private_redis,
@@ -35,6 +36,7 @@ from bench.common import (
     world_inputs,
 )
 from bench.http_anchor import HttpRollout
+from bench.trainers import Drive, drive_all, merged_latencies, split
 from broker import FleetClient
 from broker.redis.connect import open_redis
 from broker.redis.embedded import free_port
@@ -49,32 +51,11 @@ class Size:
     steps: dict[str, int]  # measured steps per (system, concurrency), per result shape
     polled_steps: int  # arq polls every 10 ms: fewer steps keep the run short
     warmup: int  # steps per session before measuring (connections opened, buffers grown)
+    trainers: tuple[int, ...]  # the 64-session fleet cases again from this many trainer processes
 
 
-SIZE = {"smoke": Size(steps={"tiny": 128, "latent": 128}, polled_steps=48, warmup=2),
-        "full": Size(steps={"tiny": 3072, "latent": 1536}, polled_steps=640, warmup=5)}
-
-StepFn = Callable[[Any, int], Awaitable[Any]]
-
-
-async def closed_loop(handles: Sequence[Any], total: int, start: int, step: StepFn) -> Latencies:
-    """Each handle steps ``total / len(handles)`` times, one step in flight at a time."""
-    lat = Latencies()
-    per = max(1, total // len(handles))
-
-    async def drive(handle: Any) -> None:
-        for k in range(start, start + per):
-            t0 = time.perf_counter()
-            try:
-                await step(handle, k)
-            except Exception as exc:
-                lat.failed(exc)
-                continue
-            lat.samples_ms.append((time.perf_counter() - t0) * 1000.0)
-
-    await asyncio.gather(*(drive(h) for h in handles))
-    return lat
-
+SIZE = {"smoke": Size(steps={"tiny": 128, "latent": 128}, polled_steps=48, warmup=2, trainers=(2,)),
+        "full": Size(steps={"tiny": 3072, "latent": 1536}, polled_steps=640, warmup=5, trainers=(4,))}
 
 async def measure(system: str, shape_name: str, handles: Sequence[Any], size: Size, step: StepFn,
                   steps: int) -> Row:
@@ -132,7 +113,21 @@ async def fleet_rows(url: str, size: Size, *, shapes: dict[str, tuple[int, ...]]
                     sessions = [await fleet.create_session("null-world", "world_model_env") for _ in range(n)]
                     rows.append(await measure(system, shape_name, sessions, size, _fleet_step,
                                               size.steps[shape_name]))
+                    rows[-1].values["trainers"] = 1.0
+            if system == "fleet":
+                rows += [await trainers_row(url, prefix, shape_name, size, t) for t in size.trainers]
     return rows
+
+
+async def trainers_row(url: str, prefix: str, shape_name: str, size: Size, trainers: int) -> Row:
+    """The 64-session case with its sessions spread over ``trainers`` trainer processes."""
+    n = max(CONCURRENCY)
+    per_session = max(1, size.steps[shape_name] // n)
+    drives = [Drive("fleet", url, prefix, count, f"t{i}", warmup=size.warmup, steps=per_session)
+              for i, count in enumerate(split(n, trainers))]
+    lat = merged_latencies(await drive_all(drives))
+    return Row(NAME, f"{shape_name} x{n}", f"fleet ({trainers} trainers)",
+               {**lat.summary(), "trainers": float(trainers)}, "ms", lat.first_error)
 
 
 async def http_rows(size: Size) -> list[Row]:
@@ -186,12 +181,14 @@ def ratios(rows: Sequence[Row]) -> list[Row]:
     """anchor / fleet for each case: above 1 means the fleet is faster."""
     by = {(r.system, r.case): r.values for r in rows}
     out: list[Row] = []
+    fleets = [s for s in dict.fromkeys(r.system for r in rows) if s == "fleet" or s.startswith("fleet (")]
     for anchor in ("http", "arq"):
-        for case in dict.fromkeys(r.case for r in rows if r.system == "fleet"):
-            fleet, other = by.get(("fleet", case)), by.get((anchor, case))
-            if fleet and other:
-                values = {k: other[k] / fleet[k] for k in ("p50", "p99") if fleet[k] > 0}
-                out.append(Row(NAME, case, f"fleet speedup vs {anchor}", values, "x"))
+        for system in fleets:
+            for case in dict.fromkeys(r.case for r in rows if r.system == system):
+                fleet, other = by.get((system, case)), by.get((anchor, case))
+                if fleet and other:
+                    values = {k: other[k] / fleet[k] for k in ("p50", "p99") if fleet[k] > 0}
+                    out.append(Row(NAME, case, f"{system} speedup vs {anchor}", values, "x"))
     return out
 
 

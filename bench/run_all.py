@@ -1,6 +1,7 @@
 """Run every benchmark (or ``--only`` some), print one table, write JSON results and a latency plot.
 
     python -m bench.run_all --size smoke|full [--only round_trip] [--plot docs/bench_latency.png]
+        [--markdown docs/benchmarks.md]
 
 Results go to ``bench/results/latest.json`` (gitignored). Nothing here asserts a speed: the
 ``targets`` rows say met or missed.
@@ -14,6 +15,7 @@ import json
 import os
 import platform
 import subprocess
+import sys
 import time
 import traceback
 from collections.abc import Mapping, Sequence
@@ -23,7 +25,8 @@ from typing import Any
 from tqdm import tqdm
 
 from bench import batch_fill, cells, failover, memory, round_trip, throughput, transport, weight_update
-from bench.common import SIZES, BenchFn, Row, format_markdown, format_table, tune_malloc
+from bench import report as report_md
+from bench.common import SIZES, BenchFn, Row, format_table, tune_malloc
 from bench.targets import evaluate
 from workers.cli_env import EnvError, apply_env, attach_env
 
@@ -94,7 +97,9 @@ def _parser() -> argparse.ArgumentParser:
                         help=f"run only this benchmark (repeatable): {', '.join(BENCHMARKS)}")
     parser.add_argument("--results", type=Path, default=RESULTS / "latest.json")
     parser.add_argument("--plot", type=Path, default=RESULTS / "latency.png", help="PNG of round-trip percentiles")
-    parser.add_argument("--markdown", type=Path, default=None, help="also write the table as markdown here")
+    parser.add_argument("--markdown", type=Path, default=None,
+                        help="also write the run as markdown here: between bench.report's markers when the file "
+                             "has them (docs/benchmarks.md), else the whole file")
     parser.add_argument("--malloc-tuned", action="store_true",
                         help="glibc malloc keeps large blocks (mallopt here, MALLOC_* env for every child)")
     parser.add_argument("--no-progress", action="store_true")
@@ -114,36 +119,48 @@ def parse_args(argv: Sequence[str] | None, environ: Mapping[str, str]) -> argpar
     return args
 
 
+def _load1() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except OSError:  # not available on this platform
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv, os.environ)
     if args.malloc_tuned:
         tune_malloc()
     names = args.only or list(BENCHMARKS)
     rows: list[Row] = []
-    failed: list[str] = []
-    wall_s: dict[str, float] = {}
-    started = time.time()
+    report: dict[str, Any] = {"size": args.size, "only": names, "malloc_tuned": args.malloc_tuned,
+                              "machine": machine(), "started": time.time(), "wall_s": {}, "failed": [],
+                              "loadavg": {"start": _load1()}, "command": report_md.command_line(argv)}
     for name in tqdm(names, desc=f"bench ({args.size})", unit="bench", disable=args.no_progress):
         t0 = time.monotonic()
         try:
             rows += asyncio.run(BENCHMARKS[name](args.size))
         except Exception as exc:  # one broken benchmark must not hide the others' numbers
-            failed.append(name)
+            report["failed"].append(name)
             traceback.print_exc()
             rows.append(Row(name, "-", "FAILED", {}, "", f"{type(exc).__name__}: {exc}"[:300]))
-        wall_s[name] = time.monotonic() - t0
-    rows += evaluate(rows)
-    print(format_table(rows), flush=True)
-    report = {"size": args.size, "only": names, "malloc_tuned": args.malloc_tuned, "machine": machine(),
-              "started": started, "elapsed_s": time.time() - started, "wall_s": wall_s, "failed": failed,
-              "rows": [r.to_json() for r in rows]}
+        report["wall_s"][name] = time.monotonic() - t0
+        _write(args, report, rows)  # after each benchmark: a run cut short keeps what it measured
+    print(format_table(rows + evaluate(rows)), flush=True)
+    plotted = plot(rows, args.plot)
+    print(f"results: {args.results}" + (f"; plot: {args.plot}" if plotted else ""), flush=True)
+    return 1 if report["failed"] else 0
+
+
+def _write(args: argparse.Namespace, report: dict[str, Any], rows: list[Row]) -> None:
+    """The results JSON and the markdown of the benchmarks done so far, with the targets they allow."""
+    done = rows + evaluate(rows)
+    report.update(elapsed_s=time.time() - report["started"], rows=[r.to_json() for r in done])
+    report["loadavg"]["end"] = _load1()
     args.results.parent.mkdir(parents=True, exist_ok=True)
     args.results.write_text(json.dumps(report, indent=1), encoding="utf-8")
     if args.markdown is not None:
-        args.markdown.write_text(format_markdown(rows) + "\n", encoding="utf-8")
-    plotted = plot(rows, args.plot)
-    print(f"results: {args.results}" + (f"; plot: {args.plot}" if plotted else ""), flush=True)
-    return 1 if failed else 0
+        report_md.write(args.markdown, report_md.markdown(report, done))
 
 
 if __name__ == "__main__":

@@ -48,6 +48,9 @@ def is_finite(value: int | float) -> bool:
 
 
 def as_floats(value: Any, name: str, *, count: int | None = None) -> tuple[float, ...]:
+    fast = _plain_finite_floats(value)
+    if fast is not None and (count is None or len(fast) == count):
+        return fast
     out: list[float] = []
     for item in as_list(value, name, "numbers"):
         if isinstance(item, bool) or not isinstance(item, (int, float)):
@@ -58,6 +61,21 @@ def as_floats(value: Any, name: str, *, count: int | None = None) -> tuple[float
     if count is not None and len(out) != count:
         raise InvalidRequestError(f"{name} must have {count} values, got {len(out)}")
     return tuple(out)
+
+
+_FLOAT_ONLY = {float}
+
+
+def _plain_finite_floats(value: Any) -> tuple[float, ...] | None:
+    """The common case of :func:`as_floats` in a few C calls (it runs on every step, on both sides
+    of the wire): a list or tuple of only Python floats whose sum is finite. A NaN or an infinity
+    makes the sum NaN or infinite, so a finite sum proves every item finite; anything else (ints,
+    ndarrays, a bad item, a sum that overflows) takes the item-by-item path and its messages."""
+    if type(value) is not list and type(value) is not tuple:
+        return None
+    if set(map(type, value)) != _FLOAT_ONLY or not math.isfinite(sum(value)):
+        return None
+    return tuple(value)
 
 
 def as_int(value: Any, name: str, *, minimum: int | None = None, maximum: int = 2**63 - 1) -> int:

@@ -9,6 +9,7 @@ import ssl
 import pytest
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import DataError
 
 from broker.redis.config import CellConfig, ConfigError
 from broker.redis.connect import (
@@ -115,3 +116,24 @@ def test_stream_reads_name_their_keys_after_streams() -> None:
     assert stream_read_keys("xread", ("STREAMS", "k", "0")) == ["k"]
     assert stream_read_keys("GET", ("k",)) == []
     assert stream_read_keys("XREAD", ("COUNT", 1)) == []
+
+
+@pytest.mark.parametrize("url", ["redis://127.0.0.1:6379/0", "rediss://127.0.0.1:6380/0", "unix:///tmp/redis.sock"])
+def test_commands_are_packed_in_c_into_the_same_bytes_as_redis_pys_packer(url: str) -> None:
+    from redis.asyncio.connection import Connection, SSLConnection, UnixDomainSocketConnection
+
+    client = open_redis(url)
+    conn = client.connection_pool.make_connection()
+    base = {"redis": Connection, "rediss": SSLConnection, "unix": UnixDomainSocketConnection}[url.split(":")[0]]
+    assert isinstance(conn, base) and type(conn) is not base
+    large = b"x" * 10_000  # over redis-py's buffer cutoff: sent as its own buffer, not copied into one
+    for args in [("EVALSHA", "abc", 2, b"k1", "k2", 1.5, -0.0, 1e300, 2**70, "h\u00e9llo", b"\x00\xff", -5),
+                 ("CONFIG GET", "maxmemory"), (b"CONFIG GET", b"maxmemory"), ("SET", "k", large)]:
+        ours, theirs = conn.pack_command(*args), base.pack_command(conn, *args)
+        assert b"".join(ours) == b"".join(theirs)
+    assert conn.pack_command("SET", "k", large)[-2] is large
+    view = memoryview(b"abc")
+    assert conn.pack_command("SET", "k", view)[-2] is view
+    for bad in (True, None, object()):  # refused as redis-py refuses it, before anything is sent
+        with pytest.raises(DataError):
+            conn.pack_command("SET", "k", bad)

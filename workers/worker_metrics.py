@@ -13,11 +13,14 @@ import time
 from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Protocol
 
+from prometheus_client import Counter, Histogram
+
 from broker.ops.metrics import FleetMetrics, MetricsServer, serve_metrics
 from workers.engines.base import Engine
 
 log = logging.getLogger(__name__)
 OTHER_MODEL = "other"
+_Committed = tuple[Counter, Histogram, Histogram, Histogram, Histogram]  # steps; queue, engine, commit, total
 
 
 class SessionModel(Protocol):
@@ -32,6 +35,7 @@ class WorkerMetrics:
         self.fleet = FleetMetrics()
         self.models = frozenset(models)
         self._server: MetricsServer | None = None
+        self._committed: dict[str, _Committed] = {}
 
     def start(self) -> None:
         if self.port is not None and self._server is None:
@@ -55,14 +59,25 @@ class WorkerMetrics:
 
     def committed(self, model: str, *, queue_ms: float, engine_ms: float, commit_s: float,
                   enqueued_ms: float) -> None:
-        label = self.model(model)
-        self.fleet.steps.labels(label, "committed").inc()
-        seconds = self.fleet.step_seconds
-        seconds.labels(label, "queue").observe(queue_ms / 1000.0)
-        seconds.labels(label, "engine").observe(engine_ms / 1000.0)
-        seconds.labels(label, "commit").observe(commit_s)
+        count, queue, engine, commit, total = self._committed_children(model)
+        count.inc()
+        queue.observe(queue_ms / 1000.0)
+        engine.observe(engine_ms / 1000.0)
+        commit.observe(commit_s)
         # enqueued_ms is the client's wall clock: a skewed clock must not make a negative latency.
-        seconds.labels(label, "total").observe(max(0.0, time.time() - enqueued_ms / 1000.0))
+        total.observe(max(0.0, time.time() - enqueued_ms / 1000.0))
+
+    def _committed_children(self, model: str) -> _Committed:
+        """The five labelled series a committed step updates, looked up once per model: prometheus
+        ``labels()`` hashes and locks on every call, five times per step."""
+        label = self.model(model)  # the key too: random model names cannot grow this dict
+        children = self._committed.get(label)
+        if children is None:
+            seconds = self.fleet.step_seconds
+            children = self._committed[label] = (
+                self.fleet.steps.labels(label, "committed"), seconds.labels(label, "queue"),
+                seconds.labels(label, "engine"), seconds.labels(label, "commit"), seconds.labels(label, "total"))
+        return children
 
     def duplicate(self, model: str) -> None:
         self.fleet.steps.labels(self.model(model), "duplicate").inc()

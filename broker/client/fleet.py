@@ -41,6 +41,7 @@ from schemas.errors import (
 )
 from schemas.limits import DEFAULT_LIMITS, Limits
 from schemas.messages import Mode, SessionStatus, StepResult, parse_mode
+from schemas.results import Latency
 from schemas.sharing import DEFAULT_PRIORITY, Priority, as_priority, as_trainer
 from schemas.wire_fields import as_result_window, as_retention
 
@@ -341,8 +342,7 @@ class FleetClient:
         result = reply.step_result(self.limits)
         total = (time.perf_counter() - started) * 1000.0
         lat = result.latency
-        latency = dataclasses.replace(
-            lat, total_ms=total, commit_ms=max(0.0, total - lat.queue_ms - lat.engine_ms)
-        )
+        latency = Latency(queue_ms=lat.queue_ms, engine_ms=lat.engine_ms,
+                          commit_ms=max(0.0, total - lat.queue_ms - lat.engine_ms), total_ms=total)
         return dataclasses.replace(result, committed_step_id=max(reply.committed, result.committed_step_id)
                                    if result.ok else reply.committed, latency=latency)

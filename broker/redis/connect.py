@@ -22,9 +22,19 @@ from urllib.parse import urlsplit
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 from redis.asyncio.cluster import ClusterNode, RedisCluster
-from redis.asyncio.connection import parse_url
+from redis.asyncio.connection import AbstractConnection, parse_url
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException
+
+try:
+    import hiredis  # noqa: F401  (redis-py's serializer below calls it)
+    from redis.connection import HiredisRespSerializer
+
+    _RESP: Any = HiredisRespSerializer()  # splits "CONFIG GET"-style names as redis-py's packer does
+except ImportError:  # redis-py without its hiredis extra
+    _RESP = None
+_PACKED: dict[type[AbstractConnection], type[AbstractConnection]] = {}
+_LARGE_ARG = 6000  # redis-py's buffer cutoff: larger values travel as their own buffer
 
 CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
 URL_SCHEMES = ("redis://", "rediss://", "unix://", *CLUSTER_SCHEMES)
@@ -95,10 +105,37 @@ def open_redis(url: str, **options: Any) -> Redis:
         raise RedisURLError(f"expected a {', '.join(URL_SCHEMES)} URL, got {url!r}")
     if not is_cluster_url(url):
         single: Redis = Redis.from_url(url, **options)
+        pool = single.connection_pool
+        pool.connection_class = packing_in_c(pool.connection_class)
         return single
     nodes, settings = parse_cluster_url(url)
     cluster = _FleetCluster(startup_nodes=[ClusterNode(host, port) for host, port in nodes], **settings, **options)
     return cast(Redis, cluster)  # same command methods (see the module docstring)
+
+
+def packing_in_c(base: type[AbstractConnection]) -> type[AbstractConnection]:
+    """``base`` (TCP, TLS or unix socket) with its commands packed by hiredis, in C.
+
+    redis-py's asyncio connection packs every argument in Python (an encoder call, two joins and a
+    ``str(len)`` each): a step's script call has 10-15 arguments, and that packing was the largest
+    single item of the trainer's and the worker's CPU per tiny step (docs/benchmarks.md). The bytes
+    on the wire are the same. A command carrying a large value (a latent result) or a memoryview
+    keeps redis-py's packer, which sends that value as its own buffer instead of copying it into one.
+    """
+    if _RESP is None:  # hiredis not installed: redis-py's own packer
+        return base
+    packed = _PACKED.get(base)
+    if packed is not None:
+        return packed
+
+    def pack_command(self: AbstractConnection, *args: Any) -> list[bytes]:
+        for arg in args:
+            if isinstance(arg, memoryview) or (isinstance(arg, bytes) and len(arg) > _LARGE_ARG):
+                return base.pack_command(self, *args)  # sent as their own buffers, uncopied
+        return _RESP.pack(*args)  # type: ignore[no-any-return]
+
+    packed = _PACKED[base] = type(f"CPacked{base.__name__}", (base,), {"pack_command": pack_command})
+    return packed
 
 
 def parse_cluster_url(url: str) -> tuple[list[tuple[str, int]], dict[str, Any]]:
