@@ -19,8 +19,8 @@ read (413), and images are size-checked from their headers (413) and decoded in 
 Differences a client can only gain from: a re-sent, already committed step returns its stored
 result (header ``X-Rollout-Duplicate: true``) while it is in the session's result window (with
 ``upstream_errors`` set, ``--upstream-errors``, it is upstream's 400 ``step_already_committed``), and
-``Accept: application/msgpack`` returns the fleet's msgpack ``StepResult`` (latents as raw
-ndarrays) instead of base64 JSON.
+``Accept: application/msgpack`` returns the fleet's ``StepResult`` as plain msgpack (latents as
+raw ndarray bytes in ext type 1, :func:`schemas.codec.encode_plain`) instead of base64 JSON.
 
     rollout-fleet gateway --redis-url redis://127.0.0.1:6379/0 --port 8000 --api-key "$KEY"
 """
@@ -65,7 +65,7 @@ from broker.gateway.step_metrics import GatewayMetrics
 from broker.gateway.tenancy import Tenancy
 from broker.gateway.upstream import as_upstream_duplicate, served_model, with_session_values
 from broker.redis.config import CellConfig
-from schemas.codec import encode
+from schemas.codec import encode_plain
 from schemas.errors import (
     CapacityExhaustedError,
     FleetError,
@@ -182,7 +182,8 @@ def _step_reply(request: Request, result: StepResult) -> Response:
     headers = {DUPLICATE_HEADER: "true"} if result.duplicate else None
     accept = request.headers.get("accept", "")
     if MSGPACK in accept or "application/x-msgpack" in accept:
-        return Response(encode(result.to_wire()), status_code=http_status(result), media_type=MSGPACK,
+        # Plain msgpack, not the fleet's frame: the content type promises msgpack to any client.
+        return Response(encode_plain(result.to_wire()), status_code=http_status(result), media_type=MSGPACK,
                         headers=headers)
     return JSONResponse(step_response(result).model_dump(), status_code=http_status(result), headers=headers)
 
