@@ -251,3 +251,15 @@ async def test_a_commit_whose_staging_is_missing_changes_nothing_and_is_retried(
     with pytest.raises(RedisConnectionError):
         unless_unstaged(raw)
     assert await _commit(scripts, 0) == Committed()  # the retry stages it again
+
+
+async def test_a_frame_is_never_taken_for_a_blob_reference() -> None:
+    """Inline results are codec frames, which start with 0xC1 like a reference's mark: the mark's
+    second byte (0) is never a frame version."""
+    from broker.redis.blobs import BLOB_MARK, blob_key
+    from schemas.codec import FRAME_VERSION, encode
+
+    frame = encode({"latent": np.zeros((2, 3), np.float32)})
+    assert frame[:1] == BLOB_MARK[:1] and FRAME_VERSION != 0
+    assert blob_key(frame) is None
+    assert blob_key(BLOB_MARK + b"rf:{0}:log:s:blob:3") == "rf:{0}:log:s:blob:3"

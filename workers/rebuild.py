@@ -34,7 +34,7 @@ from redis.asyncio import Redis
 from broker.redis.aio import resolve
 from broker.redis.keys import CellKeys
 from broker.redis.layouts import log_input_field
-from schemas.codec import decode, encode
+from schemas.codec import decode, encode, encode_plain
 from schemas.errors import ContextLost, FleetError, StepAborted
 from schemas.messages import Mode, SamplingParams, StepInput, TokenStep, parse_step_input
 from workers.batcher import Batcher
@@ -59,7 +59,7 @@ def output_digest(output: Mapping[str, Any]) -> bytes:
             h.update(f"{value.dtype.str}{value.shape}".encode())
             h.update(np.ascontiguousarray(value).reshape(-1).view(np.uint8).data)
         else:
-            h.update(encode(value))
+            h.update(encode_plain(value))  # not the frame: a digest must survive a change of framing
     return h.digest()
 
 

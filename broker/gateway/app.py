@@ -20,11 +20,12 @@ Differences a client can only gain from: a re-sent, already committed step retur
 result (header ``X-Rollout-Duplicate: true``) while it is in the session's result window (with
 ``upstream_errors`` set, ``--upstream-errors``, it is upstream's 400 ``step_already_committed``),
 images may also be base64 PNG/JPEG/.npy (upstream takes nested lists only), and
-``Accept: application/msgpack`` returns the fleet's msgpack ``StepResult`` (latents as raw
-ndarrays) instead of base64 JSON. Differences the fleet's contracts impose: an image must be HxWx3
-in [0, 255] and travels as uint8, and step ids are within [0, 2**63). The engines tier's
-``tests/engines/test_gateway_conformance.py`` compares the gateway with vLLM-Omni's own server call
-by call and lists each difference with its reason.
+``Accept: application/msgpack`` returns the fleet's ``StepResult`` as plain msgpack (latents as
+raw ndarray bytes in ext type 1, :func:`schemas.codec.encode_plain`) instead of base64 JSON.
+Differences the fleet's contracts impose: an image must be HxWx3 in [0, 255] and travels as uint8,
+and step ids are within [0, 2**63). The engines tier's ``tests/engines/test_gateway_conformance.py``
+compares the gateway with vLLM-Omni's own server call by call and lists each difference with its
+reason.
 
     rollout-fleet gateway --redis-url redis://127.0.0.1:6379/0 --port 8000 --api-key "$KEY"
 """
@@ -69,7 +70,7 @@ from broker.gateway.step_metrics import GatewayMetrics
 from broker.gateway.tenancy import Tenancy
 from broker.gateway.upstream import as_upstream_duplicate, as_upstream_refusal, served_model, with_session_values
 from broker.redis.config import CellConfig
-from schemas.codec import encode
+from schemas.codec import encode_plain
 from schemas.errors import (
     CapacityExhaustedError,
     ErrorCode,
@@ -204,7 +205,8 @@ def _step_reply(request: Request, result: StepResult) -> Response:
     if MSGPACK in accept or "application/x-msgpack" in accept:
         if not 0 <= result.step_id <= MAX_STEP_ID:  # a refused id past the fleet's range: -1, as the client says
             result = dataclasses.replace(result, step_id=-1)
-        return Response(encode(result.to_wire()), status_code=http_status(result), media_type=MSGPACK,
+        # Plain msgpack, not the fleet's frame: the content type promises msgpack to any client.
+        return Response(encode_plain(result.to_wire()), status_code=http_status(result), media_type=MSGPACK,
                         headers=headers)
     return JSONResponse(step_response(result).model_dump(), status_code=http_status(result), headers=headers)
 

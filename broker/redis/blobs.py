@@ -10,7 +10,8 @@ with RENAME / COPY, commands that never bring the bytes into Lua: into the step'
 (``CellKeys.result_blob``, kept like the log hash field it stands for) and, for the reply, into a
 reply blob (``CellKeys.reply_blob``, with the reply stream's TTL). The log field ``result:<step>``
 and the reply entry's ``result`` then hold a reference: ``BLOB_MARK`` followed by the key name.
-0xc1 is the one byte msgpack never uses, so a reference can never be mistaken for a result.
+0xc1 is the one byte msgpack never uses, and a ``schemas.codec`` frame (which starts with it) has a
+version byte after it that is never 0: a reference can never be mistaken for a result.
 
 Readers resolve a reference with one GET; a blob that is gone (its TTL passed, its session was
 reset) reads as ``None``, which each reader answers like a result that was not stored.
@@ -35,7 +36,7 @@ STAGE_BYTES = 32 * 1024
 # How long a staged result waits for its commit: the commit is the next command on the same
 # connection, so this only bounds what a worker that died between the two leaves behind.
 STAGE_TTL_MS = 60_000
-BLOB_MARK = b"\xc1"
+BLOB_MARK = b"\xc1\x00"
 
 
 def blob_key(value: bytes | None) -> str | None:

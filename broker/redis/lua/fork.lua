@@ -77,7 +77,7 @@ for i = 1, n do
   end
   for j = 1, #log, 2 do  -- a branch owns its blobs: a reset or close of one never touches another's
     local step = string.match(log[j], '^result:(%-?%d+)$')
-    if step and string.sub(log[j + 1], 1, 1) == BLOB_MARK then
+    if step and is_blob(log[j + 1]) then
       local blob = result_blob(child_log, step)
       redis.call('COPY', result_blob(KEYS[2], step), blob, 'REPLACE')
       log[j + 1] = BLOB_MARK .. blob

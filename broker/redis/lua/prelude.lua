@@ -15,10 +15,14 @@ local function step_text(step)
   return string.format('%d', step)
 end
 
--- Large results (broker/redis/blobs.py): a stored result may be a reference, the byte 0xc1 (never
--- the first byte of msgpack) and then a key name. The bytes stay in that key: a script moves them
+-- Large results (broker/redis/blobs.py): a stored result may be a reference, the bytes 0xc1 0x00
+-- (0xc1 is never the first byte of msgpack; a schemas.codec frame starts 0xc1 then its version,
+-- never 0) and then a key name. The bytes stay in that key: a script moves them
 -- with RENAME / COPY and never reads them into Lua, which costs ~1.4 us per KiB.
-local BLOB_MARK = '\193'
+local BLOB_MARK = '\193\0'
+local function is_blob(value)
+  return string.sub(value, 1, #BLOB_MARK) == BLOB_MARK
+end
 
 -- The blob of step `step` (a number or decimal text) of the session whose log hash is `log_key`:
 -- CellKeys.result_blob names it the same way. Built from a key the caller passed, so it shares that
@@ -47,10 +51,10 @@ end
 -- expire with the stream: a reference is copied to the reply's own blob (a reader then does not
 -- depend on the session's result window). nil when the referenced blob is gone.
 local function reply_value(stored, reply_blob)
-  if string.sub(stored, 1, 1) ~= BLOB_MARK then
+  if not is_blob(stored) then
     return stored, #stored, nil
   end
-  if redis.call('COPY', string.sub(stored, 2), reply_blob, 'REPLACE') == 0 then
+  if redis.call('COPY', string.sub(stored, #BLOB_MARK + 1), reply_blob, 'REPLACE') == 0 then
     return nil
   end
   return BLOB_MARK .. reply_blob, redis.call('STRLEN', reply_blob), reply_blob
@@ -94,8 +98,8 @@ local function add_reply(key, ttl_ms, stream_bytes, large_bytes, large_ttl_ms, k
     for _, entry in ipairs(redis.call('XRANGE', key, '-', '+', 'COUNT', over)) do
       local fields = entry[2]
       for i = 1, #fields - 1, 2 do
-        if fields[i] == 'result' and string.sub(fields[i + 1], 1, 1) == BLOB_MARK then
-          redis.call('DEL', string.sub(fields[i + 1], 2))
+        if fields[i] == 'result' and is_blob(fields[i + 1]) then
+          redis.call('DEL', string.sub(fields[i + 1], #BLOB_MARK + 1))
         end
       end
     end
