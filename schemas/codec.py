@@ -8,15 +8,16 @@ Frame, version 2 (little-endian throughout)::
 
 ``0xC1`` is the one byte msgpack never uses, so no plain msgpack message starts with it and the
 decoder tells the two apart by the first byte. A frame version is never 0: ``0xC1 0x00`` starts a
-stored-result reference instead (broker/redis/blobs.py), which is never decoded as a frame.
-``head`` is msgpack of the message with every array replaced by ext type 2, a reference:
-``u8 len(dtype) | dtype ascii | u8 ndim | ndim x u64 shape | u64 offset``. ``body`` holds the arrays' raw little-endian bytes in the order their references
-appear in the head, each at the next multiple of 16 from the body's start (zero padding between),
-so that a decoded array is aligned when the received buffer is (a bytes object's data is); the
-frame ends where the last array ends (without arrays, after the head's padding). Encoding copies
-each array once (into the frame); decoding copies it not at all: an array is a read-only view into
-the received buffer, and keeps the whole buffer alive while it lives (copy a small array out of a
-large message to keep it long). A consumer that changes an array in place copies it first.
+stored-result reference instead (broker/redis/blobs.py), which is never decoded as a frame. ``head``
+is msgpack of the message with every array replaced by ext type 2, a reference: ``u8 len(dtype) |
+dtype ascii | u8 ndim | ndim x u64 shape | u64 offset``. ``body`` holds the arrays' raw
+little-endian bytes in the order their references appear in the head, each at the next multiple of
+16 from the body's start (zero padding between), so that a decoded array is aligned when the
+received buffer is (a bytes object's data is); the frame ends where the last array ends (without
+arrays, after the head's padding). Encoding copies each array once (into the frame); decoding copies
+it not at all: an array is a read-only view into the received buffer, and keeps the whole buffer
+alive while it lives (copy a small array out of a large message to keep it long). A consumer that
+changes an array in place copies it first.
 
 Plain msgpack, version 1 (``encode_plain``): ext type 1 holds the header above without the offset
 followed by the array's bytes, inside the msgpack. msgpack hands ext data to the hook as new
