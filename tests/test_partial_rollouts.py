@@ -157,6 +157,11 @@ async def test_kept_tokens_add_up_over_updates_and_a_plain_abort_drops_them() ->
     assert out.output["weight_versions"] == [3, 3, 4, 5, 5] and out.context_length == 10
     assert runs.aborted(PartialAbort("x", [9], [-0.9]), 5, keep=False) == 0  # abort: the step runs whole
     assert runs.request.step == step
+    at_least = TokenStep.from_wire({**LONG, "sampling": {**LONG["sampling"], "min_tokens": 50}})
+    runs = Continuation(EngineRequest("s", "reference-lm", at_least))
+    runs.aborted(PartialAbort("x", [1, 2, 3], [-0.1, -0.2, -0.3]), 3, keep=True)
+    assert isinstance(runs.request.step, TokenStep)  # the kept tokens count against both budgets
+    assert (runs.request.step.sampling.min_tokens, runs.request.step.sampling.max_tokens) == (47, 57)
     world = EngineOutput({"video_latent": b""}, 1)
     assert Continuation(EngineRequest("w", "reference-world", WorldStep.from_wire(world_step(0)))).output(world, 2) \
         is world

@@ -2,7 +2,7 @@
 
 A weight update with ``in_flight="continue"`` aborts the running steps like ``abort`` does, but a
 token step keeps what it generated before the abort (``PartialAbort``): after the update it runs
-again with those tokens appended to its prompt and its ``max_tokens`` reduced by their count, so
+again with those tokens appended to its prompt and its ``max_tokens`` (and ``min_tokens``) reduced by their count, so
 the generation continues on the new weights from where it stopped (vLLM's prefix cache finds the
 context; only the kept tokens are prefilled). The result carries every token and log probability
 of the step, and ``weight_versions``: the policy version of each generated token, e.g.
@@ -55,7 +55,9 @@ class Continuation:
         self.token_ids += token_ids
         self.logprobs += logprobs
         self.versions += [version] * len(token_ids)
-        sampling = replace(step.sampling, max_tokens=max(0, step.sampling.max_tokens - self.kept))
+        # Both budgets count the step's tokens: the kept ones are generated already.
+        sampling = replace(step.sampling, max_tokens=max(0, step.sampling.max_tokens - self.kept),
+                           min_tokens=max(0, step.sampling.min_tokens - self.kept))
         self.request = replace(self.original, step=replace(step, token_ids=(*step.token_ids, *self.token_ids),
                                                          sampling=sampling))
         return self.kept

@@ -24,8 +24,11 @@ from workers.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
 pytestmark = [pytest.mark.engines, requires_vllm, pytest.mark.asyncio(loop_scope="module")]
 
 PROMPT = [1, 5, 205, 278, 267, 307, 291, 335, 37, 2, 205, 6, 205]  # as in test_vllm_engines
-MAX_TOKENS = 800  # greedy from PROMPT the tiny Llama never stops early: a step of about 2 s
-LONG: dict[str, Any] = {"token_ids": PROMPT, "sampling": {"max_tokens": MAX_TOKENS, "temperature": 0.0}}
+MAX_TOKENS = 800  # a step of about 2 s
+# min_tokens: the step never stops early, on either weights and from wherever the update cut it
+# (greedy on the other weights from a timing-dependent prefix can otherwise reach EOS).
+LONG: dict[str, Any] = {"token_ids": PROMPT, "sampling": {"max_tokens": MAX_TOKENS, "min_tokens": MAX_TOKENS,
+                                                          "temperature": 0.0}}
 NEXT: dict[str, Any] = {"token_ids": [2, 205, 5, 205], "sampling": {"max_tokens": 4, "temperature": 0.0}}
 
 
