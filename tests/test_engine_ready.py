@@ -13,6 +13,7 @@ import pytest
 
 from broker import FleetClient
 from broker.ops.status import cell_status, format_status
+from broker.ops.weights import update_weights, workers_at_version
 from broker.redis.embedded import RedisServer
 from broker.redis.scripts import Scripts
 from schemas.errors import CapacityExhaustedError
@@ -87,6 +88,34 @@ async def test_a_worker_whose_engine_is_not_ready_takes_no_new_session(
     await until(takes_sessions, "the worker did not take sessions again once ready")
     assert await worker_field(scripts, flaky.id, "engine_ready") == "1"
     assert flaky.worker.metrics.fleet.registry.get_sample_value("rollout_fleet_engine_ready") == 1
+
+
+class ReloadingEngine(SwitchedEngine):
+    """Answers its health check with an error while it loads weights, as a vLLM server busy with a
+    reload can (its /health times out)."""
+
+    async def load_model_weights(self, model: str, path: str, version: int) -> None:
+        self.answer = TimeoutError("health check timed out")
+        await asyncio.sleep(0.6)  # a dozen probes at this heartbeat
+        await super().load_model_weights(model, path, version)
+        self.answer = True
+
+
+async def test_a_weight_update_does_not_make_the_worker_refuse_sessions(
+        fleet: FleetClient, workers: WorkerPool, scripts: Scripts) -> None:
+    """The worker's own reload is not an engine failure: capacity stays offered throughout, and a
+    session created as soon as the worker reports the new version is placed (no capacity_exhausted)."""
+    w = await workers.add(ReloadingEngine(), heartbeat_ms=50)
+    update = asyncio.create_task(update_weights(fleet.redis, fleet.keys, model=WORLD, version=1, path="/w1"))
+    seen: set[str] = set()
+    reached = asyncio.create_task(workers_at_version(fleet.redis, fleet.keys, model=WORLD, version=1, timeout=10))
+    while not reached.done():
+        seen.add(await worker_field(scripts, w.id, "engine_ready"))
+        await asyncio.sleep(0.02)
+    await update
+    await reached
+    assert seen == {"1"} and w.worker.readiness.ready
+    assert (await fleet.create_session(model=WORLD, mode="world_model_env")).owner == w.id
 
 
 async def test_a_worker_not_ready_at_start_registers_without_capacity(

@@ -6,6 +6,10 @@ and failover skip it, and its registry hash says ``engine_ready=0`` with the rea
 stay: their steps still reach it and fail or succeed on their own. Ready again: the configured
 capacity comes back. Capacity rather than leaving the placement pools: a pool entry's score is the
 worker's load, which a close or a failover updates while it is away; leaving would lose it.
+
+A probe that overlaps the worker's own weight update (``busy``) is discarded: a server reloading
+weights at our request can answer its health check late, and taking that for a failed engine would
+refuse new sessions (``capacity_exhausted``) right after every update until the next probe.
 """
 
 from __future__ import annotations
@@ -24,10 +28,12 @@ READY_TIMEOUT_S = 3.0  # above the HTTP engines' own probe timeout (2 s), so the
 
 
 class Readiness:
-    def __init__(self, engine: Engine, *, capacity: int, metrics: FleetMetrics) -> None:
+    def __init__(self, engine: Engine, *, capacity: int, metrics: FleetMetrics,
+                 busy: Callable[[], bool] = lambda: False) -> None:
         self.engine = engine
         self.capacity = capacity
         self.metrics = metrics
+        self.busy = busy  # the worker holds the engine for a weight update
         self.ready = True
         self.reason = ""
 
@@ -37,7 +43,9 @@ class Readiness:
         return self.capacity if self.ready else 0
 
     async def probe(self) -> None:
-        """Ask the engine; record the answer (no Redis)."""
+        """Ask the engine; record the answer (no Redis). An answer given while a weight update held
+        the engine, at the probe's start or end, is not recorded."""
+        busy_at_start = self.busy()
         try:
             ok = await asyncio.wait_for(self.engine.ready(), READY_TIMEOUT_S)
             reason = "" if ok else "the engine reports it is not ready"
@@ -46,6 +54,8 @@ class Readiness:
         except Exception as exc:  # any failure of the probe means "not ready", with its reason
             # One line: the registry's reason ends up in status's table row and --check's answer.
             ok, reason = False, " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+        if busy_at_start or self.busy():
+            return
         if ok != self.ready:
             if ok:
                 log.info("engine ready again; taking new sessions")

@@ -38,6 +38,7 @@ class WeightGate:
         self._changed = asyncio.Event()
         self._aborting = False
         self._keep_partial = False
+        self._updating = False
 
     @contextlib.asynccontextmanager
     async def step(self, min_version: int = 0, *, model: str | None = None, wait_s: float | None = None,
@@ -89,6 +90,12 @@ class WeightGate:
         return self._running
 
     @property
+    def updating(self) -> bool:
+        """An update holds the gate (draining, aborting or loading): the engine is busy by our own
+        request, so a slow or failed health answer now says nothing about it (workers/readiness.py)."""
+        return self._updating
+
+    @property
     def aborting(self) -> bool:
         """An update is aborting the steps inside the gate (a StepAborted now is ours)."""
         return self._aborting
@@ -104,6 +111,7 @@ class WeightGate:
         continue from their generated tokens afterwards), load (``model``'s weights only; None: the
         whole engine's), resume."""
         self._open.clear()
+        self._updating = True
         try:
             if abort:
                 self._aborting, self._keep_partial = True, keep_partial
@@ -114,7 +122,7 @@ class WeightGate:
             else:
                 await self.engine.load_model_weights(model, path, version)
         finally:
-            self._aborting = self._keep_partial = False
+            self._aborting = self._keep_partial = self._updating = False
             self._open.set()
             changed, self._changed = self._changed, asyncio.Event()
             changed.set()

@@ -72,7 +72,8 @@ class Worker:
         self._idle_sweeper: IdleSweeper | None = None
         self._bad_entries = WarningLimiter(log)  # forged or broken entries can come by the thousand
         self.metrics = WorkerMetrics(settings.metrics_port, engine.models())
-        self.readiness = Readiness(engine, capacity=settings.capacity, metrics=self.metrics.fleet)
+        self.readiness = Readiness(engine, capacity=settings.capacity, metrics=self.metrics.fleet,
+                                   busy=lambda: self.weights is not None and self.weights.gate.updating)
         self.metrics.watch(engine, self._sessions, self._running)  # gauges read at each scrape
         self._pools = [self.keys.pool(mode.value, model) for model, mode in engine.models().items()]
         self._pool_caps = pool_caps(engine, self.keys, settings.capacity)  # the engine's per-model split
@@ -165,8 +166,7 @@ class Worker:
         for task in list(self._tasks):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
-        for batcher in self._batchers.values():
-            await batcher.close()
+        await asyncio.gather(*(batcher.close() for batcher in self._batchers.values()))
         if self._redis is not None:
             with contextlib.suppress(Exception):
                 await self._scripts_or_fail().leave_pools(self.id, pools=self._pools, state="stopped")
