@@ -133,3 +133,33 @@ async def test_an_engine_that_batches_on_its_own_gets_several_batches_at_once(in
 def test_batches_in_flight_must_be_positive() -> None:
     with pytest.raises(ValueError, match="at least 1"):
         Batcher(NullEngine(), MODEL, max_batch=2, in_flight=0)
+
+
+class RecordingEngine(NullEngine):
+    """Records when each batch reaches the engine, beside the answers the test's lanes record."""
+
+    def __init__(self, events: list[str]) -> None:
+        super().__init__(NullEngineConfig(delay_ms=10))
+        self.events = events
+
+    async def run_batch(self, model: str, requests: Sequence[EngineRequest]) -> list[EngineOutput | BaseException]:
+        self.events.append("start " + ",".join(r.session_key for r in requests))
+        return await super().run_batch(model, requests)
+
+
+async def test_the_next_full_batch_reaches_the_engine_before_the_last_one_is_answered() -> None:
+    """A device that runs one forward at a time must not idle while the event loop does the
+    finished batch's commit work: the next batch, already waiting and full, starts first."""
+    events: list[str] = []
+    batcher = Batcher(RecordingEngine(events), MODEL, max_batch=2)
+
+    async def lane(session: str) -> None:
+        await batcher.run(request(session))
+        events.append("answered " + session)
+
+    try:
+        await asyncio.gather(*(lane(s) for s in ("a", "b", "c", "d", "e", "f")))
+    finally:
+        await batcher.close()
+    assert events == ["start a,b", "start c,d", "answered a", "answered b",
+                      "start e,f", "answered c", "answered d", "answered e", "answered f"]

@@ -7,6 +7,10 @@ An engine that only fans a batch out to a server batching on its own (vLLM's con
 takes several batches at once (``Engine.batches_in_flight``): otherwise a step that finished early
 waits for the slowest of its batch before the next batch may start. A session's steps never overlap
 either way: the worker runs them one after the other (its per-session lanes).
+
+Engine time comes before commit work: when a batch finishes, the next one (if its requests wait)
+is started before the finished batch's steps are answered, so an engine that runs one forward at
+a time (a GPU) is not idle while the event loop encodes and commits the results.
 """
 
 from __future__ import annotations
@@ -73,8 +77,10 @@ class Batcher:
             self._arrived.clear()
             await self._arrived.wait()
         # One yield lets lanes that became ready together join this batch (and an interactive
-        # request that arrives meanwhile still goes first).
-        await asyncio.sleep(self.wait_s)
+        # request that arrives meanwhile still goes first). A full batch starts at once: nothing
+        # could join it, and the yield would run the last batch's commit work before this forward.
+        if self.waiting() < self.max_batch:
+            await asyncio.sleep(self.wait_s)
         batch: list[_Item] = []
         for queue in self._queues.values():
             while queue and len(batch) < self.max_batch:
@@ -107,6 +113,10 @@ class Batcher:
             outs = [exc] * len(live)
         finally:
             self._slots.release()
+        # Let the loop start the next batch (its engine call runs up to its first await, so the
+        # device is busy again) before this batch's steps wake up and do their commit work on the
+        # same event loop: the device does not idle through it.
+        await asyncio.sleep(0)
         self.batches += 1
         self.items += len(live)
         if self.metrics is not None:
