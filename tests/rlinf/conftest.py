@@ -9,16 +9,11 @@ import importlib.util
 
 import pytest
 
+from tests.third_party import tolerate_warnings
+
 HAS_RLINF = importlib.util.find_spec("rlinf") is not None
 requires_rlinf = pytest.mark.skipif(not HAS_RLINF, reason="rlinf is not installed; run scripts/run_rlinf_tests.sh")
-# Third-party code (rlinf, ray, omegaconf) warns freely; the project's "warnings are errors" stays
-# for everything else.
-_THIRD_PARTY_WARNINGS = ("DeprecationWarning", "PendingDeprecationWarning", "FutureWarning", "UserWarning",
-                         "ResourceWarning")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        if item.get_closest_marker("rlinf") is not None:
-            for category in _THIRD_PARTY_WARNINGS:
-                item.add_marker(pytest.mark.filterwarnings(f"ignore::{category}"))
+    tolerate_warnings(items, "rlinf")
