@@ -7,25 +7,27 @@ the engines themselves.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from bench.children import ROOT, STOP_S, VLLM_ENV, Child, cache_dir, child_env, free_port, start, wait_http
+from bench.common import Row, format_table
 from broker import FleetClient
 from schemas.errors import FleetError
 from workers.engines.base import Engine
 from workers.settings import WorkerSettings
 from workers.worker import Worker
 
-__all__ = ["VLLM_ENV", "Fleet", "fleet_of", "omni_server", "tiny_model", "vllm_server"]
+__all__ = ["VLLM_ENV", "Fleet", "checked_main", "fleet_of", "omni_server", "tiny_model", "vllm_server"]
 # vLLM starts in seconds on a GPU host and in minutes on a loaded 2-CPU one (6 min was seen).
 STARTUP_S = float(os.environ.get("ROLLOUT_FLEET_ENGINE_STARTUP_S", "900"))
 
@@ -118,3 +120,23 @@ async def fleet_of(url: str, prefix: str, engines: Sequence[Engine], **overrides
         for worker in fleet.workers:
             with contextlib.suppress(FleetError, OSError):
                 await asyncio.wait_for(worker.shutdown(), STOP_S)
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def checked_main(argv: list[str] | None, *, prog: str, sizes: Mapping[str, Any],
+                 measure: Callable[[Any], Coroutine[Any, Any, tuple[list[Row], list[str]]]], what: str, unit: str,
+                 same: str) -> int:
+    """``python -m PROG --size NAME``: the rows of ``measure`` as a table; exit 1, printing the
+    first 20 differences, when any system's ``what`` (per ``unit``) differs from the direct path's."""
+    parser = argparse.ArgumentParser(prog=prog)
+    parser.add_argument("--size", choices=tuple(sizes), default="smoke")
+    args = parser.parse_args(argv)
+    rows, bad = asyncio.run(measure(sizes[args.size]))
+    print(format_table(rows))
+    if bad:
+        print(f"\n{what.upper()} DIFFER between systems ({len(bad)} {unit}):", *bad[:20], sep="\n", file=sys.stderr)
+        return 1
+    print(f"\n{what}: {same} ({sizes[args.size].rounds + 1} rounds)")
+    return 0

@@ -22,7 +22,6 @@ printed and make the command exit 1.
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -32,8 +31,8 @@ from typing import Any
 import httpx
 import numpy as np
 
-from bench.common import Latencies, Row, format_table, private_redis
-from bench.real_common import VLLM_ENV, fleet_of, tiny_model, vllm_server
+from bench.common import Latencies, Row, private_redis
+from bench.real_common import VLLM_ENV, checked_main, fleet_of, tiny_model, vllm_server
 from schemas.messages import TokenStep
 from workers.engines.base import Engine
 from workers.engines.token_sessions import DEFAULT_SEED, sampling_fields
@@ -260,27 +259,9 @@ async def measure(size: Size) -> tuple[list[Row], list[str]]:
     return rows, bad
 
 
-async def run(size: str) -> list[Row]:
-    """The rows; raises when any system's tokens differ from the direct path's."""
-    rows, bad = await measure(SIZES[size])
-    if bad:
-        raise AssertionError("TOKENS DIFFER between systems:\n" + "\n".join(bad[:20]))
-    return rows
-
-
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m bench.real_tokens")
-    parser.add_argument("--size", choices=tuple(SIZES), default="smoke")
-    args = parser.parse_args(argv)
-    rows, bad = asyncio.run(measure(SIZES[args.size]))
-    print(format_table(rows))
-    if bad:
-        print(f"\nTOKENS DIFFER between systems ({len(bad)} turns):", *bad[:20], sep="\n", file=sys.stderr)
-        return 1
-    print(f"\ntokens: every turn of every system equals the direct path ({SIZES[args.size].rounds + 1} rounds)")
-    return 0
+    return checked_main(argv, prog="python -m bench.real_tokens", sizes=SIZES, measure=measure, what="tokens",
+                        unit="turns", same="every turn of every system equals the direct path")
 
 
 if __name__ == "__main__":

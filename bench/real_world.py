@@ -17,9 +17,7 @@ timed run. Latents that differ between systems are printed and make the command 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -29,8 +27,8 @@ from typing import Any
 import httpx
 import numpy as np
 
-from bench.common import Latencies, Row, format_table, private_redis
-from bench.real_common import fleet_of, omni_server
+from bench.common import Latencies, Row, private_redis
+from bench.real_common import checked_main, fleet_of, omni_server
 from bench.world_standin import ReferenceWorldClient
 from schemas.latent_json import decode_latent_json
 from schemas.messages import WorldStep
@@ -186,26 +184,9 @@ async def measure(size: Size) -> tuple[list[Row], list[str]]:
     return rows, bad
 
 
-async def run(size: str) -> list[Row]:
-    """The rows; raises when any system's latents differ from the direct path's."""
-    rows, bad = await measure(SIZES[size])
-    if bad:
-        raise AssertionError("LATENTS DIFFER between systems:\n" + "\n".join(bad[:20]))
-    return rows
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.real_world")
-    parser.add_argument("--size", choices=tuple(SIZES), default="smoke")
-    args = parser.parse_args(argv)
-    rows, bad = asyncio.run(measure(SIZES[args.size]))
-    print(format_table(rows))
-    if bad:
-        print(f"\nLATENTS DIFFER between systems ({len(bad)} steps):", *bad[:20], sep="\n", file=sys.stderr)
-        return 1
-    rounds = SIZES[args.size].rounds + 1
-    print(f"\nlatents: every step of every system equals the direct path bitwise ({rounds} rounds)")
-    return 0
+    return checked_main(argv, prog="python -m bench.real_world", sizes=SIZES, measure=measure, what="latents",
+                        unit="steps", same="every step of every system equals the direct path bitwise")
 
 
 if __name__ == "__main__":
