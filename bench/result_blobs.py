@@ -1,9 +1,10 @@
-"""Large results out of Lua arguments (broker/redis/blobs.py): what a commit costs Redis, and the
-latent steps/s of one cell.
+"""Large results and step payloads out of Lua arguments (broker/redis/blobs.py, inputs.py): what a
+commit and an enqueue cost Redis, and the latent steps/s of one cell.
 
 ``commit`` rows: Redis's own time per commit (INFO commandstats: the EVALSHA of commit.lua plus,
 when staged, the SET before it) for results from 4 KiB to 1.8 MB, with the result as a Lua
 argument and staged (the threshold of ``Scripts.stage_bytes`` moved to force either path).
+``enqueue`` rows: the same for an enqueue of a step payload of each size (an observation with images).
 ``cell`` rows: steps/s of one cell with 1, 2 and 4 null-engine worker processes, 64 closed-loop
 world sessions whose results are (1, 16, 2, 44, 80) float32 latents (450 KB), and the CPU each
 process spent per step; ``redis_us_per_step``: Redis's own time in commands per step (INFO
@@ -69,13 +70,33 @@ async def commit_row(scripts: Scripts, nbytes: int, path: str, commits: int) -> 
                                                                 "bytes": float(nbytes)})
 
 
+async def enqueue_row(scripts: Scripts, nbytes: int, path: str, enqueues: int) -> Row:
+    """Redis time per enqueue of a step whose payload is ``nbytes`` (an observation with images),
+    as a Lua argument and staged (broker/redis/inputs.py)."""
+    scripts.stage_bytes = PATHS[path]
+    sid = f"e{nbytes}{path}"
+    await scripts.create(sid, "tokens", "m", lease_ms=60_000, retention="none", result_window=1)
+    payload, k = bytes(nbytes), scripts.keys
+    await scripts.redis.config_resetstat()
+    for step in range(enqueues):
+        await scripts.enqueue(sid, "w", step_id=step, contextual=True, job_id=f"j{step}", reply_to="c",
+                              payload=payload)
+        await scripts.redis.delete(k.inbox("w"), k.input_blob(sid, f"j{step}"))  # not kept: memory
+    stats: Any = await scripts.redis.info("commandstats")
+    total = sum(float(stats[f"cmdstat_{name}"]["usec"]) for name in ("evalsha", "set") if f"cmdstat_{name}" in stats)
+    return Row(NAME, f"enqueue of a {nbytes} B payload", path, {"redis_us_per_enqueue": total / enqueues,
+                                                                  "bytes": float(nbytes)})
+
+
 async def commit_rows(server: RedisServer, size: Size) -> list[Row]:
     redis = open_redis(server.url)
     scripts = Scripts(redis, CellKeys(prefix=new_prefix("rb")), coalesce=False)
     try:
         await scripts.register("w", capacity=1 << 20, pools=[scripts.keys.pool("tokens", "m")], ttl_ms=600_000,
                                fields={"state": "active"})
-        return [await commit_row(scripts, nbytes, path, size.commits) for nbytes in RESULT_SIZES for path in PATHS]
+        rows = [await commit_row(scripts, nbytes, path, size.commits) for nbytes in RESULT_SIZES for path in PATHS]
+        return rows + [await enqueue_row(scripts, nbytes, path, size.commits)
+                       for nbytes in RESULT_SIZES for path in PATHS]
     finally:
         await redis.aclose()
 

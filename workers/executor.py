@@ -15,6 +15,8 @@ from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
+from broker.redis.backoff import REDIS_ERRORS, until_redis_answers
+from broker.redis.inputs import InputGone, dead_letter_input, read_input
 from broker.redis.script_replies import CancelledCommit, Committed, Duplicate, OutOfOrder
 from broker.redis.scripts import Scripts
 from schemas.codec import decode, encode
@@ -116,10 +118,19 @@ class StepExecutor:
             committed_step_id=state.committed if state else -1, worker_id=self.worker_id,
             attempt=failure.attempt, policy_version=self.engine.policy_version_of(job.model),
         )
-        fields = (job.dead_letter_fields(f"{failure.code.value}: {failure.message}", failure.attempt,
-                                         self.worker_id, int(time.time() * 1000))
-                  if failure.dead_letter else None)
+        fields = None
+        if failure.dead_letter:
+            kept = await self._staged_dead_letter_input(job) if job.input_staged else None
+            fields = job.dead_letter_fields(f"{failure.code.value}: {failure.message}", failure.attempt,
+                                            self.worker_id, int(time.time() * 1000), kept)
         await self.publish(job, result, fallback=failure.fallback, dead_letter=fields)
+
+    async def _staged_dead_letter_input(self, job: Job) -> tuple[bytes, str]:
+        """What the dead letter of a job with a staged payload keeps of it (a replay needs it)."""
+        try:
+            return await dead_letter_input(self.scripts.redis, self.scripts.keys, job.session_id, job.job_id)
+        except REDIS_ERRORS as exc:
+            return b"", f"its staged payload could not be read: {exc}"
 
     # ------------------------------------------------------------------ steps
 
@@ -132,7 +143,7 @@ class StepExecutor:
             return
         request = EngineRequest(
             session_key=job.session_id if state is not None else f"{job.session_id}:stateless",
-            model=job.model, step=self._parse(job), reset=state is not None and state.committed == -1,
+            model=job.model, step=await self._parse(job), reset=state is not None and state.committed == -1,
             stateless=state is None,
         )
         out, attempt, engine_ms, version = await self._run_gated(job, request, state)
@@ -153,9 +164,17 @@ class StepExecutor:
             if self.snapshots.due(job):
                 await self.snapshots.after_commit(job, output_digest(out.output), self.worker_id)
 
-    def _parse(self, job: Job) -> StepInput:
+    async def _parse(self, job: Job) -> StepInput:
+        payload = job.payload
+        if job.input_staged:  # a large payload: one GET here, it never went through a script (inputs.py)
+            redis, keys = self.scripts.redis, self.scripts.keys
+            try:
+                payload = await until_redis_answers(lambda: read_input(redis, keys, job.session_id, job.job_id),
+                                                    f"input of {job.session_id}/{job.step_id}")
+            except InputGone as exc:
+                raise StepFailed(ErrorCode.INFERENCE_ERROR, f"{exc}; send the step again", fallback=True) from exc
         try:
-            return parse_step_input(job.mode, decode(job.payload, self.settings.limits), self.settings.limits)
+            return parse_step_input(job.mode, decode(payload, self.settings.limits), self.settings.limits)
         except FleetError as exc:
             raise StepFailed.of(exc) from exc
 

@@ -50,6 +50,7 @@ class JobScripts:
             reply_to=job.reply_to, reply_ttl_ms=self.settings.reply_ttl_ms, record=record,
             keep_records=keep_records, reply_bounds=self.reply_bounds, version=version,
             cancels=job.cancels if result else None,  # a re-publish (empty result) is never cancelled
+            input_staged=job.input_staged,
         )
         if self.replica_wait is None:
             reply, acked = await self.scripts.commit(**args), 0

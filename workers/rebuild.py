@@ -1,7 +1,9 @@
 """Context rebuild: a new owner rebuilds a session's engine context from its committed step records.
 
 Each committed step leaves a record: its input payload, a digest of its output, the policy version
-that produced it, the context length after it and, for token steps, the generated token ids.
+that produced it, the context length after it and, for token steps, the generated token ids. A
+payload that was staged (broker/redis/inputs.py) is the mark in the record and its bytes are in the
+step's record blob, read back in one round trip with the records.
 
 - A token session's context is its token ids, all recorded: one request of every step's input ids
   and generated ids, in order, generating nothing (``max_tokens=0``), rebuilds it in one prefill,
@@ -32,6 +34,7 @@ import numpy as np
 from redis.asyncio import Redis
 
 from broker.redis.aio import resolve
+from broker.redis.inputs import InputGone, read_record_inputs
 from broker.redis.keys import CellKeys
 from broker.redis.layouts import log_input_field
 from schemas.codec import decode, encode, encode_plain
@@ -166,7 +169,12 @@ async def _records(redis: Redis, keys: CellKeys, session_id: str, first: int, co
     if missing:
         raise ContextLost(f"the session's retention kept no inputs for steps {missing[0]}..{missing[-1]} and no "
                           "snapshot covers them; its context cannot be rebuilt on a new worker (reset the session)")
-    return [decode(rec) for rec in raw if rec is not None]
+    records = [decode(rec) for rec in raw if rec is not None]
+    try:  # large inputs are kept beside their records (broker/redis/inputs.py)
+        await read_record_inputs(redis, keys, session_id, list(enumerate(records, start=first)))
+    except InputGone as exc:
+        raise ContextLost(f"{exc}; the context cannot be rebuilt on a new worker (reset the session)") from exc
+    return records
 
 
 def one_prefill(session_id: str, model: str, records: list[dict[str, Any]]) -> EngineRequest | None:

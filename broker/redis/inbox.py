@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from broker.redis.inputs import is_staged
 from broker.redis.layouts import DeadLetter, Fields, LayoutError, dead_letter_payload, integer, text
 from schemas.limits import MAX_STEP_ID
 from schemas.messages import Mode
@@ -65,10 +66,16 @@ class InboxEntry:
             cancels=integer(fields, "cancels", 0),
         )
 
-    def dead_letter(self, reason: str, attempts: int, worker_id: str, failed_ms: int) -> DeadLetter:
+    @property
+    def input_staged(self) -> bool:
+        """The step's payload is in its input blob (broker/redis/inputs.py), not in the entry."""
+        return self.kind == "step" and is_staged(self.payload)
+
+    def dead_letter(self, reason: str, attempts: int, worker_id: str, failed_ms: int,
+                    kept: tuple[bytes, str] | None = None) -> DeadLetter:
         """Everything a replay needs (the payload only under its byte budget), plus why and how
-        often it failed."""
-        payload, dropped = dead_letter_payload(self.payload)
+        often it failed. ``kept``: the payload and why not, read from a staged input's blob."""
+        payload, dropped = kept if kept is not None else dead_letter_payload(self.payload)
         return DeadLetter(
             reason=reason, attempts=attempts, worker_id=worker_id, failed_ms=failed_ms, kind=self.kind,
             job_id=self.job_id, session_id=self.session_id, step_id=self.step_id, contextual=self.contextual,
@@ -76,8 +83,9 @@ class InboxEntry:
             payload=payload, min_version=self.min_version, payload_dropped=dropped,
         )
 
-    def dead_letter_fields(self, reason: str, attempts: int, worker_id: str, failed_ms: int) -> dict[str, object]:
-        letter = self.dead_letter(reason, attempts, worker_id, failed_ms)
+    def dead_letter_fields(self, reason: str, attempts: int, worker_id: str, failed_ms: int,
+                           kept: tuple[bytes, str] | None = None) -> dict[str, object]:
+        letter = self.dead_letter(reason, attempts, worker_id, failed_ms, kept)
         return {str(name): value for name, value in letter.to_fields().items()}
 
 

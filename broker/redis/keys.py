@@ -180,6 +180,21 @@ class CellKeys:
         epoch), so a fenced worker's staging never touches anyone else's."""
         return f"{self.log(session_id)}:stage:{step_id}:{worker_id}:{epoch}"
 
+    def staged_input(self, session_id: str, token: str) -> str:
+        """STRING: a large step payload a trainer wrote just before its enqueue (broker/redis/inputs.py);
+        ``token`` is new per call, so a retry never overwrites an input already queued."""
+        return f"{self.log(session_id)}:instage:{token}"
+
+    def input_blob(self, session_id: str, job_id: str) -> str:
+        """STRING: the staged payload of one queued step job; lives as long as its inbox entry.
+        prelude.lua's input_blob builds the same name from the log key (retire)."""
+        return f"{self.log(session_id)}:in:{job_id}"
+
+    def record_blob(self, session_id: str, step_id: int) -> str:
+        """STRING: the staged input of a committed step's record, kept and dropped with the record.
+        prelude.lua's record_blob builds the same name from the log key (retention, reset, close, fork)."""
+        return f"{self.log(session_id)}:inrec:{step_id}"
+
     def reply(self, consumer: str) -> str:
         """STREAM of results for one trainer/consumer."""
         return f"{self.base}:reply:{consumer}"

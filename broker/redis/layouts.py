@@ -240,8 +240,12 @@ def dead_letter_payload(payload: bytes) -> tuple[bytes, str]:
     """The payload a dead letter keeps and, when it keeps none, why (retire.lua says the same)."""
     if len(payload) <= DEAD_LETTER_PAYLOAD_BYTES:
         return payload, ""
-    return b"", (f"payload too large to keep: {len(payload)} bytes, over the dead-letter budget of "
-                 f"{DEAD_LETTER_PAYLOAD_BYTES} bytes")
+    return b"", too_large_to_keep(len(payload))
+
+
+def too_large_to_keep(size: int) -> str:
+    """Why a dead letter keeps no payload of ``size`` bytes."""
+    return f"payload too large to keep: {size} bytes, over the dead-letter budget of {DEAD_LETTER_PAYLOAD_BYTES} bytes"
 
 
 def _optional_step(fields: Fields) -> int | None:

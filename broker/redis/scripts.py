@@ -19,6 +19,7 @@ from broker.redis.blobs import STAGE_BYTES, after_command, stage_command, stored
 from broker.redis.cells import touch_cell
 from broker.redis.connect import is_cluster
 from broker.redis.durability import ReplicaWait, call_then_wait
+from broker.redis.inputs import enqueue_staging, stages
 from broker.redis.keys import INBOX_GROUP, CellKeys
 from broker.redis.layouts import (
     DEAD_LETTER_MAXLEN,
@@ -181,14 +182,14 @@ class Scripts:
     async def enqueue(self, session_id: str, owner: str, *, step_id: int, contextual: bool, job_id: str,
                       reply_to: str, payload: bytes, attempt: int = 0, min_version: int = 0) -> EnqueueReply:
         k = self.keys
-        raw = await self._call(
-            "enqueue",
-            [k.session(session_id), k.inbox(owner), k.log(session_id), k.announced],
-            [owner, step_id, "1" if contextual else "0", job_id, reply_to, payload, session_id, attempt,
-             min_version],
-        )
-        return await stored_resolved(self.redis, decode_enqueue(raw), session_key=k.session(session_id),
-                                     step_id=step_id)
+        keys, before = [k.session(session_id), k.inbox(owner), k.log(session_id), k.announced], None
+        if stages(payload, self.stage_bytes):  # broker/redis/inputs.py
+            staging, before = enqueue_staging(k, session_id, job_id, payload)
+            keys, payload = keys + staging, b""
+        raw = await self._call("enqueue", keys, [owner, step_id, "1" if contextual else "0", job_id, reply_to,
+                                                 payload, session_id, attempt, min_version], before)
+        return await stored_resolved(self.redis, decode_enqueue(unless_unstaged(raw)),
+                                     session_key=k.session(session_id), step_id=step_id)
 
     async def control(self, session_id: str, owner: str, *, kind: str, job_id: str,
                       reply_to: str) -> ControlReply:
@@ -232,29 +233,33 @@ class Scripts:
                      result: bytes, context_length: int, job_id: str, reply_to: str, reply_ttl_ms: int,
                      record: bytes = b"", keep_records: int = -1,
                      reply_bounds: ReplyBounds = DEFAULT_REPLY_BOUNDS, deferred: bool = False,
-                     version: int | None = None, cancels: int | None = None) -> CommitReply:
+                     version: int | None = None, cancels: int | None = None,
+                     input_staged: bool = False) -> CommitReply:
         """Commit a step; ``record`` (kept per ``keep_records``: -1 all, N last N, 0 none) is what a
         new owner replays to rebuild the session's context. ``deferred``: commit without publishing
         (see :meth:`commit_and_wait`); a later call with an empty result publishes. ``version``:
         the policy version the step ran on (a session with max_staleness records its first one).
         ``cancels``: the job's cancel count; a step of a session cancelled since then does not
-        commit (None: unchecked). A result of STAGE_BYTES or more is staged (broker/redis/blobs.py)."""
+        commit (None: unchecked). A result of STAGE_BYTES or more is staged (broker/redis/blobs.py).
+        ``input_staged``: the job's payload was staged (broker/redis/inputs.py); its blob becomes the
+        record's or goes."""
         keys, args, before = self._commit_call(
             session_id, worker_id, epoch, step_id, entry_id, result, context_length, job_id, reply_to, reply_ttl_ms,
-            record, keep_records, reply_bounds, deferred, version, cancels)
+            record, keep_records, reply_bounds, deferred, version, cancels, input_staged)
         return decode_commit(unless_unstaged(await self._call("commit", keys, args, before)))
 
     async def commit_and_wait(self, *, wait: ReplicaWait, session_id: str, worker_id: str, epoch: int,
                               step_id: int, entry_id: str, result: bytes, context_length: int, job_id: str,
                               reply_to: str, reply_ttl_ms: int, record: bytes = b"", keep_records: int = -1,
                               reply_bounds: ReplyBounds = DEFAULT_REPLY_BOUNDS,
-                              version: int | None = None, cancels: int | None = None) -> tuple[CommitReply, int]:
+                              version: int | None = None, cancels: int | None = None,
+                              input_staged: bool = False) -> tuple[CommitReply, int]:
         """A deferred commit (an empty ``result``: a deferred duplicate) followed by ``WAIT`` on the
         same connection, never coalesced with other calls: the reply and how many replicas have the
         commit. Nothing is published until :meth:`commit` with ``result=b""`` runs after it."""
         keys, args, before = self._commit_call(
             session_id, worker_id, epoch, step_id, entry_id, result, context_length, job_id, reply_to, reply_ttl_ms,
-            record, keep_records, reply_bounds, True, version, cancels)
+            record, keep_records, reply_bounds, True, version, cancels, input_staged)
         command = ["EVALSHA", self._scripts["commit"].sha, len(keys), *keys, *args]
         raw, acked = await call_then_wait(self.redis, keys[0], command, wait, before)
         if isinstance(raw, NoScriptError):  # a master that never ran it (a promoted replica): load, again
@@ -265,13 +270,14 @@ class Scripts:
     def _commit_call(self, session_id: str, worker_id: str, epoch: int, step_id: int, entry_id: str, result: bytes,
                      context_length: int, job_id: str, reply_to: str, reply_ttl_ms: int, record: bytes,
                      keep_records: int, reply_bounds: ReplyBounds, deferred: bool, version: int | None,
-                     cancels: int | None) -> tuple[list[str], list[Any], list[Any] | None]:
+                     cancels: int | None, input_staged: bool) -> tuple[list[str], list[Any], list[Any] | None]:
         k = self.keys
         stage = k.staged_result(session_id, step_id, worker_id, epoch)
         before = stage_command(stage, result) if len(result) >= self.stage_bytes else None
+        inputs = [k.input_blob(session_id, job_id), k.record_blob(session_id, step_id)] if input_staged else []
         return (
             [k.session(session_id), k.log(session_id), k.inbox(worker_id), k.reply(reply_to), stage,
-             k.result_blob(session_id, step_id), k.reply_blob(reply_to, job_id)],
+             k.result_blob(session_id, step_id), k.reply_blob(reply_to, job_id), *inputs],
             [worker_id, epoch, step_id, entry_id, b"" if before else result, context_length, job_id, reply_ttl_ms,
              INBOX_GROUP, record, keep_records, *reply_bounds.args(), "1" if deferred else "0",
              "" if version is None else version, "" if cancels is None else cancels, "1" if before else ""],
@@ -285,10 +291,11 @@ class Scripts:
         """Publish a non-committing outcome; ``dead_letter`` fields also dead-letter the job."""
         k = self.keys
         flat = [item for pair in (dead_letter or {}).items() for item in pair]
-        keys, before = [k.session(session_id), k.inbox(worker_id), k.reply(reply_to), k.dead], None
+        keys = [k.session(session_id), k.inbox(worker_id), k.reply(reply_to), k.dead, k.input_blob(session_id, job_id)]
+        before = None
         if len(result) >= self.stage_bytes:  # a large stateless result: staged as a commit's is
             keys += [k.staged_reply(reply_to, job_id, worker_id), k.reply_blob(reply_to, job_id)]
-            before, result = stage_command(keys[4], result), b""
+            before, result = stage_command(keys[5], result), b""
         raw = await self._call(
             "report", keys,
             [worker_id, epoch, entry_id, job_id, result, "" if fallback_gen is None else fallback_gen,
@@ -311,7 +318,7 @@ class Scripts:
         raw = await self._call(
             "retire",
             [k.workers, k.capacity, k.worker(worker_id), k.inbox(worker_id), k.dead, k.owned, k.pressure, *pools],
-            [worker_id, lease_ms, reason, DEAD_LETTER_MAXLEN, DEAD_LETTER_PAYLOAD_BYTES],
+            [worker_id, lease_ms, reason, DEAD_LETTER_MAXLEN, DEAD_LETTER_PAYLOAD_BYTES, k.log("")],
         )
         return decode_retire(raw)
 

@@ -12,6 +12,7 @@ import pytest
 from broker import FleetClient
 from broker.redis.blobs import STAGE_BYTES, blob_key
 from tests.support import WorkerPool, world_step
+from tests.test_input_blobs import large_step
 from workers.engines.null import NullEngine, NullEngineConfig
 
 pytestmark = pytest.mark.cluster
@@ -34,3 +35,21 @@ async def test_latent_results_travel_as_blobs(fleet: FleetClient, workers: Worke
     again = await s.step(2, **world_step(2))
     assert again.ok and again.duplicate
     assert np.array_equal(again.output["video_latent"], results[2].output["video_latent"])
+
+
+@pytest.mark.parametrize("durability", ["async", "replicated"])
+async def test_large_observations_are_staged_and_kept_with_their_records(
+    fleet: FleetClient, workers: WorkerPool, durability: str
+) -> None:
+    """Staged step payloads (broker/redis/inputs.py) on a cluster: the staging SET and enqueue.lua
+    reach the cell's master together, commit.lua moves each input to its record blob, and no input
+    blob outlives its step."""
+    await workers.add(NullEngine(NullEngineConfig(latent_shape=(1, 4))), durability=durability)
+    sessions = [await fleet.create_session(model="null-world", mode="world_model_env") for _ in range(3)]
+    results = await asyncio.gather(*[s.submit(i, **large_step(i)) for s in sessions for i in range(3)])
+    assert all(r.ok for r in results), [r.error for r in results if not r.ok]
+    for s in sessions:
+        keys = fleet.keys_of(s.session_id)
+        for step in range(3):
+            assert await fleet.redis.strlen(keys.record_blob(s.session_id, step)) >= STAGE_BYTES
+        assert [key async for key in fleet.redis.scan_iter(match=keys.log(s.session_id) + ":in:*")] == []

@@ -1,7 +1,8 @@
 -- Commit step k of a session: the exactly-once point. Fenced by owner and lease epoch.
--- Uses: prelude.lua (now_ms, fenced, add_reply, step_text, result_blob, reply_value)
+-- Uses: prelude.lua (now_ms, fenced, add_reply, step_text, result_blob, record_blob, reply_value)
 -- KEYS: 1 session hash, 2 log hash, 3 inbox, 4 reply stream, 5 staged result (CellKeys.staged_result),
---       6 this step's result blob, 7 this job's reply blob (broker/redis/blobs.py)
+--       6 this step's result blob, 7 this job's reply blob (broker/redis/blobs.py), and for a job
+--       whose payload was staged (broker/redis/inputs.py) 8 its input blob, 9 this step's record blob
 -- ARGV: 1 worker id, 2 job epoch, 3 step_id, 4 inbox entry id, 5 result, 6 context_length,
 --       7 job_id, 8 reply ttl ms, 9 inbox group, 10 step record for context rebuild ('' = none),
 --       11 records kept (-1 = all, N = the last N), 12-14 reply stream bounds (bytes, large result
@@ -13,6 +14,9 @@
 --       KEYS[5] (ARGV 5 is then ''), otherwise ''
 -- Staged (large) results: the commit RENAMEs KEYS[5] to KEYS[6] and stores a reference to it; every
 --       other outcome DELetes KEYS[5]. Neither path, nor a re-publish, reads blob bytes into Lua.
+-- Staged inputs: the commit RENAMEs KEYS[8] to KEYS[9] when the step record is kept (the record's
+--       payload then says so) and DELetes it otherwise, as does a duplicate (the step never runs
+--       again); a fenced, cancelled or out-of-order call leaves it to whoever ends the entry.
 -- Cancel (cancel.lua): a step enqueued before the session's last cancel never commits; a step
 --       committed before the cancel stays committed (its duplicates re-publish as usual).
 -- Deferred (replicated durability, broker/redis/durability.py): the commit is written but the job
@@ -60,6 +64,9 @@ local function publish(stored, current)
 end
 if committed >= step then
   unstage()
+  if KEYS[8] then
+    redis.call('DEL', KEYS[8])
+  end
   local stored = redis.call('HGET', KEYS[2], 'result:' .. step_text(step))
   if not stored then
     return {'duplicate_unstored', committed}
@@ -103,9 +110,15 @@ end
 local keep = tonumber(ARGV[11])
 if ARGV[10] ~= '' and keep ~= 0 then
   redis.call('HSET', KEYS[2], 'input:' .. step_text(step), ARGV[10])
+  if KEYS[8] and redis.call('EXISTS', KEYS[8]) == 1 then
+    redis.call('RENAME', KEYS[8], KEYS[9])
+  end
   if keep > 0 and step - keep >= 0 then
     redis.call('HDEL', KEYS[2], 'input:' .. step_text(step - keep))
+    redis.call('DEL', record_blob(KEYS[2], step - keep))
   end
+elseif KEYS[8] then
+  redis.call('DEL', KEYS[8])
 end
 if deferred then
   local unconfirmed = tonumber(s[5])

@@ -1,11 +1,15 @@
 -- Enqueue one step job into its owner's inbox, enforcing the step-id rules atomically.
--- Uses: prelude.lua (now_ms, session_refusal, step_text)
+-- Uses: prelude.lua (now_ms, session_refusal, step_text, BLOB_MARK)
 -- A session with max_staleness refuses a new contextual step with stale_policy once the version
 -- announced for its model passed first_version + max_staleness (docs/async_rl.md); nothing changes.
 -- KEYS: 1 session hash, 2 inbox of the owner the client believes in, 3 log hash, 4 announced hash
---       (model -> highest announced policy version)
--- ARGV: 1 believed owner, 2 step_id, 3 contextual ('1'|'0'), 4 job_id, 5 reply_to, 6 payload,
---       7 session_id, 8 attempt, 9 minimum policy version
+--       (model -> highest announced policy version), and for a large payload (broker/redis/inputs.py)
+--       5 where the client staged it (CellKeys.staged_input), 6 the job's input blob (CellKeys.input_blob)
+-- ARGV: 1 believed owner, 2 step_id, 3 contextual ('1'|'0'), 4 job_id, 5 reply_to, 6 payload ('' when
+--       staged), 7 session_id, 8 attempt, 9 minimum policy version
+-- Staged (large) payloads: a queued step RENAMEs KEYS[5] to KEYS[6] (no TTL: the blob lives as long
+--       as the entry; whoever ends the entry deletes it) and its entry's payload is BLOB_MARK alone;
+--       every other reply DELetes KEYS[5]. The bytes never enter Lua.
 -- Fields (broker/redis/layouts.py, inbox.py): reads session owner, epoch, committed_step_id,
 --       next_step_id, context_length, closed, gen, reset_pending, mode, model, retention,
 --       max_staleness, first_version, priority, unconfirmed_step (a committed step no replica has
@@ -19,56 +23,75 @@
 --       once a cancel raised it), payload)
 -- Returns {'queued', entry_id, committed} | {'stored', result, committed}
 --       | {'error', code, message, committed, context_length[, 'in_flight']} | {'moved', owner}
-local s = redis.call('HMGET', KEYS[1], 'owner', 'epoch', 'committed_step_id', 'next_step_id',
-  'context_length', 'closed', 'gen', 'reset_pending', 'mode', 'model', 'retention', 'unconfirmed_step',
-  'max_staleness', 'first_version', 'priority', 'cancels')
-local owner, committed, ctx = s[1], tonumber(s[3]), s[5]
-local refusal = session_refusal(owner, s[6], committed, ctx, ARGV[1], ARGV[7])
-if refusal then
-  return refusal
+--       | {'unstaged', committed} (KEYS[5] given and missing: nothing changed, call again)
+local staged = #KEYS >= 6
+if staged and redis.call('EXISTS', KEYS[5]) == 0 then
+  return {'unstaged', -1}
 end
-local step = tonumber(ARGV[2])  -- for comparisons only: above 2^53 the double is rounded
-local step_id = ARGV[2]  -- the id exactly as the client sent it (decimal text), written back as is
-local unconfirmed = tonumber(s[12] or '')
-local awaits_replica = ARGV[3] == '1' and unconfirmed ~= nil and step >= unconfirmed and step <= committed
-  and s[8] == '0'
-if ARGV[3] == '1' and not awaits_replica then
-  local nxt = tonumber(s[4])
-  -- Any step of a trajectory past its bound, in order or not: not a re-sent committed one (its
-  -- stored result still answers) nor one behind a pending reset (it starts a new trajectory).
-  if s[13] and s[14] and step > committed and s[8] == '0' then
-    local announced = tonumber(redis.call('HGET', KEYS[4], s[10]) or '0') or 0
-    local first = tonumber(s[14])
-    if announced > first + tonumber(s[13]) then
-      return {'error', 'stale_policy', 'the trajectory started on policy version ' .. step_text(first)
-        .. ' and version ' .. step_text(announced) .. ' of ' .. s[10] .. ' is announced, more than max_staleness '
-        .. s[13] .. ' ahead: drop the trajectory or reset the session', committed, ctx}
-    end
+local function enqueue()
+  local s = redis.call('HMGET', KEYS[1], 'owner', 'epoch', 'committed_step_id', 'next_step_id',
+    'context_length', 'closed', 'gen', 'reset_pending', 'mode', 'model', 'retention', 'unconfirmed_step',
+    'max_staleness', 'first_version', 'priority', 'cancels')
+  local owner, committed, ctx = s[1], tonumber(s[3]), s[5]
+  local refusal = session_refusal(owner, s[6], committed, ctx, ARGV[1], ARGV[7])
+  if refusal then
+    return refusal
   end
-  if step ~= nxt then
-    if step <= committed and s[8] == '0' then
-      local stored = redis.call('HGET', KEYS[3], 'result:' .. step_text(step))
-      if stored then
-        return {'stored', stored, committed}
+  local step = tonumber(ARGV[2])  -- for comparisons only: above 2^53 the double is rounded
+  local step_id = ARGV[2]  -- the id exactly as the client sent it (decimal text), written back as is
+  local unconfirmed = tonumber(s[12] or '')
+  local awaits_replica = ARGV[3] == '1' and unconfirmed ~= nil and step >= unconfirmed and step <= committed
+    and s[8] == '0'
+  if ARGV[3] == '1' and not awaits_replica then
+    local nxt = tonumber(s[4])
+    -- Any step of a trajectory past its bound, in order or not: not a re-sent committed one (its
+    -- stored result still answers) nor one behind a pending reset (it starts a new trajectory).
+    if s[13] and s[14] and step > committed and s[8] == '0' then
+      local announced = tonumber(redis.call('HGET', KEYS[4], s[10]) or '0') or 0
+      local first = tonumber(s[14])
+      if announced > first + tonumber(s[13]) then
+        return {'error', 'stale_policy', 'the trajectory started on policy version ' .. step_text(first)
+          .. ' and version ' .. step_text(announced) .. ' of ' .. s[10] .. ' is announced, more than max_staleness '
+          .. s[13] .. ' ahead: drop the trajectory or reset the session', committed, ctx}
       end
-      return {'error', 'step_already_committed',
-              'Step ' .. step_id .. ' is already committed; highest committed step is ' .. step_text(committed) .. '.',
-              committed, ctx}
     end
-    if step < nxt then
-      return {'error', 'step_out_of_order',
-              'step ' .. step_id .. ' is already queued; expected step_id ' .. step_text(nxt), committed, ctx, 'in_flight'}
+    if step ~= nxt then
+      if step <= committed and s[8] == '0' then
+        local stored = redis.call('HGET', KEYS[3], 'result:' .. step_text(step))
+        if stored then
+          return {'stored', stored, committed}
+        end
+        return {'error', 'step_already_committed',
+                'Step ' .. step_id .. ' is already committed; highest committed step is ' .. step_text(committed) .. '.',
+                committed, ctx}
+      end
+      if step < nxt then
+        return {'error', 'step_out_of_order',
+                'step ' .. step_id .. ' is already queued; expected step_id ' .. step_text(nxt), committed, ctx, 'in_flight'}
+      end
+      return {'error', 'step_out_of_order', 'Expected step_id ' .. step_text(nxt) .. ', got ' .. step_id .. '.', committed, ctx}
     end
-    return {'error', 'step_out_of_order', 'Expected step_id ' .. step_text(nxt) .. ', got ' .. step_id .. '.', committed, ctx}
+    redis.call('HSET', KEYS[1], 'next_step_id', nxt + 1)
   end
-  redis.call('HSET', KEYS[1], 'next_step_id', nxt + 1)
+  local now = now_ms()
+  redis.call('HSET', KEYS[1], 'updated_ms', now)
+  local payload = ARGV[6]
+  if staged then
+    redis.call('RENAME', KEYS[5], KEYS[6])
+    redis.call('PERSIST', KEYS[6])
+    payload = BLOB_MARK
+  end
+  local id = redis.call('XADD', KEYS[2], '*',
+    'kind', 'step', 'job_id', ARGV[4], 'session_id', ARGV[7], 'step_id', step_id,
+    'contextual', ARGV[3], 'epoch', s[2], 'gen', s[7], 'mode', s[9], 'model', s[10],
+    'reply_to', ARGV[5], 'enqueued_ms', now, 'attempt', ARGV[8], 'retention', s[11] or 'full',
+    'min_version', ARGV[9] or '0', 'priority', s[15] or 'bulk', 'cancels', s[16] or '0',
+    'payload', payload)
+  return {'queued', id, committed}
 end
-local now = now_ms()
-redis.call('HSET', KEYS[1], 'updated_ms', now)
-local id = redis.call('XADD', KEYS[2], '*',
-  'kind', 'step', 'job_id', ARGV[4], 'session_id', ARGV[7], 'step_id', step_id,
-  'contextual', ARGV[3], 'epoch', s[2], 'gen', s[7], 'mode', s[9], 'model', s[10],
-  'reply_to', ARGV[5], 'enqueued_ms', now, 'attempt', ARGV[8], 'retention', s[11] or 'full',
-  'min_version', ARGV[9] or '0', 'priority', s[15] or 'bulk', 'cancels', s[16] or '0',
-  'payload', ARGV[6])
-return {'queued', id, committed}
+
+local reply = enqueue()
+if staged and reply[1] ~= 'queued' then
+  redis.call('DEL', KEYS[5])
+end
+return reply

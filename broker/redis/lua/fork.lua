@@ -9,7 +9,7 @@
 -- fork point is its committed step, here and on the worker): otherwise step_out_of_order. A `fork`
 -- entry in the owner's inbox lets the worker copy the parent's engine state into the branches
 -- (workers/groups.py); without it a branch rebuilds from its records on its first step.
--- Uses: prelude.lua (now_ms, session_refusal, result_blob)
+-- Uses: prelude.lua (now_ms, session_refusal, result_blob, record_blob)
 -- KEYS: 1 parent session hash, 2 parent log hash, 3 sessions hash, 4 owned hash, 5 capacity hash,
 --       6 pool zset (mode, model), 7 owner's inbox, 8 trainer caps hash, 9 trainer open hash, then
 --       per branch: its session hash, its log hash
@@ -18,7 +18,8 @@
 --       committed_step_id, next_step_id, context_length, closed, gen, reset_pending, mode, model,
 --       retention, result_window, idle_timeout_ms, priority, trainer, max_staleness, first_version;
 --       writes each branch's whole session hash (as create.lua, plus forked_from) and log (a result
---       stored as a blob reference gets the branch's own copy of the blob: COPY, never read); adds
+--       stored as a blob reference, and a record's input blob, get the branch's own copy: COPY,
+--       never read); adds
 --       an inbox entry (the fields of enqueue.lua's,
 --       kind 'fork', step_id = the fork point, job_id and reply_to '', payload = the branch ids
 --       separated by spaces)
@@ -76,11 +77,13 @@ for i = 1, n do
     redis.call('HSET', child, 'first_version', s[17])
   end
   for j = 1, #log, 2 do  -- a branch owns its blobs: a reset or close of one never touches another's
-    local step = string.match(log[j], '^result:(%-?%d+)$')
-    if step and is_blob(log[j + 1]) then
+    local kind, step = string.match(log[j], '^(%a+):(%-?%d+)$')
+    if kind == 'result' and is_blob(log[j + 1]) then
       local blob = result_blob(child_log, step)
       redis.call('COPY', result_blob(KEYS[2], step), blob, 'REPLACE')
       log[j + 1] = BLOB_MARK .. blob
+    elseif kind == 'input' then  -- a record whose input is in its record blob (COPY: 0 when none)
+      redis.call('COPY', record_blob(KEYS[2], step), record_blob(child_log, step), 'REPLACE')
     end
   end
   for j = 1, #log, 1000 do  -- in slices: unpack of a whole long log would overflow Lua's stack

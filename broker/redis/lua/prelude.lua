@@ -34,14 +34,32 @@ local function result_blob(log_key, step)
   return log_key .. ':blob:' .. step
 end
 
--- The blob keys a log hash may refer to: one per result:<step> field (a key that does not exist,
--- for a result stored inline, costs a DEL or PEXPIRE nothing).
+-- The blob of the input of step `step`'s record (a step record whose payload is BLOB_MARK alone,
+-- broker/redis/inputs.py): CellKeys.record_blob names it the same way.
+local function record_blob(log_key, step)
+  if type(step) == 'number' then
+    step = step_text(step)
+  end
+  return log_key .. ':inrec:' .. step
+end
+
+-- The input blob of a queued step job whose entry's payload is BLOB_MARK alone
+-- (CellKeys.input_blob): it lives as long as the entry.
+local function input_blob(log_key, job_id)
+  return log_key .. ':in:' .. job_id
+end
+
+-- The blob keys a log hash may refer to: one per result:<step> field and one per input:<step>
+-- field (a key that does not exist, for a result or an input stored inline, costs a DEL or
+-- PEXPIRE nothing).
 local function log_blobs(log_key)
   local blobs = {}
   for _, field in ipairs(redis.call('HKEYS', log_key)) do
-    local step = string.match(field, '^result:(%-?%d+)$')
-    if step then
+    local kind, step = string.match(field, '^(%a+):(%-?%d+)$')
+    if kind == 'result' then
       blobs[#blobs + 1] = result_blob(log_key, step)
+    elseif kind == 'input' then
+      blobs[#blobs + 1] = record_blob(log_key, step)
     end
   end
   return blobs
