@@ -24,23 +24,21 @@ local function is_blob(value)
   return string.sub(value, 1, #BLOB_MARK) == BLOB_MARK
 end
 
--- The blob of step `step` (a number or decimal text) of the session whose log hash is `log_key`:
--- CellKeys.result_blob names it the same way. Built from a key the caller passed, so it shares that
--- key's hash tag and slot.
-local function result_blob(log_key, step)
+-- A key of one step (a number or decimal text) of the session whose log hash is `log_key`, built
+-- from a key the caller passed, so it shares that key's hash tag and slot: `kind` 'blob' is the
+-- step's large result (CellKeys.result_blob), 'inrec' the staged input of its record
+-- (CellKeys.record_blob, broker/redis/inputs.py).
+local function log_step_key(log_key, kind, step)
   if type(step) == 'number' then
     step = step_text(step)
   end
-  return log_key .. ':blob:' .. step
+  return log_key .. ':' .. kind .. ':' .. step
 end
-
--- The blob of the input of step `step`'s record (a step record whose payload is BLOB_MARK alone,
--- broker/redis/inputs.py): CellKeys.record_blob names it the same way.
+local function result_blob(log_key, step)
+  return log_step_key(log_key, 'blob', step)
+end
 local function record_blob(log_key, step)
-  if type(step) == 'number' then
-    step = step_text(step)
-  end
-  return log_key .. ':inrec:' .. step
+  return log_step_key(log_key, 'inrec', step)
 end
 
 -- The input blob of a queued step job whose entry's payload is BLOB_MARK alone
