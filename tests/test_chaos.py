@@ -20,7 +20,7 @@ from schemas.errors import ErrorCode
 from schemas.messages import StepResult, TokenStep, WorldStep
 from schemas.reference_tokenizer import ReferenceTokenizer
 from tests.procs import Fleet
-from tests.support import world_step
+from tests.support import image, world_step
 from workers.engines.base import EngineRequest
 from workers.engines.reference import ReferenceEngine, ReferenceEngineConfig
 
@@ -43,11 +43,16 @@ def token_inputs(k: int, i: int) -> dict[str, Any]:
     return {"token_ids": ids, "sampling": {"max_tokens": 4, "temperature": 1.0, "seed": k}}
 
 
-def inputs(mode: str, k: int, i: int) -> dict[str, Any]:
-    return world_step(i, seed=k) if mode == "world_model_env" else token_inputs(k, i)
+def inputs(mode: str, k: int, i: int, large: bool = False) -> dict[str, Any]:
+    if mode != "world_model_env":
+        return token_inputs(k, i)
+    step = world_step(i, seed=k)
+    if large:  # over STAGE_BYTES once encoded: the payload travels staged (broker/redis/inputs.py)
+        step["observation"]["images"] = {"observation/exterior_image_1_left": image(k * 1000 + i, h=128, w=128)}
+    return step
 
 
-def fault_free(modes: list[str], steps: int) -> list[list[Any]]:
+def fault_free(modes: list[str], steps: int, large: bool = False) -> list[list[Any]]:
     """The same rollouts straight through one engine, one session after another."""
     engine = ReferenceEngine(ReferenceEngineConfig(latent_shape=SHAPE))
     out = []
@@ -55,7 +60,7 @@ def fault_free(modes: list[str], steps: int) -> list[list[Any]]:
         model = "reference-world" if mode == "world_model_env" else "reference-lm"
         rows = []
         for i in range(steps):
-            data = inputs(mode, k, i)
+            data = inputs(mode, k, i, large)
             step = WorldStep.from_wire(data) if mode == "world_model_env" else TokenStep.from_wire(data)
             [res] = engine.run_direct(model, [EngineRequest(f"s{k}", model, step, reset=i == 0)])
             assert not isinstance(res, BaseException)
@@ -70,10 +75,11 @@ def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return bool(a["token_ids"] == b["token_ids"] and a["logprobs"] == b["logprobs"])
 
 
-async def drive(session: Session, mode: str, k: int, steps: int, results: list[StepResult]) -> None:
+async def drive(session: Session, mode: str, k: int, steps: int, results: list[StepResult],
+                large: bool = False) -> None:
     for i in range(steps):
         # generous: under constant kills every failover replays every moved session's history
-        results.append(await asyncio.wait_for(session.step(i, **inputs(mode, k, i)), 600))
+        results.append(await asyncio.wait_for(session.step(i, **inputs(mode, k, i, large)), 600))
 
 
 # Kills also land at these fractions of the run's steps, so a run faster than ``every_s`` still
@@ -120,9 +126,18 @@ async def test_sigkill_chaos_with_the_supervisor_stopped_heals_through_the_worke
     assert supervisor.poll() is None
 
 
-async def sigkill_chaos(fleet_procs: Fleet, sessions_n: int, steps: int, *, every_s: float) -> None:
+async def test_sigkill_chaos_with_staged_observations_loses_nothing(fleet_procs: Fleet) -> None:
+    """The same chaos with every world observation staged outside the scripts (128x128 images): the
+    inputs failover moves with their entries and the record blobs new owners replay all hold, and
+    no input blob outlives its step."""
+    fleet_procs.supervisor()
+    await sigkill_chaos(fleet_procs, 8, 24, every_s=1.5, large=True)
+
+
+async def sigkill_chaos(fleet_procs: Fleet, sessions_n: int, steps: int, *, every_s: float,
+                        large: bool = False) -> None:
     """Drive ``sessions_n`` sessions while workers are SIGKILLed and replaced; compare every result
-    with a fault-free run."""
+    with a fault-free run. ``large``: world observations big enough to be staged."""
     engine_args = ["--latent-shape", ",".join(map(str, SHAPE))]
     for _ in range(3):
         fleet_procs.worker(*engine_args, engine="reference")
@@ -138,19 +153,24 @@ async def sigkill_chaos(fleet_procs: Fleet, sessions_n: int, steps: int, *, ever
 
         kill_task = asyncio.create_task(killer(fleet_procs, stop, every_s, engine_args, progress))
         pairs = enumerate(zip(sessions, modes, strict=True))
-        await asyncio.gather(*[drive(s, m, k, steps, results[k]) for k, (s, m) in pairs])
+        await asyncio.gather(*[drive(s, m, k, steps, results[k], large) for k, (s, m) in pairs])
         stop.set()
         kills = await kill_task
         print(f"chaos: {sessions_n} sessions x {steps} steps, {kills} workers SIGKILLed and replaced")
         assert kills >= 2, "the run ended before the chaos started"
         assert await fleet.redis.xlen(fleet.keys.dead) == 0  # nothing was dead-lettered on the way
-        expected = await asyncio.to_thread(fault_free, modes, steps)
+        expected = await asyncio.to_thread(fault_free, modes, steps, large)
         for k, s in enumerate(sessions):
             assert [r.error for r in results[k] if not r.ok] == []  # the trainer saw at most a delay
             assert [r.step_id for r in results[k]] == list(range(steps))  # nothing lost
             assert (await s.status()).committed_step_id == steps - 1  # nothing committed twice or skipped
             mismatched = [i for i, r in enumerate(results[k]) if not same(dict(r.output or {}), expected[k][i])]
             assert mismatched == [], f"session {k} ({modes[k]}) differs at steps {mismatched}"
+        staged = [key async for key in fleet.redis.scan_iter(match=fleet.keys.log("*") + ":in:*")]
+        assert staged == []  # every step ended, and its input blob with it (moved to its record)
+        if large:
+            records = [key async for key in fleet.redis.scan_iter(match=fleet.keys.log("*") + ":inrec:*")]
+            assert len(records) == modes.count("world_model_env") * steps
 
 
 async def test_a_zombie_worker_cannot_commit_after_failover(fleet_procs: Fleet) -> None:

@@ -291,8 +291,9 @@ async def check_weight_updates(url: str, services: VLLMServices, engine: Engine,
         long = await asyncio.wait_for(running, 120)
         await workers_at_version(fleet.redis, fleet.keys, model=MODEL_NAME, version=v1, timeout=120)
         assert not await fleet.redis.hget(fleet.keys.worker(w.id), "weights_error")
-        assert w.worker.executor is not None and w.worker.executor.aborted_steps == 1
-        assert long.ok and long.policy_version == v1, long
+        assert w.worker.executor is not None
+        # aborted by the update and run again, whole, on the new weights (all three in one message)
+        assert (w.worker.executor.aborted_steps, long.ok, long.policy_version) == (1, True, v1), long
         session = await fleet.create_session(model=MODEL_NAME, mode="tokens")
         on_v1 = [await session.step(i, **turn) for i, turn in enumerate(CONVERSATIONS[0])]
 
