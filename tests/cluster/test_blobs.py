@@ -5,12 +5,14 @@ trainer reads the blobs back through a client pointed at any node."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import numpy as np
 import pytest
 
 from broker import FleetClient
 from broker.redis.blobs import STAGE_BYTES, blob_key
+from broker.redis.inputs import STAGED, read_record_inputs
 from tests.support import WorkerPool, world_step
 from tests.test_input_blobs import large_step
 from workers.engines.null import NullEngine, NullEngineConfig
@@ -53,3 +55,6 @@ async def test_large_observations_are_staged_and_kept_with_their_records(
         for step in range(3):
             assert await fleet.redis.strlen(keys.record_blob(s.session_id, step)) >= STAGE_BYTES
         assert [key async for key in fleet.redis.scan_iter(match=keys.log(s.session_id) + ":in:*")] == []
+        records: list[tuple[int, dict[str, Any]]] = [(step, {"payload": STAGED}) for step in range(3)]
+        await read_record_inputs(fleet.redis, keys, s.session_id, records)  # a rebuild's one MGET
+        assert [len(record["payload"]) >= STAGE_BYTES for _, record in records] == [True] * 3
