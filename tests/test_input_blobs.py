@@ -12,7 +12,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from broker import FleetClient
 from broker.ops.replay import list_dead, replay
-from broker.redis.blobs import BLOB_MARK, STAGE_BYTES, unless_unstaged
+from broker.redis.blobs import STAGE_BYTES, unless_unstaged
+from broker.redis.inputs import STAGED
 from broker.redis.keys import INBOX_GROUP
 from broker.redis.layouts import DEAD_LETTER_PAYLOAD_BYTES
 from broker.redis.script_replies import (
@@ -32,7 +33,6 @@ from tests.test_replay import BreakableEngine
 from workers.engines.reference import ReferenceEngine, ReferenceEngineConfig
 
 pytestmark = pytest.mark.asyncio
-STAGED = BLOB_MARK
 
 
 def big(step: int, size: int = STAGE_BYTES + 500) -> bytes:
