@@ -17,12 +17,13 @@ from broker import FleetClient, Session
 from broker.ops.failover import redis_now_ms
 from broker.ops.weights import update_weights, workers_at_version
 from broker.redis.embedded import RedisServer
-from broker.redis.layouts import LOG_SNAPSHOT_FIELD
+from broker.redis.layouts import LOG_SNAPSHOT_FIELD, log_input_field
 from broker.redis.scripts import Scripts
 from schemas.codec import decode, encode
 from schemas.messages import StepResult, TokenStep, WorldStep
 from tests.procs import Fleet
 from tests.support import FAST, RunningWorker, WorkerPool, reap_until_moved, world_step
+from workers.digests import BLAKE2B_16, XXH3_128, output_digest
 from workers.engines.base import EngineRequest
 from workers.engines.reference import ReferenceEngine, ReferenceEngineConfig
 from workers.processes import spawn_worker
@@ -91,6 +92,45 @@ async def test_a_corrupt_snapshot_falls_back_to_the_full_replay(
     await kill(workers, scripts, a)
     await world_steps(s, twin, range(10, 12))
     assert b.worker.executor.replayed_steps == 10  # every step, as without snapshots
+
+
+async def _rewrite_records(fleet: FleetClient, s: Session, outputs: list[dict[str, Any]],
+                           digest: Any) -> None:
+    """Every step record of ``s`` as an earlier release wrote it: no digest_kind, ``digest(i, output)``."""
+    log_key = fleet.keys.log(s.session_id)
+    for i, output in enumerate(outputs):
+        record = decode(await fleet.redis.hget(log_key, log_input_field(i)))
+        assert record.pop("digest_kind") == XXH3_128
+        assert record["digest"] == output_digest(output, XXH3_128)  # the trainer sees what was digested
+        record["digest"] = digest(i, output)
+        await fleet.redis.hset(log_key, log_input_field(i), encode(record))
+
+
+@pytest.mark.parametrize("tampered", [False, True])
+async def test_records_of_an_earlier_release_replay_checked_by_their_blake2b_digests(
+        fleet: FleetClient, workers: WorkerPool, scripts: Scripts, tampered: bool) -> None:
+    a, b, s, twin = await pair(fleet, workers, "reference-world", "world_model_env", snapshot_every=0)
+    outputs = []
+    for i in range(6):
+        r, c = await asyncio.gather(s.step(i, **world_step(i)), twin.step(i, **world_step(i)))
+        assert r.ok and c.ok, (r.error, c.error)
+        outputs.append(r.output)
+
+    def legacy(i: int, output: dict[str, Any]) -> bytes:
+        good = output_digest(output, BLAKE2B_16)
+        return bytes([good[0] ^ 1]) + good[1:] if tampered and i == 3 else good
+
+    await _rewrite_records(fleet, s, outputs, legacy)
+    await kill(workers, scripts, a)
+    r = await s.step(6, **world_step(6))
+    if tampered:  # the legacy digest is really checked: step 3's replay no longer matches it
+        assert not r.ok and r.error is not None and r.error.code == "context_lost", r.error
+        assert "replayed step 3 differs" in r.error.message
+        return
+    c = await twin.step(6, **world_step(6))
+    assert r.ok and c.ok and s.owner == b.id, (r.error, c.error)
+    assert np.array_equal(r.output["video_latent"], c.output["video_latent"])
+    assert b.worker.executor.replayed_steps == 6
 
 
 async def test_a_snapshot_covers_the_steps_a_last_n_retention_dropped(

@@ -32,12 +32,13 @@ from schemas.messages import Latency, StepInput, StepResult, parse_step_input
 from workers.batcher import Batcher
 from workers.cancels import CancelMarks
 from workers.continuation import Continuation
+from workers.digests import output_digest
 from workers.durable import ReplicaConfirmation
 from workers.engines.base import Engine, EngineOutput, EngineRequest
 from workers.failure import StepFailed, finish_before_cancel, settled
 from workers.job_scripts import CommitAnswer, JobScripts
 from workers.jobs import BadJob, Job
-from workers.rebuild import output_digest, rebuild_context, records_kept, step_record
+from workers.rebuild import rebuild_context, records_kept, step_record
 from workers.settings import WorkerSettings
 from workers.snapshots import Snapshotter
 from workers.staleness import StalenessCheck

@@ -23,53 +23,34 @@ step's record blob, read back in one round trip with the records.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-import numpy as np
 from redis.asyncio import Redis
 
 from broker.redis.aio import resolve
 from broker.redis.inputs import InputGone, read_record_inputs
 from broker.redis.keys import CellKeys
 from broker.redis.layouts import log_input_field
-from schemas.codec import decode, encode, encode_plain
+from schemas.codec import decode, encode
 from schemas.errors import ContextLost, FleetError, StepAborted
 from schemas.messages import Mode, SamplingParams, StepInput, TokenStep, parse_step_input
 from workers.batcher import Batcher
-from workers.continuation import VERSIONS_KEY, first_version
+from workers.continuation import first_version
+from workers.digests import DIGEST_KIND, output_digest, record_digest_kind
 from workers.engines.base import Engine, EngineRequest
 from workers.snapshots import Snapshot, load_snapshot
 
 log = logging.getLogger(__name__)
 
 
-def output_digest(output: Mapping[str, Any]) -> bytes:
-    """A fingerprint of a step's output for replay checks (not a security boundary): arrays are
-    hashed in place, so a latent is read once and never re-encoded. ``weight_versions`` is left
-    out: the worker adds it to the engine's output, and a replay compares the engine's alone."""
-    h = hashlib.blake2b(digest_size=16)
-    for key in sorted(output):
-        if key == VERSIONS_KEY:
-            continue
-        value = output[key]
-        h.update(key.encode())
-        if isinstance(value, np.ndarray):
-            h.update(f"{value.dtype.str}{value.shape}".encode())
-            h.update(np.ascontiguousarray(value).reshape(-1).view(np.uint8).data)
-        else:
-            h.update(encode_plain(value))  # not the frame: a digest must survive a change of framing
-    return h.digest()
-
-
 def step_record(payload: bytes, output: Mapping[str, Any], *, version: int, context_length: int,
                 mode: Mode) -> bytes:
-    record: dict[str, Any] = {"payload": payload, "digest": output_digest(output), "version": version,
-                              "context_length": context_length}
+    record: dict[str, Any] = {"payload": payload, "digest": output_digest(output), "digest_kind": DIGEST_KIND,
+                              "version": version, "context_length": context_length}
     if mode is Mode.TOKENS:
         record["generated"] = [int(t) for t in output.get("token_ids", ())]
         # A step continued across a weight update (partial rollout) records the version of its
@@ -230,6 +211,6 @@ async def _run(batcher: Batcher, request: EngineRequest, index: int, record: Map
         if out.context_length != record["context_length"]:
             raise ContextLost(f"the rebuilt context of step {index} holds {out.context_length} tokens; "
                               f"the committed step left {record['context_length']}")
-    elif output_digest(out.output) != record["digest"]:
+    elif output_digest(out.output, record_digest_kind(record)) != record["digest"]:
         raise ContextLost(f"replayed step {index} differs from its committed output; "
                           "the engine is not deterministic for this session")
