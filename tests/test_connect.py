@@ -4,7 +4,9 @@ clients do not connect until their first command."""
 
 from __future__ import annotations
 
+import os
 import ssl
+import uuid
 
 import pytest
 from redis.asyncio import Redis
@@ -14,6 +16,7 @@ from redis.exceptions import DataError
 from broker.redis.config import CellConfig, ConfigError
 from broker.redis.connect import (
     DEFAULT_CLUSTER_PORT,
+    READ_CHUNK,
     RedisURLError,
     is_cluster,
     is_cluster_url,
@@ -21,6 +24,7 @@ from broker.redis.connect import (
     parse_cluster_url,
     stream_read_keys,
 )
+from broker.redis.embedded import RedisServer
 
 
 def test_seed_nodes_are_every_listed_node_with_the_default_port_where_none_is_given() -> None:
@@ -137,3 +141,24 @@ def test_commands_are_packed_in_c_into_the_same_bytes_as_redis_pys_packer(url: s
     for bad in (True, None, object()):  # refused as redis-py refuses it, before anything is sent
         with pytest.raises(DataError):
             conn.pack_command("SET", "k", bad)
+
+
+@pytest.mark.asyncio
+async def test_a_client_reads_its_socket_in_large_chunks_and_large_values_round_trip(
+        redis_server: RedisServer) -> None:
+    client = open_redis(redis_server.url)
+    key = f"t{uuid.uuid4().hex}:big"
+    try:
+        value = os.urandom(3 * READ_CHUNK + 17)  # several chunks, and one cut mid-chunk
+        await client.set(key, value, px=60_000)
+        assert await client.get(key) == value
+        conn = client.connection_pool.make_connection()
+        await conn.connect()
+        try:
+            assert conn._reader._limit == READ_CHUNK  # asyncio's stream buffer: 64 KiB by default
+            assert conn._parser._read_size == READ_CHUNK  # redis-py's read: 64 KiB by default
+        finally:
+            await conn.disconnect()
+    finally:
+        await client.delete(key)
+        await client.aclose()
