@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -20,3 +21,20 @@ def test_bench_smoke_runs_every_benchmark(tmp_path: Path) -> None:
     assert report["failed"] == []
     assert {row["bench"] for row in report["rows"]} >= set(run_all.BENCHMARKS)
     assert plot.stat().st_size > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_step_cpu_measures_this_checkout_beside_a_worktree_of_a_revision() -> None:
+    from bench import step_cpu
+
+    rows = step_cpu.run("smoke", "HEAD")
+    systems = {(row.case.split()[0], row.system) for row in rows}
+    assert systems == {(case, system) for case in ("tiny", "latent")
+                       for system in ("fleet @ this checkout", "fleet @ HEAD", "this checkout / HEAD")}
+    for row in rows:
+        if row.system.startswith("fleet @"):
+            assert row.values["steps_s"] > 0 and row.values["cpu_us_total"] > 0, row
+    worktrees = subprocess.run(["git", "-C", str(step_cpu.REPO), "worktree", "list"], capture_output=True,
+                               text=True, check=True).stdout
+    assert "step-cpu-" not in worktrees  # the temporary checkout is gone

@@ -1,0 +1,120 @@
+"""One case of bench.step_cpu, measured in a child process against the checkout first on its
+``PYTHONPATH``: the current one, or an earlier revision's worktree.
+
+It imports nothing of ``bench/`` (an earlier revision may not have this code) and uses only what
+every release has: ``FleetClient(url, prefix=...)``, ``create_session``, ``Session.step`` and the
+worker command line. One worker process, null engine, every session closed loop (one step in
+flight); prints one JSON line: steps/s and the CPU per step of this process (the trainer), the
+worker and Redis inside the timed window.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+CASES: dict[str, tuple[tuple[int, ...], int]] = {  # latent shape, sessions
+    "tiny": ((1, 4), 256),
+    "latent": ((1, 16, 2, 44, 80), 64),
+}
+_TICKS = os.sysconf("SC_CLK_TCK")
+_READY_S = 60.0  # the worker's registration: a create refused before it is retried until then
+
+
+def process_cpu_s(pid: int) -> float:
+    """utime + stime of a process, from /proc (fields 14 and 15; the name may hold spaces)."""
+    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TICKS
+
+
+def step_inputs(k: int) -> dict[str, Any]:
+    """The throughput benchmark's small world step (bench.common.world_inputs)."""
+    return {"observation": {"prompt": "pick the cup", "state": [0.01 * k] * 8},
+            "action": {"joint_positions": [0.1] * 7, "gripper_position": [0.5]}}
+
+
+async def _sessions(fleet: Any, count: int) -> list[Any]:
+    deadline = time.monotonic() + _READY_S
+    while True:
+        try:
+            return list(await asyncio.gather(*(fleet.create_session("null-world", "world_model_env")
+                                               for _ in range(count))))
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.2)
+
+
+async def measure(args: argparse.Namespace) -> dict[str, float]:
+    from broker import FleetClient  # the checkout under measurement
+
+    shape, count = CASES[args.case]
+    worker = subprocess.Popen([sys.executable, "-m", "workers.cli", "--log-level", "WARNING", "worker",
+                               "--redis-url", args.redis_url, "--prefix", args.prefix, "--engine", "null",
+                               "--latent-shape", ",".join(str(d) for d in shape)])
+    pids = {"workers": worker.pid, "redis": args.redis_pid}
+    try:
+        async with FleetClient(args.redis_url, prefix=args.prefix) as fleet:
+            sessions = await _sessions(fleet, count)
+            return await _window(sessions, pids, args.warmup_s, args.window_s)
+    finally:
+        worker.terminate()
+        try:
+            worker.wait(10)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+            worker.wait(10)
+
+
+async def _window(sessions: list[Any], pids: dict[str, int], warmup_s: float, window_s: float) -> dict[str, float]:
+    loop = asyncio.get_running_loop()
+    start, stop = loop.time() + warmup_s, loop.time() + warmup_s + window_s
+    cpu: dict[str, dict[str, float]] = {}
+    counted = 0
+
+    def sample(at: str) -> None:
+        cpu[at] = {"client": time.process_time(), **{name: process_cpu_s(pid) for name, pid in pids.items()}}
+
+    loop.call_at(start, sample, "start")
+    loop.call_at(stop, sample, "stop")
+
+    async def drive(session: Any) -> None:
+        nonlocal counted
+        k = 0
+        while loop.time() < stop:
+            result = await session.step(k, **step_inputs(k))
+            if not result.ok:
+                raise RuntimeError(f"step {k} failed: {result.error}")
+            k += 1
+            counted += start <= loop.time() <= stop
+
+    await asyncio.gather(*(drive(s) for s in sessions))
+    values = {"steps_s": counted / window_s}
+    for name in ("client", "workers", "redis"):
+        values[f"cpu_us_{name}"] = 1e6 * (cpu["stop"][name] - cpu["start"][name]) / max(counted, 1)
+    values["cpu_us_total"] = sum(values[f"cpu_us_{n}"] for n in ("client", "workers", "redis"))
+    return values
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--redis-url", required=True)
+    parser.add_argument("--redis-pid", type=int, required=True)
+    parser.add_argument("--prefix", required=True)
+    parser.add_argument("--case", choices=sorted(CASES), required=True)
+    parser.add_argument("--warmup-s", type=float, default=1.0)
+    parser.add_argument("--window-s", type=float, default=4.0)
+    args = parser.parse_args()
+    print(json.dumps(asyncio.run(measure(args))))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
