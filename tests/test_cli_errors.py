@@ -104,7 +104,9 @@ def test_idle_supervisor_logs_no_info_lines_and_json_lines(redis_server: RedisSe
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=30)
         client.close()
-    records = [json.loads(line) for line in err.splitlines() if line.strip()]
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert all(line.startswith("{") for line in lines), f"a line that is not JSON on stderr:\n{err}"
+    records = [json.loads(line) for line in lines]
     for record in records:
         assert set(record) >= {"ts", "level", "logger", "message"}, record
     assert [r for r in records if r["level"] in ("INFO", "DEBUG")] == []

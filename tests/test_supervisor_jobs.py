@@ -168,3 +168,26 @@ async def test_two_cells_supervisors_on_one_redis_both_run_every_tick(redis_serv
         await _run_until(supervisors[0], both_reaped_one_tick, timeout=15.0)
     finally:
         await stop_supervisor(supervisors[1], other)
+
+
+async def test_a_stop_during_a_pass_closes_the_supervisor_cleanly(settings: SupervisorSettings,
+                                                                  redis: Redis) -> None:
+    """arq's own close raised the CancelledError of a job it had just cancelled (a SIGTERM during a
+    reap pass: a traceback on exit, on_shutdown skipped)."""
+    supervisor = build_worker(settings, handle_signals=False)
+    task = asyncio.create_task(supervisor.async_run())
+    health = f"{settings.cell_config.keys.arq_queue}:health-check"
+    try:
+        for _ in range(200):
+            if await redis.exists(health):
+                break
+            await asyncio.sleep(0.05)
+        assert await redis.exists(health)
+        passing = asyncio.create_task(asyncio.sleep(30))  # a job in the middle of its pass
+        supervisor.tasks["a-pass"] = passing
+        await asyncio.wait_for(supervisor.close(), 10)  # raised CancelledError with arq's close
+        assert passing.cancelled() and supervisor.tasks == {}
+        assert not await redis.exists(health)  # the rest of close ran: the health key is gone
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)

@@ -154,11 +154,28 @@ async def replay_dead(ctx: dict[str, Any], filters: dict[str, Any], dry_run: boo
     return outcomes
 
 
+class SupervisorWorker(ArqWorker):
+    """arq's worker with a close that a stop during a pass survives.
+
+    arq's signal handler cancels the jobs still running and its ``close`` then gathers them, so a
+    SIGTERM landing during a reap or trim pass raised their CancelledError out of ``run()``: the
+    supervisor exited with a traceback and without its ``on_shutdown``. A cancelled pass is
+    harmless (each script is atomic; the next pass does the rest), so the jobs are settled first.
+    """
+
+    async def close(self) -> None:
+        for task in self.tasks.values():
+            task.cancel()  # what arq's signal handler did already, or its close would do
+        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+        self.tasks.clear()
+        await super().close()
+
+
 def build_worker(settings: SupervisorSettings, *, handle_signals: bool = True,
-                 metrics: FleetMetrics | None = None) -> ArqWorker:
+                 metrics: FleetMetrics | None = None) -> SupervisorWorker:
     queue = queue_name(settings.cell_config)
     every = set(range(0, 60, max(1, settings.interval_s)))
-    return ArqWorker(
+    return SupervisorWorker(
         functions=[replay_dead],
         cron_jobs=[
             # arq's cron job ids are "<name>:<tick>" under its fixed arq:job: / arq:in-progress:
