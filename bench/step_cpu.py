@@ -54,8 +54,10 @@ def checkout_of(revision: str) -> Iterator[Path]:
     """A temporary worktree of ``revision`` (removed after)."""
     with tempfile.TemporaryDirectory(prefix="step-cpu-") as parent:
         path = Path(parent) / "checkout"
-        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "--quiet", str(path), revision],
-                       check=True, timeout=120)
+        added = subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "--quiet", str(path),
+                                revision], capture_output=True, text=True, timeout=120)
+        if added.returncode != 0:  # not a git checkout, or no such revision
+            raise SystemExit(f"cannot check out {revision!r} beside {REPO}: {added.stderr.strip()}")
         try:
             yield path
         finally:
