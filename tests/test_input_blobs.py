@@ -269,3 +269,22 @@ async def test_a_dead_lettered_step_keeps_its_staged_payload_and_replays(fleet: 
     assert (await s.status()).committed_step_id == 1
     keys = fleet.keys_of(s.session_id)
     assert [key async for key in fleet.redis.scan_iter(match=keys.log(s.session_id) + ":in:*")] == []
+
+
+@pytest.mark.parametrize("staged", [True, False])
+async def test_a_malformed_entry_takes_its_input_blob_with_it(fleet: FleetClient, workers: WorkerPool,
+                                                              staged: bool) -> None:
+    """A malformed entry is dead-lettered, not replayable: its staged input, which only that entry
+    names, is deleted with it; an entry with its payload inline leaves a same-named key alone."""
+    w = await workers.add(ReferenceEngine(ReferenceEngineConfig()), **FAST)
+    s = await fleet.create_session(model="reference-world", mode="world_model_env")
+    blob = fleet.keys.input_blob(s.session_id, "junk-blob")
+    await fleet.redis.set(blob, big(1))
+    answered = fleet.replies.expect("junk-blob")
+    await fleet.redis.xadd(fleet.keys.inbox(w.id), {
+        "kind": "step", "job_id": "junk-blob", "session_id": s.session_id, "reply_to": fleet.client_id,
+        "step_id": "zero", "payload": STAGED if staged else b"inline"})
+    r = fleet.decode_result(await asyncio.wait_for(answered, 10), 0.0)
+    assert r.error is not None and r.error.code is ErrorCode.INVALID_REQUEST, r.error
+    assert await fleet.redis.exists(blob) == (0 if staged else 1)
+    assert (await s.step(0, **large_step(0))).ok  # still serving, staged steps included

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from broker.redis.connect import atomic_pipeline
+from broker.redis.inputs import is_staged
 from broker.redis.keys import INBOX_GROUP
 from broker.redis.layouts import DEAD_LETTER_MAXLEN, ReplyEntry
 from broker.redis.script_replies import (
@@ -116,6 +117,10 @@ class JobScripts:
                       maxlen=DEAD_LETTER_MAXLEN, approximate=True)
             pipe.xack(inbox, INBOX_GROUP, job.entry_id)
             pipe.xdel(inbox, job.entry_id)
+            if job.session_id and job.job_id and is_staged(job.fields.get(b"payload", b"")):
+                # Its input blob goes with it: nothing else would ever read or delete it (a
+                # malformed entry cannot be replayed, and failover copies entries as they are).
+                pipe.delete(keys.input_blob(job.session_id, job.job_id))
             if job.reply_to and job.job_id:
                 result = StepResult.failure(job.session_id or "", -1, failure.code, failure.message,
                                             worker_id=self.worker_id)

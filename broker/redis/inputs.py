@@ -12,8 +12,9 @@ The blob lives exactly as long as its entry: failover.lua moves the entry and th
 where it is; commit.lua RENAMEs it to the step's record blob (``CellKeys.record_blob``) when the
 step record is kept (the record's payload is then ``STAGED`` too, and the record blob goes with
 the record: retention, reset, close, fork) and deletes it otherwise; report.lua deletes it with the
-entry; retire.lua reads it into the orphan's dead letter within the dead-letter budget. A fenced
-worker deletes nothing (the entry went on with its session). A payload that starts with
+entry; retire.lua reads it into the orphan's dead letter within the dead-letter budget; a worker
+rejecting a malformed entry deletes it with the entry. A fenced worker deletes nothing (the entry
+went on with its session). A payload that starts with
 ``BLOB_MARK`` is always staged, so an inline payload is never taken for the marker.
 """
 
