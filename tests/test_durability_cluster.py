@@ -18,6 +18,7 @@ from redis.asyncio import Redis
 from redis.crc import key_slot
 
 from broker import FleetClient, Session
+from broker.redis.backoff import until_redis_answers
 from broker.redis.connect import open_redis
 from broker.redis.embedded_cluster import RedisCluster, running_cluster
 from broker.redis.keys import CellKeys
@@ -60,8 +61,14 @@ async def drive(session: Session, mode: str, k: int, results: list[StepResult]) 
 
 
 async def committed_steps(redis: Redis, keys: CellKeys, sessions: list[Session]) -> list[int]:
-    values = [await redis.hget(keys.session(s.session_id), "committed_step_id") for s in sessions]
-    return [int(v) for v in values]
+    """Each session's committed step, read the way the fleet's own clients read through a failover:
+    right after a promotion this client's slot map may still name the killed master, and redis-py
+    retries at once, before every node has the new map; so ride it out with backoff (bounded)."""
+    async def read() -> list[int]:
+        values = [await redis.hget(keys.session(s.session_id), "committed_step_id") for s in sessions]
+        return [int(v) for v in values]
+
+    return await asyncio.wait_for(until_redis_answers(read, "read committed steps"), BOUND_S)
 
 
 @pytest.mark.parametrize("durability", ["async", "replicated"])
