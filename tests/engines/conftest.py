@@ -75,7 +75,7 @@ def make_model(name: str, *flags: str) -> str:
         pytest.skip(f"vllm is not installed; {WHY}")
     path = cache_dir() / name
     subprocess.run([sys.executable, str(ROOT / "scripts" / "make_tiny_model.py"), str(path), *flags], check=True,
-                   env=child_env(), capture_output=True)
+                   env=child_env(), capture_output=True, timeout=STARTUP_S)
     return str(path)
 
 

@@ -268,6 +268,18 @@ async def test_failover_rebuilds_the_context_on_another_engine_kind(
         await redis.aclose()
 
 
+async def generating(engine: Engine, step: asyncio.Future[Any], bound_s: float = 60.0) -> None:
+    """Until the step's generation is running inside the engine (the gate alone is not enough:
+    the step passes it before its request leaves for vLLM). AssertionError when the step ends or
+    the bound passes first."""
+    inner = engine.inner if isinstance(engine, SharedEngine) else engine
+    deadline = asyncio.get_running_loop().time() + bound_s
+    while not inner.load().running_steps:
+        assert not step.done(), f"the step ended before its generation was seen running: {step.result()}"
+        assert asyncio.get_running_loop().time() < deadline, f"no generation running after {bound_s}s"
+        await asyncio.sleep(0.005)
+
+
 async def check_weight_updates(url: str, services: VLLMServices, engine: Engine,
                                first_version: int) -> None:
     """Through the control stream: a long step is aborted by an update to the other weights and runs
@@ -281,11 +293,7 @@ async def check_weight_updates(url: str, services: VLLMServices, engine: Engine,
         w = await pool.add(engine)
         long_session = await fleet.create_session(model=MODEL_NAME, mode="tokens")
         running = long_session.submit(0, **LONG_TURN)
-        for _ in range(500):
-            if w.worker.weights is not None and w.worker.weights.gate.running:
-                break
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.1)  # generating on the original weights (the whole step takes about 2 s)
+        await generating(engine, running)  # on the original weights: the whole step takes 1-2 s
         await update_weights(fleet.redis, fleet.keys, model=MODEL_NAME, version=v1, path=services.model_v2,
                              in_flight="abort")
         long = await asyncio.wait_for(running, 120)
