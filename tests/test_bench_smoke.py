@@ -38,3 +38,31 @@ def test_step_cpu_measures_this_checkout_beside_a_worktree_of_a_revision() -> No
     worktrees = subprocess.run(["git", "-C", str(step_cpu.REPO), "worktree", "list"], capture_output=True,
                                text=True, check=True).stdout
     assert "step-cpu-" not in worktrees  # the temporary checkout is gone
+
+
+
+async def test_script_batching_does_the_same_commits_both_ways() -> None:
+    """The two ways compared do the same work: after each, every stand-in session of the batch has
+    committed the last step and holds one stream entry per step."""
+    from redis.asyncio import Redis
+
+    from bench import script_batching as sb
+    from bench.common import private_redis
+
+    batch, steps = 8, 40
+    with private_redis() as server:
+        redis = Redis.from_url(server.url)
+        try:
+            for way, script in (("pipeline", sb.ONE_STEP), ("one call", sb.WHOLE_BATCH)):
+                await redis.flushall()
+                client_us, redis_us = await sb.measure(redis, way, await redis.script_load(script), batch, steps)
+                assert client_us > 0 and redis_us >= 0, way
+                for i in range(batch):
+                    (session, replies, _), _ = sb.stand_in_step(batch, i, 0)
+                    assert await redis.hget(session, "committed") == str(steps // batch - 1).encode(), way
+                    assert await redis.xlen(replies) == steps // batch, way
+        finally:
+            await redis.aclose()
+    rows = await sb.run("smoke")
+    assert {(row.case, row.system) for row in rows} == {
+        (f"batch of {n}", way) for n in sb.BATCHES for way in ("pipeline", "one call", "saved by one call")}
