@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from broker import FleetClient
 from broker.client.consumer import ResultConsumer
+from broker.client.replies import ReplyReader
 from broker.redis.blobs import BLOB_MARK, STAGE_BYTES, blob_key, unless_unstaged
 from broker.redis.durability import ReplicaWait
 from broker.redis.keys import INBOX_GROUP
-from broker.redis.layouts import ReplyBounds
+from broker.redis.layouts import ReplyBounds, ReplyEntry
 from broker.redis.script_replies import (
     Applied,
     CommitReply,
@@ -263,3 +266,26 @@ async def test_a_frame_is_never_taken_for_a_blob_reference() -> None:
     assert frame[:1] == BLOB_MARK[:1] and FRAME_VERSION != 0
     assert blob_key(frame) is None
     assert blob_key(BLOB_MARK + b"rf:{0}:log:s:blob:3") == "rf:{0}:log:s:blob:3"
+
+
+async def test_the_reply_reader_resolves_every_blob_of_one_read(scripts: Scripts) -> None:
+    """Several replies read at once, with blobs among them (read together), one blob gone and one
+    result inline: each waiter gets its own bytes, the gone one keeps its reference, and every
+    blob read is deleted (the reader is its one reader)."""
+    redis, stream = scripts.redis, scripts.keys.reply("reader-test")
+    blobs = {"j1": b"A" * 40_000, "j4": b"B" * 50_000}
+    for job, data in blobs.items():
+        await redis.set(f"{stream}:blob:{job}", data)
+    results = {"j1": BLOB_MARK + f"{stream}:blob:j1".encode(), "j2": b"inline",
+               "j3": BLOB_MARK + f"{stream}:blob:gone".encode(), "j4": BLOB_MARK + f"{stream}:blob:j4".encode()}
+    reader = ReplyReader(redis, stream, block_ms=100)
+    waiting = {job: reader.expect(job) for job in results}
+    for job, result in results.items():  # all in the stream before the first read
+        await redis.xadd(stream, ReplyEntry("step", job, 0, result).to_fields())
+    reader.start()
+    try:
+        got = {job: (await asyncio.wait_for(fut, 10)).result for job, fut in waiting.items()}
+    finally:
+        await reader.stop()
+    assert got == {**results, **blobs}
+    assert await redis.exists(*(f"{stream}:blob:{job}" for job in blobs)) == 0

@@ -11,7 +11,8 @@ from typing import Any
 from redis.asyncio import Redis
 
 from broker.redis.backoff import REDIS_ERRORS, Backoff
-from broker.redis.blobs import blob_key, resolved
+from broker.redis.blobs import blob_key
+from broker.redis.connect import cluster_client_errors
 from broker.redis.layouts import ReplyEntry
 
 log = logging.getLogger(__name__)
@@ -84,10 +85,8 @@ class ReplyReader:
                 await self._dispatch(entries[0][1])
 
     async def _dispatch(self, items: list[tuple[bytes, dict[bytes, bytes]]]) -> None:
-        ids: list[Any] = []
-        for entry_id, fields in items:
-            ids.append(entry_id)
-            reply = await self._resolved(ReplyEntry.from_fields(fields))
+        ids: list[Any] = [entry_id for entry_id, _ in items]
+        for reply in await self._resolved([ReplyEntry.from_fields(fields) for _, fields in items]):
             fut = self._waiters.pop(reply.job_id, None)
             if fut is not None and not fut.done():
                 fut.set_result(reply)
@@ -97,18 +96,34 @@ class ReplyReader:
         self._deletes.add(task)
         task.add_done_callback(self._deletes.discard)
 
-    async def _resolved(self, reply: ReplyEntry) -> ReplyEntry:
-        """The entry with its result blob read (broker/redis/blobs.py) and deleted: this reader is
-        the blob's one reader, as it is the entry's. A blob that is gone, or Redis unreachable for
-        that one read, leaves the reference, which decodes as step_already_committed."""
-        if blob_key(reply.result) is None:
-            return reply
+    async def _resolved(self, replies: list[ReplyEntry]) -> list[ReplyEntry]:
+        """The entries with their result blobs read (broker/redis/blobs.py) and deleted: this reader
+        is each blob's one reader, as it is the entry's. The blobs of one read leave as one pipeline
+        (one round trip, not one per entry: each would delay the replies behind it). A blob that is
+        gone, or Redis unreachable for that read, leaves the reference, which decodes as
+        step_already_committed."""
+        wanted = [(i, key) for i, reply in enumerate(replies) if (key := blob_key(reply.result)) is not None]
+        if not wanted:
+            return replies
+        failures = REDIS_ERRORS + cluster_client_errors(self.redis)
         try:
-            data = await resolved(self.redis, reply.result, delete=True)
-        except REDIS_ERRORS as exc:
-            log.warning("result blob of job %s unreadable: %s", reply.job_id, exc)
-            return reply
-        return reply if data is None else dataclasses.replace(reply, result=data)
+            if len(wanted) == 1:  # the plain command: a pipeline of one costs more
+                values: list[Any] = [await self.redis.getdel(wanted[0][1])]
+            else:
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    for _, key in wanted:
+                        pipe.getdel(key)
+                    values = await pipe.execute(raise_on_error=False)
+        except failures as exc:
+            log.warning("result blobs of %d replies unreadable: %s", len(wanted), exc)
+            return replies
+        out = list(replies)
+        for (i, key), data in zip(wanted, values, strict=True):
+            if isinstance(data, Exception):
+                log.warning("result blob %s of job %s unreadable: %s", key, replies[i].job_id, data)
+            elif data is not None:
+                out[i] = dataclasses.replace(replies[i], result=bytes(data))
+        return out
 
     async def _delete(self, ids: list[Any]) -> None:
         with contextlib.suppress(Exception):

@@ -101,6 +101,14 @@ def is_cluster(redis: Redis) -> bool:
     return isinstance(redis, RedisCluster)
 
 
+def cluster_client_errors(redis: Redis) -> tuple[type[Exception], ...]:
+    """What else a pipeline of ``redis`` raises when a node is lost: redis-py 5.3's cluster pipeline
+    reads ``get_default_node().name`` after an error, while a concurrent pipeline's retry may just
+    have closed the client (default node None) to learn the slot map again after a master died,
+    so that AttributeError is the failover. Nothing for a single-node client."""
+    return (AttributeError,) if is_cluster(redis) else ()
+
+
 def open_redis(url: str, **options: Any) -> Redis:
     """A client for ``url``; ``options`` (``decode_responses``, ``socket_timeout``, ...) go to redis-py.
     Nothing connects yet: the first command does (and, on a cluster, reads the slot map)."""

@@ -17,7 +17,7 @@ from broker.redis.admission import Admission
 from broker.redis.aio import settle
 from broker.redis.blobs import STAGE_BYTES, after_command, stage_command, stored_resolved, unless_unstaged
 from broker.redis.cells import touch_cell
-from broker.redis.connect import is_cluster
+from broker.redis.connect import cluster_client_errors
 from broker.redis.durability import ReplicaWait, call_then_wait
 from broker.redis.inputs import enqueue_staging, stages
 from broker.redis.keys import INBOX_GROUP, CellKeys
@@ -117,10 +117,9 @@ class Scripts:
         task.add_done_callback(self._flushing.discard)
 
     def _as_redis_error(self, exc: Exception) -> Exception:
-        """redis-py 5.3's cluster pipeline reads ``get_default_node().name`` after an error, while a
-        concurrent pipeline's retry may just have closed the client (default node None) to learn
-        the slot map again after a master died: that AttributeError is the failover, retried as one."""
-        if is_cluster(self.redis) and isinstance(exc, AttributeError):
+        """A cluster pipeline's failover quirk (``cluster_client_errors``) is retried as the
+        connection error it is."""
+        if isinstance(exc, cluster_client_errors(self.redis)):
             return RedisConnectionError(f"cluster client learning its nodes again: {exc}")
         return exc
 
