@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import ssl
-import sys
 import uuid
 
 import pytest
@@ -18,7 +17,6 @@ from broker.redis.config import CellConfig, ConfigError
 from broker.redis.connect import (
     DEFAULT_CLUSTER_PORT,
     READ_CHUNK,
-    GatheringWriter,
     RedisURLError,
     is_cluster,
     is_cluster_url,
@@ -163,31 +161,4 @@ async def test_a_client_reads_its_socket_in_large_chunks_and_large_values_round_
             await conn.disconnect()
     finally:
         await client.delete(key)
-        await client.aclose()
-
-
-@pytest.mark.asyncio
-async def test_a_pipeline_larger_than_the_socket_buffer_arrives_whole_and_in_order(redis_server: RedisServer) -> None:
-    """Staged latents in one pipeline: far more than the socket takes at once, so the writer hands
-    the transport what is left mid-buffer; small commands between them keep their order."""
-    client = open_redis(redis_server.url)
-    prefix = f"t{uuid.uuid4().hex}"
-    values = [os.urandom(450_560) for _ in range(24)]  # 10.8 MB
-    try:
-        async with client.pipeline(transaction=False) as pipe:
-            for i, value in enumerate(values):
-                pipe.set(f"{prefix}:{i}", value, px=60_000)
-                pipe.rpush(f"{prefix}:order", i)
-            await pipe.execute()
-        assert await client.mget([f"{prefix}:{i}" for i in range(len(values))]) == values
-        assert await client.lrange(f"{prefix}:order", 0, -1) == [str(i).encode() for i in range(len(values))]
-        conn = client.connection_pool.make_connection()
-        await conn.connect()
-        try:
-            if sys.version_info < (3, 12):  # 3.12's transports gather writes themselves
-                assert isinstance(conn._writer, GatheringWriter) and conn._writer.direct
-        finally:
-            await conn.disconnect()
-    finally:
-        await client.delete(f"{prefix}:order", *(f"{prefix}:{i}" for i in range(len(values))))
         await client.aclose()

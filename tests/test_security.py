@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
 import re
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -29,7 +28,6 @@ from broker.ops.replay_cli import run_replay_command
 from broker.ops.status import cell_status
 from broker.ops.supervisor import SupervisorSettings, build_worker, request_replay
 from broker.redis.config import CellConfig
-from broker.redis.connect import open_redis
 from broker.redis.embedded import RedisServer
 from broker.redis.keys import MAX_NAME_LENGTH
 from broker.redis.layouts import (
@@ -220,28 +218,6 @@ async def test_tls_with_the_ca_in_the_url_reaches_every_component(tls_redis: Tls
     async with worker_pool(url, prefix) as pool:
         await _fail_over_and_replay(url, prefix, pool)
     assert (await cell_status(url, prefix=prefix)).live_sessions == 1
-
-
-async def test_tls_clients_write_large_pipelines_through_the_tls_transport(tls_redis: TlsRedis) -> None:
-    """A TLS connection never writes around its transport (the bytes must be encrypted): a
-    pipeline of staged-latent-sized values larger than a socket buffer arrives whole."""
-    client = open_redis(tls_redis.url())
-    values = [os.urandom(450_560) for _ in range(12)]
-    try:
-        async with client.pipeline(transaction=False) as pipe:
-            for i, value in enumerate(values):
-                pipe.set(f"tls-big:{i}", value, px=60_000)
-            await pipe.execute()
-        assert await client.mget([f"tls-big:{i}" for i in range(len(values))]) == values
-        conn = client.connection_pool.make_connection()
-        await conn.connect()
-        try:
-            assert not getattr(conn._writer, "direct", False)
-        finally:
-            await conn.disconnect()
-    finally:
-        await client.delete(*(f"tls-big:{i}" for i in range(len(values))))
-        await client.aclose()
 
 
 async def test_tls_without_the_ca_is_refused(tls_redis: TlsRedis) -> None:

@@ -16,10 +16,7 @@ methods, and the two differences above are kept off every path it takes.
 
 from __future__ import annotations
 
-import asyncio
-import os
-import sys
-from collections.abc import Coroutine, Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any, cast
 from urllib.parse import urlsplit
 
@@ -39,8 +36,6 @@ except ImportError:  # redis-py without its hiredis extra
     _RESP = None
 _PACKED: dict[type[AbstractConnection], type[AbstractConnection]] = {}
 _CHUNKED: dict[type[AbstractConnection], type[AbstractConnection]] = {}
-_GATHERING: dict[type[AbstractConnection], type[AbstractConnection]] = {}
-_IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") else 16  # buffers per writev
 READ_CHUNK = 1 << 20  # bytes a client reads from its socket at a time (redis-py's default: 64 KiB)
 _LARGE_ARG = 6000  # redis-py's buffer cutoff: larger values travel as their own buffer
 
@@ -122,7 +117,7 @@ def open_redis(url: str, **options: Any) -> Redis:
     if not is_cluster_url(url):
         single: Redis = Redis.from_url(url, **{"socket_read_size": READ_CHUNK, **options})
         pool = single.connection_pool
-        pool.connection_class = gathering_writes(reading_in_large_chunks(packing_in_c(pool.connection_class)))
+        pool.connection_class = reading_in_large_chunks(packing_in_c(pool.connection_class))
         return single
     nodes, settings = parse_cluster_url(url)
     cluster = _FleetCluster(startup_nodes=[ClusterNode(host, port) for host, port in nodes], **settings, **options)
@@ -173,74 +168,6 @@ def reading_in_large_chunks(base: type[AbstractConnection]) -> type[AbstractConn
     chunked = _CHUNKED[base] = type(f"Chunked{base.__name__}", (base,),
                                     {"_connection_arguments": _connection_arguments})
     return chunked
-
-
-class GatheringWriter:
-    """An asyncio StreamWriter whose ``writelines`` hands its buffers to the kernel in one
-    ``writev``, uncopied; everything else is the wrapped writer's.
-
-    Python 3.11's socket transports join the buffers of ``writelines`` into one bytes (a copy of
-    every staged latent a worker sends), and when the socket takes only part of a write they copy
-    the rest twice more (a slice, then the transport's buffer) and shift that buffer after each
-    later send: a pipeline of staged results is larger than the socket's buffer. Those copies were
-    a quarter of a worker's CPU per 450 KB latent step (docs/benchmarks.md). Here only what the
-    socket does not take at once is handed to the transport, without the join. A write waits for
-    the transport's own buffer (order), and TLS transports keep their own path; Python 3.12's
-    transports write this way themselves (``gathering_writes`` is a no-op there)."""
-
-    def __init__(self, writer: asyncio.StreamWriter) -> None:
-        self.writer = writer
-        transport = writer.transport
-        sock = transport.get_extra_info("socket")
-        self._fd = sock.fileno() if sock is not None and transport.get_extra_info("sslcontext") is None else -1
-
-    @property
-    def direct(self) -> bool:
-        """Whether writes go straight to the socket (not over TLS, which only the transport speaks)."""
-        return self._fd >= 0
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.writer, name)
-
-    def drain(self) -> Coroutine[Any, Any, None]:
-        return self.writer.drain()  # on every command: spared the __getattr__ detour
-
-    def writelines(self, data: Iterable[bytes | bytearray | memoryview]) -> None:
-        buffers = list(data)
-        transport = self.writer.transport
-        if (len(buffers) == 1 or not self.direct or len(buffers) > _IOV_MAX or transport.get_write_buffer_size()
-                or transport.is_closing()):  # one buffer: the transport's own path joins nothing
-            self.writer.writelines(buffers)
-            return
-        try:
-            sent = os.writev(self._fd, buffers)
-        except (BlockingIOError, InterruptedError):
-            sent = 0  # (a broken socket raises here, and redis-py drops the connection)
-        for buffer in buffers:
-            view = memoryview(buffer).cast("B")
-            if sent >= view.nbytes:
-                sent -= view.nbytes
-                continue
-            transport.write(view[sent:])  # the rest, copied once (into the transport's buffer)
-            sent = 0
-
-
-def gathering_writes(base: type[AbstractConnection]) -> type[AbstractConnection]:
-    """``base`` whose stream writer is a :class:`GatheringWriter` (Python 3.11 only)."""
-    if sys.version_info >= (3, 12):
-        return base
-    gathering = _GATHERING.get(base)
-    if gathering is not None:
-        return gathering
-
-    async def _connect(self: AbstractConnection) -> None:
-        await base._connect(self)  # type: ignore[no-untyped-call]
-        writer = self._writer
-        if writer is not None and not isinstance(writer, GatheringWriter):
-            self._writer = GatheringWriter(writer)  # type: ignore[assignment]
-
-    gathering = _GATHERING[base] = type(f"Gathering{base.__name__}", (base,), {"_connect": _connect})
-    return gathering
 
 
 def parse_cluster_url(url: str) -> tuple[list[tuple[str, int]], dict[str, Any]]:
