@@ -280,6 +280,18 @@ async def generating(engine: Engine, step: asyncio.Future[Any], bound_s: float =
         await asyncio.sleep(0.005)
 
 
+async def taking_sessions(fleet: FleetClient, worker_id: str, bound_s: float = 60.0) -> None:
+    """Until the worker's engine is ready in the registry. On two loaded cores the server can
+    answer a health probe late while it generates a long step or reloads (workers/readiness.py):
+    the worker then offers no capacity until its next probe, and a session created at once is
+    refused. AssertionError with the registry's view after ``bound_s``."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + bound_s
+    while (await fleet.redis.hget(fleet.keys.worker(worker_id), "engine_ready")) == b"0":
+        assert loop.time() < deadline, await fleet.redis.hgetall(fleet.keys.worker(worker_id))
+        await asyncio.sleep(0.05)
+
+
 async def check_weight_updates(url: str, services: VLLMServices, engine: Engine,
                                first_version: int) -> None:
     """Through the control stream: a long step is aborted by an update to the other weights and runs
@@ -302,11 +314,13 @@ async def check_weight_updates(url: str, services: VLLMServices, engine: Engine,
         assert w.worker.executor is not None
         # aborted by the update and run again, whole, on the new weights (all three in one message)
         assert (w.worker.executor.aborted_steps, long.ok, long.policy_version) == (1, True, v1), long
+        await taking_sessions(fleet, w.id)
         session = await fleet.create_session(model=MODEL_NAME, mode="tokens")
         on_v1 = [await session.step(i, **turn) for i, turn in enumerate(CONVERSATIONS[0])]
 
         await update_weights(fleet.redis, fleet.keys, model=MODEL_NAME, version=v2, path=services.model)
         await workers_at_version(fleet.redis, fleet.keys, model=MODEL_NAME, version=v2, timeout=120)
+        await taking_sessions(fleet, w.id)
         session = await fleet.create_session(model=MODEL_NAME, mode="tokens")
         on_v2 = [await session.step(i, **turn) for i, turn in enumerate(CONVERSATIONS[0])]
     assert all(r.policy_version == v1 for r in on_v1) and all(r.policy_version == v2 for r in on_v2)
