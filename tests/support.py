@@ -8,7 +8,7 @@ import dataclasses
 import os
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +35,18 @@ def task_stacks() -> str:
         where = " <- ".join(f"{f.f_code.co_name}:{f.f_lineno}" for f in reversed(frames)) or "(no frames)"
         lines.append(f"  {task.get_name()}: {where}")
     return "\n".join(sorted(lines))
+
+
+async def until(check: Callable[[], Awaitable[bool]], what: str | Callable[[], Awaitable[Any]],
+                bound_s: float = 60.0, poll_s: float = 0.05) -> None:
+    """Poll ``check`` until it holds; AssertionError after ``bound_s`` with ``what`` (or what the
+    coroutine function ``what`` answers then: the state that explains the wait)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + bound_s
+    while not await check():
+        if loop.time() >= deadline:
+            raise AssertionError(what if isinstance(what, str) else await what())
+        await asyncio.sleep(poll_s)
 
 
 async def reap_until_moved(scripts: Scripts, dead: str, timeout: float = 5.0, lease_ms: int = FAST["lease_ms"]) -> None:

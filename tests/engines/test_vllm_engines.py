@@ -24,7 +24,7 @@ from tests.engines.conftest import (
     VLLMServices,
     requires_vllm,
 )
-from tests.support import reap_until_moved, worker_pool
+from tests.support import reap_until_moved, until, worker_pool
 from workers.engines.base import Engine, EngineRequest
 from workers.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
 from workers.engines.vllm_http import VLLMHTTPConfig, VLLMHTTPEngine
@@ -273,11 +273,12 @@ async def generating(engine: Engine, step: asyncio.Future[Any], bound_s: float =
     the step passes it before its request leaves for vLLM). AssertionError when the step ends or
     the bound passes first."""
     inner = engine.inner if isinstance(engine, SharedEngine) else engine
-    deadline = asyncio.get_running_loop().time() + bound_s
-    while not inner.load().running_steps:
+
+    async def running() -> bool:
         assert not step.done(), f"the step ended before its generation was seen running: {step.result()}"
-        assert asyncio.get_running_loop().time() < deadline, f"no generation running after {bound_s}s"
-        await asyncio.sleep(0.005)
+        return bool(inner.load().running_steps)
+
+    await until(running, f"no generation running after {bound_s}s", bound_s, poll_s=0.005)
 
 
 async def taking_sessions(fleet: FleetClient, worker_id: str, bound_s: float = 60.0) -> None:
@@ -285,11 +286,15 @@ async def taking_sessions(fleet: FleetClient, worker_id: str, bound_s: float = 6
     answer a health probe late while it generates a long step or reloads (workers/readiness.py):
     the worker then offers no capacity until its next probe, and a session created at once is
     refused. AssertionError with the registry's view after ``bound_s``."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + bound_s
-    while (await fleet.redis.hget(fleet.keys.worker(worker_id), "engine_ready")) == b"0":
-        assert loop.time() < deadline, await fleet.redis.hgetall(fleet.keys.worker(worker_id))
-        await asyncio.sleep(0.05)
+    key = fleet.keys.worker(worker_id)
+
+    async def ready() -> bool:
+        return await fleet.redis.hget(key, "engine_ready") != b"0"
+
+    async def registry() -> Any:
+        return await fleet.redis.hgetall(key)
+
+    await until(ready, registry, bound_s)
 
 
 async def check_weight_updates(url: str, services: VLLMServices, engine: Engine,
