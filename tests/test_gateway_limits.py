@@ -16,6 +16,8 @@ from collections.abc import AsyncIterator, Iterator
 import httpx
 import pytest
 
+from broker.gateway import guards
+from broker.gateway.settings import GatewaySettings
 from broker.redis.embedded import RedisServer
 from schemas.limits import Limits
 from tests.support import WorkerPool
@@ -95,6 +97,23 @@ async def test_a_200mb_body_is_refused_before_it_is_read(http: httpx.AsyncClient
     assert status == 413 and b"limit is 67108864" in response, response[:300]
     assert sent < 64 * MB + 32 * MB  # counted while streaming: reading stopped at the limit, not at 200 MB
     assert (await http.get(f"{SESSIONS}/{sid}/status")).json()["committed_step_id"] == -1
+
+
+async def test_a_client_still_sending_gets_the_whole_413(redis_server: RedisServer, prefix: str,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Refused mid-stream, the client keeps sending until it sees the answer. Were the socket closed
+    with those bytes unread, the kernel's reset could drop the 413 on the way (up to a third of
+    streamed tries on loopback, measured): every try, one after another, must read the whole JSON
+    error. A loopback client stops within milliseconds, so a short quiet time keeps the test quick."""
+    monkeypatch.setattr(guards, "LINGER_QUIET_S", 0.05)
+    async with GatewayServer(redis_server.url, prefix, settings=GatewaySettings(max_body_bytes=MB)) as server:
+        port = int(server.url.rstrip("/").rsplit(":", 1)[1])
+        results = [await asyncio.to_thread(post_raw, port, f"{SESSIONS}/s{index}/step", 64 * MB,
+                                           declare=index % 8 == 0)
+                   for index in range(48)]
+    for status, response, sent in results:
+        assert status == 413 and response.rstrip().endswith(b'"code":413}}'), response[-300:]
+        assert sent < 32 * MB  # the client stopped once it saw the answer
 
 
 @pytest.fixture

@@ -6,6 +6,7 @@ read and parsed, which is exactly the cost a hostile client must not be able to 
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 from http.cookies import CookieError, SimpleCookie
@@ -22,6 +23,11 @@ DASHBOARD_PATH = "/dashboard"
 DASHBOARD_KEY_PARAM = "key"
 DASHBOARD_COOKIE = "rollout_fleet_key"
 CALLER_STATE = "api_key_digest"  # scope["state"] entry: the caller's key digest (None: open gateway)
+# After a 413 the gateway drops what the client still sends for a moment before it closes (see
+# BodyLimit._refuse): until the client is quiet this long, and never past these bounds.
+LINGER_QUIET_S = 0.25
+LINGER_BOUND_S = 2.0
+LINGER_MAX_BYTES = 16 * 1024 * 1024
 
 
 def key_digest(key: str) -> str:
@@ -87,8 +93,9 @@ def _browser_key(scope: Scope) -> str:
 
 class BodyLimit:
     """Refuses a body over ``max_bytes`` with 413: at once when Content-Length says so, else as soon
-    as the streamed bytes pass the limit (the rest is never read). A body within the limit is
-    buffered and handed to the app unchanged."""
+    as the streamed bytes pass the limit (the rest is never buffered: only what is already in
+    flight is dropped, see :func:`linger`). A body within the limit is buffered and handed to the
+    app unchanged."""
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app, self.max_bytes = app, max_bytes
@@ -126,7 +133,35 @@ class BodyLimit:
     async def _refuse(self, scope: Scope, receive: Receive, send: Send, size: str) -> None:
         response = error_response(413, f"request body of {size} bytes; the limit is {self.max_bytes}",
                                   headers={"Connection": "close"})
-        await response(scope, receive, send)
+        await send({"type": "http.response.start", "status": response.status_code, "headers": response.raw_headers})
+        await send({"type": "http.response.body", "body": response.body, "more_body": True})
+        # The response is whole on the wire, but the server closes the socket once the last body
+        # message is sent: with unread bytes still arriving, the kernel answers them with a reset,
+        # which can throw away the 413 before the client has read it. A short, bounded drain lets
+        # the client see the answer and stop sending first (a lingering close).
+        await linger(receive, quiet_s=LINGER_QUIET_S, bound_s=LINGER_BOUND_S, max_bytes=LINGER_MAX_BYTES)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def linger(receive: Receive, *, quiet_s: float, bound_s: float, max_bytes: int) -> int:
+    """Read and drop what the client still sends, until it is quiet for ``quiet_s``, its body
+    ends, it disconnects, ``bound_s`` passes or ``max_bytes`` are dropped. Returns bytes dropped."""
+    dropped = 0
+    deadline = asyncio.get_running_loop().time() + bound_s
+    while dropped <= max_bytes:
+        left = deadline - asyncio.get_running_loop().time()
+        if left <= 0:
+            break
+        try:
+            message = await asyncio.wait_for(receive(), min(quiet_s, left))
+        except TimeoutError:
+            break
+        if message["type"] != "http.request":
+            break
+        dropped += len(message.get("body", b""))
+        if not message.get("more_body", False):
+            break
+    return dropped
 
 
 def _replay(first: Message, receive: Receive) -> Receive:
