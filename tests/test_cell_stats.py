@@ -3,25 +3,13 @@ heartbeat, and the failovers reapers note (what the dashboard's rates and latenc
 
 from __future__ import annotations
 
-import asyncio
-from typing import Any
-
 import pytest
 
 from broker import FleetClient
 from broker.ops.cell_stats import BUCKETS_MS, bucket_of, percentile, read_window
 from broker.redis.scripts import Scripts
-from tests.support import FAST, WorkerPool, reap_until_moved, world_step
+from tests.support import FAST, WorkerPool, reap_until_moved, until, world_step
 from workers.engines.null import NullEngine
-
-
-async def until(check: Any, what: str, timeout: float = 10.0) -> None:
-    """Poll ``check`` until it answers true; fail the test after ``timeout`` seconds."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not await check():
-        if asyncio.get_running_loop().time() > deadline:
-            pytest.fail(f"{what} did not happen within {timeout} s")
-        await asyncio.sleep(0.05)
 
 
 def test_histogram_percentiles() -> None:
@@ -47,7 +35,7 @@ async def test_workers_publish_step_summaries_and_reapers_failovers(
 
     async def six_committed() -> bool:
         return (await read_window(scripts.redis, scripts.keys, 60)).committed >= 6
-    await until(six_committed, "a summary of six committed steps")
+    await until(six_committed, "a summary of six committed steps", 10.0)
     window = await read_window(scripts.redis, scripts.keys, 60)
     assert window.committed == 6 and window.failed == 0 and window.reporting_workers == 1
     assert sum(window.histogram) == 6 and window.as_json()["p50_ms"] is not None
@@ -58,8 +46,6 @@ async def test_workers_publish_step_summaries_and_reapers_failovers(
     await reap_until_moved(scripts, first.id)
     failovers = (await read_window(scripts.redis, scripts.keys, 60)).failovers
     assert any(f.worker_id == first.id and f.moved == 1 for f in failovers)
-
-
 
 
 @pytest.mark.asyncio

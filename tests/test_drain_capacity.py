@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
 
 import pytest
 
@@ -15,17 +14,10 @@ from broker.ops.status import cell_status, format_status
 from broker.redis.embedded import RedisServer
 from broker.redis.scripts import Scripts
 from schemas.errors import ErrorCode
-from tests.support import FAST, WorkerPool, reap_until_moved, world_step
+from tests.support import FAST, WorkerPool, reap_until_moved, until, world_step
 from workers.engines.null import NullEngine
 
 WORLD = {"model": "null-world", "mode": "world_model_env"}
-
-
-async def until(check: Callable[[], Awaitable[bool]], what: str, bound_s: float = 15.0) -> None:
-    deadline = asyncio.get_running_loop().time() + bound_s
-    while not await check():
-        assert asyncio.get_running_loop().time() < deadline, what
-        await asyncio.sleep(0.05)
 
 
 async def test_a_drain_without_capacity_elsewhere_serves_on_and_hands_over_once_a_worker_joins(
@@ -41,7 +33,7 @@ async def test_a_drain_without_capacity_elsewhere_serves_on_and_hands_over_once_
 
     async def says_stuck() -> bool:
         return await scripts.redis.hget(scripts.keys.worker(a.id), "drain_stuck") == b"2"
-    await until(says_stuck, "the draining worker never said its sessions are stuck")
+    await until(says_stuck, "the draining worker never said its sessions are stuck", 15.0)
     assert "2 sessions found no live worker with free capacity" in caplog.text
     assert a.worker.metrics.fleet.registry.get_sample_value("rollout_fleet_drain_stuck_sessions") == 2
     report = await cell_status(redis_server.url, prefix=prefix)
@@ -87,7 +79,7 @@ async def test_after_the_drain_timeout_a_waiting_step_answers_capacity_exhausted
 
     async def committed() -> bool:  # step 1 stayed queued and ran on b
         return (await s.status()).committed_step_id == 1
-    await until(committed, "the queued step never ran on the new owner")
+    await until(committed, "the queued step never ran on the new owner", 15.0)
     again = await s.step(1, **world_step(1))
     assert again.ok and again.duplicate and again.output["context"] == 1 and again.worker_id == b.id
 

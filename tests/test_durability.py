@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import os
 import signal
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -19,7 +19,7 @@ from broker import FleetClient
 from broker.redis.embedded import RedisServer
 from broker.redis.keys import INBOX_GROUP, CellKeys
 from schemas.errors import ErrorCode
-from tests.support import RunningWorker, worker_pool, world_step
+from tests.support import RunningWorker, until, worker_pool, world_step
 from workers.engines.null import NullEngine
 
 BOUND_S = 30.0  # every wait of these tests ends by then (a loaded machine included)
@@ -45,7 +45,7 @@ def pair() -> Iterator[Pair]:
 @pytest.fixture
 async def master(pair: Pair) -> AsyncIterator[Redis]:
     redis = Redis.from_url(pair.master.url, decode_responses=True)
-    await until(lambda: replica_online(redis), "the replica to sync")
+    await until(lambda: replica_online(redis), "the replica to sync", BOUND_S, 0.02)
     yield redis
     await redis.aclose()
 
@@ -54,15 +54,6 @@ async def replica_online(redis: Redis) -> bool:
     """Synced and streaming: before that WAIT counts it for nobody, whichever connection asks."""
     replica = (await redis.info("replication")).get("slave0")
     return isinstance(replica, dict) and replica.get("state") == "online"
-
-
-async def until(check: Callable[[], Awaitable[bool]], what: str) -> None:
-    """Poll ``check`` until it holds, at most BOUND_S."""
-    deadline = asyncio.get_running_loop().time() + BOUND_S
-    while not await check():
-        if asyncio.get_running_loop().time() > deadline:
-            pytest.fail(f"waited {BOUND_S}s for {what}")
-        await asyncio.sleep(0.02)
 
 
 @contextlib.contextmanager
@@ -99,14 +90,15 @@ async def test_a_replicated_step_is_answered_only_once_the_replica_has_it(pair: 
         with paused(pair.replica):
             step = s.submit(1, **world_step(1))
             await until(lambda: equals(session_field(master, keys, s.session_id, "committed_step_id"), "1"),
-                        "step 1 to be written on the master")
+                        "step 1 to be written on the master", BOUND_S, 0.02)
             # written, but neither acknowledged nor answered: the job stays pending, marked unconfirmed
             assert await pending(master, keys, worker) == 1
             assert await session_field(master, keys, s.session_id, "unconfirmed_step") == "1"
             assert not step.done()
             # a re-send is queued for the owner instead of being answered from the unconfirmed result
             again = s.submit(1, **world_step(1))
-            await until(lambda: equals(master.xlen(keys.inbox(worker.id)), 2), "the re-sent step to be queued")
+            await until(lambda: equals(master.xlen(keys.inbox(worker.id)), 2), "the re-sent step to be queued",
+                        BOUND_S, 0.02)
             assert not again.done()
         results = await asyncio.wait_for(asyncio.gather(step, again), BOUND_S)
         assert [(r.ok, r.committed_step_id, r.output["context"]) for r in results] == [(True, 1, 1)] * 2

@@ -5,7 +5,6 @@ ones again once ready; the HTTP engines probe their server's /health."""
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any
 
 import httpx
@@ -17,7 +16,7 @@ from broker.ops.weights import update_weights, workers_at_version
 from broker.redis.embedded import RedisServer
 from broker.redis.scripts import Scripts
 from schemas.errors import CapacityExhaustedError
-from tests.support import FAST, WorkerPool, world_step
+from tests.support import FAST, WorkerPool, until, world_step
 from workers.engines.null import NullEngine
 from workers.engines.vllm_http import VLLMHTTPConfig, VLLMHTTPEngine
 from workers.engines.vllm_omni_http import VLLMOmniHTTPConfig, VLLMOmniHTTPEngine
@@ -38,13 +37,6 @@ class SwitchedEngine(NullEngine):
         return self.answer
 
 
-async def until(check: Any, what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not await check():
-        assert time.monotonic() < deadline, what
-        await asyncio.sleep(0.05)
-
-
 async def worker_field(scripts: Scripts, worker_id: str, name: str) -> str:
     raw = await scripts.redis.hget(scripts.keys.worker(worker_id), name)
     return raw.decode() if raw is not None else ""
@@ -63,7 +55,7 @@ async def test_a_worker_whose_engine_is_not_ready_takes_no_new_session(
 
     async def says_not_ready() -> bool:
         return await worker_field(scripts, flaky.id, "engine_ready") == "0"
-    await until(says_not_ready, "the worker never said its engine is not ready")
+    await until(says_not_ready, "the worker never said its engine is not ready", 10.0)
     assert "refused the connection" in await worker_field(scripts, flaky.id, "engine_reason")
     assert flaky.worker.metrics.fleet.registry.get_sample_value("rollout_fleet_engine_ready") == 0
     table = format_status(await cell_status(redis_server.url, prefix=prefix))
@@ -85,7 +77,7 @@ async def test_a_worker_whose_engine_is_not_ready_takes_no_new_session(
             return (await fleet.create_session(model=WORLD, mode="world_model_env")).owner == flaky.id
         except CapacityExhaustedError:
             return False
-    await until(takes_sessions, "the worker did not take sessions again once ready")
+    await until(takes_sessions, "the worker did not take sessions again once ready", 10.0)
     assert await worker_field(scripts, flaky.id, "engine_ready") == "1"
     assert flaky.worker.metrics.fleet.registry.get_sample_value("rollout_fleet_engine_ready") == 1
 

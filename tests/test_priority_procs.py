@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,7 +16,7 @@ from broker import FleetClient
 from broker.redis.embedded import RedisServer
 from tests.ordering_engine import HOLD_PROMPT
 from tests.procs import Fleet
-from tests.support import world_step
+from tests.support import until, world_step
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.slow]
 MODEL, MODE = "null-world", "world_model_env"
@@ -29,15 +29,6 @@ def fleet_procs(redis_server: RedisServer, prefix: str) -> Iterator[Fleet]:
     procs = Fleet(redis_server.url, prefix)
     yield procs
     procs.close()
-
-
-async def until(check: Callable[[], Awaitable[bool]], what: str) -> None:
-    """Poll ``check()`` (bounded) until it is true."""
-    for _ in range(int(WAIT_S / 0.02)):
-        if await check():
-            return
-        await asyncio.sleep(0.02)
-    pytest.fail(f"{what} did not happen within {WAIT_S}s")
 
 
 async def running_jobs(fleet: FleetClient, worker_id: str) -> int:
@@ -66,15 +57,15 @@ async def test_an_interactive_step_runs_ahead_of_bulk_steps_queued_before_it_on_
         # straight to the batcher (no read of the session record in between).
         for s in (blocker, *bulk, late):
             assert (await s.step(0, **world_step(0))).ok
-        await until(lambda: running(0), "the first steps finishing")
+        await until(lambda: running(0), "the first steps finishing", WAIT_S, 0.02)
         # The blocker's step holds the engine; what comes next queues behind it.
         futs = [blocker.submit(1, **world_step(1, prompt=HOLD_PROMPT))]
-        await until(lambda: asyncio.to_thread(held.exists), "the blocker's batch holding")
-        await until(lambda: running(1), "the blocker running alone")
+        await until(lambda: asyncio.to_thread(held.exists), "the blocker's batch holding", WAIT_S, 0.02)
+        await until(lambda: running(1), "the blocker running alone", WAIT_S, 0.02)
         futs += [s.submit(1, **world_step(1)) for s in bulk]
-        await until(lambda: running(7), "the bulk steps queueing")
+        await until(lambda: running(7), "the bulk steps queueing", WAIT_S, 0.02)
         futs.append(late.submit(1, **world_step(1)))
-        await until(lambda: running(8), "the late step queueing")
+        await until(lambda: running(8), "the late step queueing", WAIT_S, 0.02)
         go.touch()  # every batch may run now: the order is the worker's alone
         results = await asyncio.wait_for(asyncio.gather(*futs), WAIT_S)
     assert all(r.ok for r in results), [r.error for r in results]
