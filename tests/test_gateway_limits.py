@@ -215,13 +215,14 @@ async def test_a_crafted_npy_header_answers_4xx_not_500(http: httpx.AsyncClient,
 
 @pytest.fixture
 def roomy(redis_server: RedisServer, prefix: str) -> Iterator[GatewayServer]:
-    """A gateway whose limits let a 5000x5000 picture through to its (slow) decode."""
-    yield GatewayServer(redis_server.url, prefix, limits=Limits(max_array_elements=80_000_000))
+    """A gateway whose limits let a 7000x7000 picture through to its (slow) decode."""
+    yield GatewayServer(redis_server.url, prefix, limits=Limits(max_array_elements=160_000_000))
 
 
 async def test_a_big_decode_does_not_stall_other_clients(roomy: GatewayServer, workers: WorkerPool) -> None:
     await workers.add(NullEngine())
-    png = b64(blank_png(5000, 5000))  # 0.2-1.5 s to decode, by the machine
+    # 0.4-3 s to decode, by the machine: long enough for several status calls on a fast one
+    png = b64(blank_png(7000, 7000))
     async with roomy as server, httpx.AsyncClient(base_url=server.url, timeout=30.0) as http:
         sid = await create(http, model="null-world")
         wrong = body(0, images={"cam": png})
