@@ -66,3 +66,14 @@ async def test_script_batching_does_the_same_commits_both_ways() -> None:
     rows = await sb.run("smoke")
     assert {(row.case, row.system) for row in rows} == {
         (f"batch of {n}", way) for n in sb.BATCHES for way in ("pipeline", "one call", "saved by one call")}
+
+
+async def test_consumer_read_takes_every_result_each_way() -> None:
+    """Each way of taking results (read only, ack each, ack_many per read) takes every entry of the
+    prepared stream (take_all raises otherwise), for inline and blob results alike."""
+    from bench import consumer_read
+
+    rows = await consumer_read.run("smoke")
+    assert {(row.case.split()[0], row.system) for row in rows} == {
+        (kind, way) for kind in consumer_read.SHAPES for way in consumer_read.WAYS}
+    assert all(row.values["deliveries_s"] > 0 for row in rows)

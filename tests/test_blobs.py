@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+from collections.abc import Awaitable
+from typing import Any
 
 import numpy as np
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from broker import FleetClient
-from broker.client.consumer import ResultConsumer
+from broker.client.consumer import Delivery, ResultConsumer
 from broker.client.replies import ReplyReader
 from broker.redis.blobs import BLOB_MARK, STAGE_BYTES, blob_key, unless_unstaged
 from broker.redis.durability import ReplicaWait
@@ -29,8 +32,10 @@ from broker.redis.script_replies import (
     Stored,
 )
 from broker.redis.scripts import Scripts, lua_source
+from schemas.codec import decode
 from schemas.errors import ErrorCode
-from tests.support import WorkerPool, world_step
+from schemas.messages import StepResult
+from tests.support import WorkerPool, until, world_step
 from workers.engines.null import NullEngine, NullEngineConfig
 
 pytestmark = pytest.mark.asyncio
@@ -238,6 +243,56 @@ async def test_a_consumer_group_reads_a_latent_and_its_ack_frees_the_blob(
         assert [key async for key in fleet.redis.scan_iter(match=stem + "*")] != []  # kept until handled
         assert await deliveries[0].ack() is True
     assert [key async for key in fleet.redis.scan_iter(match=stem + "*")] == []
+
+
+async def test_a_consumer_read_resolves_its_blobs_together_and_skips_handled_steps(
+    fleet: FleetClient, workers: WorkerPool
+) -> None:
+    """One read of several latent results: each delivery gets its own blob's bytes, an entry whose
+    blob is gone is dropped (acknowledged, never delivered), and in a later read a re-published copy
+    of a step the group handled is acknowledged silently beside a new step that is delivered."""
+    await workers.add(NullEngine(NullEngineConfig(latent_shape=LATENT)))
+    sessions = [await fleet.create_session(model="null-world", mode="world_model_env") for _ in range(3)]
+    for s in sessions:
+        assert (await s.enqueue(0, results_stream="rollouts", **world_step(0))).status == "queued"
+    stream = fleet.keys.reply("rollouts")
+    await until(lambda: _equals(fleet.redis.xlen(stream), 3), "three results published", 30.0)
+    entries = await fleet.redis.xrange(stream)
+    refs = [ReplyEntry.from_fields(fields).result for _, fields in entries]
+    keys = [blob_key(ref) for ref in refs]
+    assert all(key is not None for key in keys)
+    expected = [await fleet.redis.get(key) for key in keys]
+    await fleet.redis.delete(keys[2])  # gone (expired) before it was read
+    async with ResultConsumer(fleet, "rollouts", group="g", consumer="c1") as results:
+        delivered = await _read_some(results)
+        by_session = {d.result.session_id: d for d in delivered}
+        assert sorted(by_session) == sorted(s.session_id for s in sessions[:2])
+        for s, data in zip(sessions[:2], expected[:2], strict=True):
+            mine = StepResult.from_wire(decode(data))
+            assert np.array_equal(by_session[s.session_id].result.output["video_latent"], mine.output["video_latent"])
+        assert (await fleet.redis.xpending(stream, "g"))["pending"] == 2  # the gone one was acknowledged
+        assert await results.ack_many(delivered) == [True, True]
+        assert await fleet.redis.exists(*keys) == 0  # the handled blobs went with their acknowledgements
+        # a copy of a handled step's entry, result inline (as a re-publish of a small result writes it)
+        first = ReplyEntry.from_fields(entries[0][1])
+        await fleet.redis.xadd(stream, dataclasses.replace(first, result=expected[0]).to_fields())
+        assert (await sessions[0].enqueue(1, results_stream="rollouts", **world_step(1))).status == "queued"
+        await until(lambda: _equals(fleet.redis.xlen(stream), 2), "the copy and step 1 in the stream", 30.0)
+        again = await _read_some(results)
+        assert [(d.result.session_id, d.result.step_id) for d in again] == [(sessions[0].session_id, 1)]
+        assert (await fleet.redis.xpending(stream, "g"))["pending"] == 1  # the copy was acknowledged
+
+
+async def _read_some(results: ResultConsumer) -> list[Delivery]:
+    """The first read that delivers (a consumer's first read answers its own pending entries)."""
+    for _ in range(50):  # bounded: 50 reads of at most 200 ms
+        if delivered := await results.read(count=64, block_ms=200):
+            return delivered
+    return []
+
+
+async def _equals(value: Awaitable[Any], expected: Any) -> bool:
+    return await value == expected
 
 
 async def test_a_commit_whose_staging_is_missing_changes_nothing_and_is_retried(scripts: Scripts) -> None:

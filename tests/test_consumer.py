@@ -11,7 +11,7 @@ import pytest
 from redis.asyncio import Redis
 
 from broker import FleetClient
-from broker.client.consumer import ResultConsumer
+from broker.client.consumer import Delivery, ResultConsumer
 from broker.client.fleet import MAX_BLOCK_MS
 from broker.redis.embedded import RedisServer
 from tests.procs import Fleet
@@ -45,6 +45,27 @@ async def test_results_reach_a_consumer_group_and_are_handled_once(
         assert again.status == "committed"
         assert await results.read(block_ms=100) == []
     assert seen == [0, 1, 2, 3, 4]
+
+
+async def test_ack_many_acknowledges_a_whole_read_and_knows_handled_steps(
+    fleet: FleetClient, workers: WorkerPool
+) -> None:
+    await workers.add(NullEngine())
+    s = await fleet.create_session(model="null-lm", mode="tokens")
+    for i in range(6):
+        assert (await s.enqueue(i, results_stream="rollouts", token_ids=[i])).status == "queued"
+    async with ResultConsumer(fleet, "rollouts", group="g", consumer="c1") as results:
+        taken: list[Delivery] = []
+        for _ in range(50):  # bounded: 50 reads of at most 200 ms
+            taken += await results.read(block_ms=200)
+            if len(taken) == 6:
+                break
+        assert [d.result.step_id for d in taken] == list(range(6))
+        assert await results.ack_many(taken) == [True] * 6
+        assert await results.ack_many(taken[:2]) == [False] * 2  # handled already: a duplicate
+        assert await results.ack_many([]) == []
+        assert (await fleet.redis.xpending(fleet.keys.reply("rollouts"), "g"))["pending"] == 0
+        assert await fleet.redis.xlen(fleet.keys.reply("rollouts")) == 0
 
 
 @pytest.mark.slow

@@ -8,6 +8,9 @@ number of trainer processes run::
             store(delivery.result)          # keyed by (session_id, step_id)
             await delivery.ack()            # after it is stored: at least once, handled once
 
+or, a read at a time, ``deliveries = await results.read(count=64)`` then
+``await results.ack_many(deliveries)`` once they are stored (one round trip for all of them).
+
 Each result reaches the group at least once: a trainer that dies before acknowledging leaves its
 entries pending, and another trainer claims them once they have been idle ``claim_idle_ms``.
 Duplicates (a re-published or re-claimed result) are recognised by ``(session_id, step_id)``: the
@@ -20,7 +23,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -28,7 +31,7 @@ from redis.exceptions import ResponseError
 
 from broker.client.fleet import MAX_BLOCK_MS, FleetClient
 from broker.redis.aio import resolve
-from broker.redis.blobs import blob_key, resolved
+from broker.redis.blobs import blob_key, read_blobs
 from broker.redis.keys import CellKeys, check_stream_name
 from broker.redis.layouts import LayoutError, ReplyEntry, handled_field
 from schemas.errors import FleetError, InvalidRequestError
@@ -128,41 +131,88 @@ class ResultConsumer:
         return list(resp[1]) if resp else []
 
     async def _deliveries(self, raw: list[Any]) -> list[Delivery]:
-        out: list[Delivery] = []
+        """The read's entries decoded, less the steps the group already handled (acknowledged here).
+        Their result blobs, then their handled marks, are read in one round trip each, not one per
+        entry: each would delay every entry behind it."""
+        entries: list[tuple[str, ReplyEntry]] = []
         for entry_id, fields in raw:
             eid = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
             if not fields:
                 continue
             try:
-                reply = ReplyEntry.from_fields(fields)
-                blob = blob_key(reply.result)
-                data = await resolved(self.fleet.redis, reply.result)
-                result = replace(reply, result=reply.result if data is None else data).step_result(self.fleet.limits)
+                entries.append((eid, ReplyEntry.from_fields(fields)))
+            except LayoutError as exc:
+                await self._drop(eid, exc)
+        blobs = [blob_key(reply.result) for _, reply in entries]
+        wanted = [key for key in blobs if key is not None]
+        found = iter(await read_blobs(self.fleet.redis, wanted) if wanted else [])
+        decoded: list[Delivery] = []
+        for (eid, reply), blob in zip(entries, blobs, strict=True):
+            data = None if blob is None else _raise_if_error(next(found))
+            try:
+                result = replace(reply, result=reply.result if data is None else bytes(data)).step_result(
+                    self.fleet.limits)
             except (FleetError, LayoutError) as exc:  # undecodable, or its blob is gone
-                log.error("dropping undecodable result %s: %s", eid, exc)
-                await self.fleet.redis.xack(self._key, self.group, eid)
+                await self._drop(eid, exc)
                 continue
-            handled = handled_field(result.session_id, result.step_id)
-            seen = await resolve(self.fleet.redis.hexists(self._handled, handled))
-            delivery = Delivery(self, eid, result, blob)
-            if seen and result.ok:
-                await self.ack(delivery)  # a duplicate of a step the group already handled
-                continue
-            out.append(delivery)
-        return out
+            decoded.append(Delivery(self, eid, result, blob))
+        seen = await self._handled_already(decoded)
+        duplicates = [d for d, handled in zip(decoded, seen, strict=True) if handled]
+        if duplicates:  # of steps the group already handled: acknowledged, never delivered again
+            await self.ack_many(duplicates)
+        return [d for d, handled in zip(decoded, seen, strict=True) if not handled]
+
+    async def _drop(self, entry_id: str, exc: Exception) -> None:
+        log.error("dropping undecodable result %s: %s", entry_id, exc)
+        await self.fleet.redis.xack(self._key, self.group, entry_id)
+
+    async def _handled_already(self, deliveries: list[Delivery]) -> list[bool]:
+        """Whether the group handled each successful step already (an error never counts as handled:
+        a retried step may still commit later)."""
+        fields = [handled_field(*d.key) for d in deliveries if d.result.ok]
+        if len(fields) > 1:
+            async with self.fleet.redis.pipeline(transaction=False) as pipe:
+                for field in fields:
+                    pipe.hexists(self._handled, field)
+                marks = iter(await pipe.execute())
+        else:
+            marks = iter([await resolve(self.fleet.redis.hexists(self._handled, f)) for f in fields])
+        return [bool(next(marks)) if d.result.ok else False for d in deliveries]
 
     async def ack(self, delivery: Delivery) -> bool:
+        """Acknowledge ``delivery`` once stored; True the first time the group handles its step."""
+        first = await self._ack_entry(delivery)
+        if delivery.blob is not None and delivery.result.ok:  # handled by the group: no one claims it again
+            await self.fleet.redis.delete(delivery.blob)
+        return first
+
+    async def ack_many(self, deliveries: Sequence[Delivery]) -> list[bool]:
+        """:meth:`ack` for each delivery, together: the acknowledgements leave as one pipeline (the
+        client's script calls made in one event-loop turn do) and the handled blobs go in one DEL,
+        instead of a round trip or two per delivery. Every acknowledgement is attempted; the first
+        error is raised after all have been tried."""
+        outcomes = await asyncio.gather(*(self._ack_entry(d) for d in deliveries), return_exceptions=True)
+        handled = [d.blob for d, outcome in zip(deliveries, outcomes, strict=True)
+                   if d.blob is not None and d.result.ok and not isinstance(outcome, BaseException)]
+        if handled:
+            await self.fleet.redis.delete(*handled)
+        firsts: list[bool] = []
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
+            firsts.append(outcome)
+        return firsts
+
+    async def _ack_entry(self, delivery: Delivery) -> bool:
         r = delivery.result
         if not r.ok:  # errors are not "handled steps": a retried step may still commit later
             await self.fleet.redis.xack(self._key, self.group, delivery.entry_id)
             await self.fleet.redis.xdel(self._key, delivery.entry_id)
             return True
         scripts = self.fleet.link(self.cell).scripts
-        first = await scripts.ack_result(stream=self.stream, group=self.group, entry_id=delivery.entry_id,
-                                         session_id=r.session_id, step_id=r.step_id, handled_ttl_ms=self.handled_ttl_ms)
-        if delivery.blob is not None:  # handled by the group: no other consumer claims it again
-            await self.fleet.redis.delete(delivery.blob)
-        return first
+        return await scripts.ack_result(stream=self.stream, group=self.group, entry_id=delivery.entry_id,
+                                        session_id=r.session_id, step_id=r.step_id,
+                                        handled_ttl_ms=self.handled_ttl_ms)
 
     def __aiter__(self) -> AsyncIterator[Delivery]:
         return self._iterate()
@@ -172,3 +222,10 @@ class ResultConsumer:
             for delivery in await self.read():
                 yield delivery
             await asyncio.sleep(0)
+
+
+def _raise_if_error(value: Any) -> Any:
+    """A pipelined read's answer, or its error raised (as the plain command would have)."""
+    if isinstance(value, Exception):
+        raise value
+    return value

@@ -11,7 +11,7 @@ from typing import Any
 from redis.asyncio import Redis
 
 from broker.redis.backoff import REDIS_ERRORS, Backoff
-from broker.redis.blobs import blob_key
+from broker.redis.blobs import blob_key, read_blobs
 from broker.redis.connect import cluster_client_errors
 from broker.redis.layouts import ReplyEntry
 
@@ -107,13 +107,7 @@ class ReplyReader:
             return replies
         failures = REDIS_ERRORS + cluster_client_errors(self.redis)
         try:
-            if len(wanted) == 1:  # the plain command: a pipeline of one costs more
-                values: list[Any] = [await self.redis.getdel(wanted[0][1])]
-            else:
-                async with self.redis.pipeline(transaction=False) as pipe:
-                    for _, key in wanted:
-                        pipe.getdel(key)
-                    values = await pipe.execute(raise_on_error=False)
+            values = await read_blobs(self.redis, [key for _, key in wanted], delete=True)
         except failures as exc:
             log.warning("result blobs of %d replies unreadable: %s", len(wanted), exc)
             return replies

@@ -61,6 +61,22 @@ async def resolved(redis: Redis, value: bytes, *, delete: bool = False) -> bytes
     return None if data is None else bytes(data)
 
 
+async def read_blobs(redis: Redis, keys: list[str], *, delete: bool = False) -> list[Any]:
+    """The bytes of each blob in ``keys`` (None: gone) in one round trip: a pipeline, or the plain
+    command for one key (a pipeline of one costs more). An error of one key comes back in its place.
+    ``delete``: GETDEL, for a reader that is each blob's only reader."""
+    if len(keys) == 1:
+        return [await (redis.getdel(keys[0]) if delete else redis.get(keys[0]))]
+    async with redis.pipeline(transaction=False) as pipe:
+        for key in keys:
+            if delete:
+                pipe.getdel(key)
+            else:
+                pipe.get(key)
+        values: list[Any] = await pipe.execute(raise_on_error=False)
+    return values
+
+
 def gone_message(what: str, key: str) -> str:
     """Why a reference's result cannot be read: the step stays committed, its bytes are gone."""
     return (f"{what} was committed but its result (stored outside the log, {key}) is gone: it expired or its "
