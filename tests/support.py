@@ -49,6 +49,11 @@ async def until(check: Callable[[], Awaitable[bool]], what: str | Callable[[], A
         await asyncio.sleep(poll_s)
 
 
+async def equals(value: Awaitable[object], expected: object) -> bool:
+    """``until``'s check that an awaited value (a Redis read) equals ``expected``."""
+    return await value == expected
+
+
 async def reap_until_moved(scripts: Scripts, dead: str, timeout: float = 5.0, lease_ms: int = FAST["lease_ms"]) -> None:
     """Run the reaper until the sessions of worker ``dead`` have moved."""
     deadline = asyncio.get_running_loop().time() + timeout

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Awaitable
-from typing import Any
 
 import numpy as np
 import pytest
@@ -35,7 +33,7 @@ from broker.redis.scripts import Scripts, lua_source
 from schemas.codec import decode
 from schemas.errors import ErrorCode
 from schemas.messages import StepResult
-from tests.support import WorkerPool, until, world_step
+from tests.support import WorkerPool, equals, until, world_step
 from workers.engines.null import NullEngine, NullEngineConfig
 
 pytestmark = pytest.mark.asyncio
@@ -256,7 +254,7 @@ async def test_a_consumer_read_resolves_its_blobs_together_and_skips_handled_ste
     for s in sessions:
         assert (await s.enqueue(0, results_stream="rollouts", **world_step(0))).status == "queued"
     stream = fleet.keys.reply("rollouts")
-    await until(lambda: _equals(fleet.redis.xlen(stream), 3), "three results published", 30.0)
+    await until(lambda: equals(fleet.redis.xlen(stream), 3), "three results published", 30.0)
     entries = await fleet.redis.xrange(stream)
     refs = [ReplyEntry.from_fields(fields).result for _, fields in entries]
     keys = [blob_key(ref) for ref in refs]
@@ -277,7 +275,7 @@ async def test_a_consumer_read_resolves_its_blobs_together_and_skips_handled_ste
         first = ReplyEntry.from_fields(entries[0][1])
         await fleet.redis.xadd(stream, dataclasses.replace(first, result=expected[0]).to_fields())
         assert (await sessions[0].enqueue(1, results_stream="rollouts", **world_step(1))).status == "queued"
-        await until(lambda: _equals(fleet.redis.xlen(stream), 2), "the copy and step 1 in the stream", 30.0)
+        await until(lambda: equals(fleet.redis.xlen(stream), 2), "the copy and step 1 in the stream", 30.0)
         again = await _read_some(results)
         assert [(d.result.session_id, d.result.step_id) for d in again] == [(sessions[0].session_id, 1)]
         assert (await fleet.redis.xpending(stream, "g"))["pending"] == 1  # the copy was acknowledged
@@ -289,10 +287,6 @@ async def _read_some(results: ResultConsumer) -> list[Delivery]:
         if delivered := await results.read(count=64, block_ms=200):
             return delivered
     return []
-
-
-async def _equals(value: Awaitable[Any], expected: Any) -> bool:
-    return await value == expected
 
 
 async def test_a_commit_whose_staging_is_missing_changes_nothing_and_is_retried(scripts: Scripts) -> None:

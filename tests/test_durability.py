@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import os
 import signal
-from collections.abc import AsyncIterator, Awaitable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -19,7 +19,7 @@ from broker import FleetClient
 from broker.redis.embedded import RedisServer
 from broker.redis.keys import INBOX_GROUP, CellKeys
 from schemas.errors import ErrorCode
-from tests.support import RunningWorker, until, worker_pool, world_step
+from tests.support import RunningWorker, equals, until, worker_pool, world_step
 from workers.engines.null import NullEngine
 
 BOUND_S = 30.0  # every wait of these tests ends by then (a loaded machine included)
@@ -139,10 +139,6 @@ async def test_the_async_default_answers_before_the_replica_has_the_commit(pair:
             info = await master.info("replication")
             # ... while the replica has acknowledged less than the master wrote: the risk it takes
             assert int(info["slave0"]["offset"]) < int(info["master_repl_offset"])
-
-
-async def equals(value: Awaitable[object], expected: object) -> bool:
-    return await value == expected
 
 
 async def test_a_commit_redis_lost_is_answered_out_of_order_and_the_trainer_can_send_it_again(

@@ -24,7 +24,7 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, ResponseError
 
 from broker.redis.aio import resolve
 from broker.redis.script_replies import EnqueueReply, Refused, Stored
@@ -66,7 +66,10 @@ async def read_blobs(redis: Redis, keys: list[str], *, delete: bool = False) -> 
     command for one key (a pipeline of one costs more). An error of one key comes back in its place.
     ``delete``: GETDEL, for a reader that is each blob's only reader."""
     if len(keys) == 1:
-        return [await (redis.getdel(keys[0]) if delete else redis.get(keys[0]))]
+        try:
+            return [await (redis.getdel(keys[0]) if delete else redis.get(keys[0]))]
+        except ResponseError as exc:  # in its place, as the pipeline answers it
+            return [exc]
     async with redis.pipeline(transaction=False) as pipe:
         for key in keys:
             if delete:
