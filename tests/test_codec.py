@@ -285,3 +285,38 @@ def test_non_string_map_keys_are_rejected() -> None:
 def test_a_non_contiguous_buffer_is_refused() -> None:
     with pytest.raises(InvalidRequestError, match="contiguous"):
         decode(memoryview(encode({"x": 1}) * 2)[::2])
+
+
+def test_a_header_seen_before_is_still_checked_against_the_limits_of_each_decode() -> None:
+    """Decode keeps parsed array headers (schemas.codec._REFS): a header first read under roomy
+    limits must still be refused under strict ones, each with the message a first read gives."""
+    frame = encode({"a": np.zeros((2, 3, 4), dtype=np.float32)})
+    assert decode(frame)["a"].shape == (2, 3, 4)  # now parsed and kept
+    strict = [(Limits(max_array_elements=10), PayloadTooLargeError, "24 elements"),
+              (Limits(max_array_ndim=2), InvalidRequestError, "3 dimensions"),
+              (Limits(dtypes=frozenset({"int8"})), InvalidRequestError, "not allowed")]
+    for limits, error, match in strict:
+        with pytest.raises(error, match=match):
+            decode(frame, limits)
+    assert decode(frame)["a"].shape == (2, 3, 4)
+
+
+def test_arrays_of_one_shape_keep_their_own_dtype_and_place_in_a_frame() -> None:
+    """Encode keeps the reference it packed per (dtype, shape, offset): two same-shaped arrays of
+    one message, and a bfloat16 where a uint16 of the same bits was, must not share one."""
+    bits = np.arange(6, dtype=np.uint16).reshape(2, 3)
+    for _ in range(2):  # the second round uses what the first kept
+        plain, bf16 = decode(encode({"x": bits})), decode(encode({"x": BFloat16Array(bits)}))
+        assert plain["x"].dtype == np.uint16 and plain["x"].tolist() == bits.tolist()
+        assert isinstance(bf16["x"], BFloat16Array) and bf16["x"].bits.tolist() == bits.tolist()
+        pair = encode({"a": bits, "b": bits + 1})
+        assert [data[-8:] for _, data in _refs(pair)] == [struct.pack("<Q", 0), struct.pack("<Q", 16)]
+        assert decode(pair)["b"].tolist() == (bits + 1).tolist()
+
+
+def test_the_kept_array_headers_are_bounded() -> None:
+    from schemas import codec
+
+    for n in range(2 * codec._CACHE_BOUND + 5):  # many distinct shapes, as a hostile sender might
+        decode(encode(np.zeros((1, n), dtype=np.uint8)))
+    assert len(codec._REFS) <= codec._CACHE_BOUND and len(codec._REF_EXTS) <= codec._CACHE_BOUND
