@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import ctypes.util
+import gc
 import logging
 import signal
 from collections.abc import Mapping
@@ -15,16 +16,37 @@ from workers.settings import WorkerSettings
 from workers.worker import Worker
 
 log = logging.getLogger(__name__)
+# Container allocations (net of frees) between two young-generation collections; Python's default
+# is 700. A worker keeps every in-flight step's objects alive across several of those collections,
+# so at 700 it collected about 340 times a second at 64 tiny sessions and promoted enough to run a
+# full collection every 0.4 s (13-16 ms each, every in-flight step waiting): 7% of its time.
+GC_YOUNG_THRESHOLD = 10_000
 
 
 async def serve_worker(engine_name: str, settings: WorkerSettings, engine_options: Mapping[str, Any]) -> None:
     engine = build_engine(engine_name, engine_options)
     async with Worker(engine, settings) as worker:
+        tune_gc()  # after the engine and the worker are up: what exists now lives as long as the process
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, worker.request_stop)
         await worker.serve()
         log.info("worker %s drained: %d steps committed", worker.id, worker.executor.committed_steps)
+
+
+def tune_gc() -> None:
+    """Keep the cyclic garbage collector off the step path. What exists once the worker is up
+    (modules, the engine and its weights' Python objects, the worker's own state) is frozen, so
+    full collections no longer walk it; young collections run every ``GC_YOUNG_THRESHOLD``
+    allocations instead of 700. Garbage collected at once beforehand, so that none is frozen.
+    Measured at 64 tiny sessions: worker GC time 1.05 s -> 0.02 s in 15 s, step p99 28 -> 18-19
+    ms (docs/benchmarks.md)."""
+    gc.collect()
+    gc.freeze()
+    young, middle, old = gc.get_threshold()
+    gc.set_threshold(max(young, GC_YOUNG_THRESHOLD), middle, old)
+    log.info("garbage collector tuned: %d objects frozen, young-generation threshold %d",
+             gc.get_freeze_count(), gc.get_threshold()[0])
 
 
 def tune_malloc() -> bool:
