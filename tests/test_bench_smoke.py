@@ -77,3 +77,19 @@ async def test_consumer_read_takes_every_result_each_way() -> None:
     assert {(row.case.split()[0], row.system) for row in rows} == {
         (kind, way) for kind in consumer_read.SHAPES for way in consumer_read.WAYS}
     assert all(row.values["deliveries_s"] > 0 for row in rows)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+async def test_gc_pauses_times_both_processes_with_and_without_the_tuning() -> None:
+    """Every round reports the worker's and the trainer's collections of its window, the worker's
+    from its child (written on SIGUSR1), for tiny and latent results, tuned and not."""
+    from bench import gc_pauses
+
+    rows = await gc_pauses.run("smoke")
+    assert len(rows) == 8 and {row.case.split()[0] for row in rows} == {"tiny", "latent"}
+    assert sum("python defaults" in row.system and row.system.startswith("worker") for row in rows) == 2
+    for row in rows:
+        assert {"young_n", "middle_n", "full_n", "full_max_ms"} <= set(row.values)
+        if row.system.startswith("trainer"):
+            assert row.values["n"] > 0 and row.values["errors"] == 0

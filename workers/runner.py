@@ -39,8 +39,8 @@ def tune_gc() -> None:
     (modules, the engine and its weights' Python objects, the worker's own state) is frozen, so
     full collections no longer walk it; young collections run every ``GC_YOUNG_THRESHOLD``
     allocations instead of 700. Garbage collected at once beforehand, so that none is frozen.
-    Measured at 64 tiny sessions: worker GC time 1.05 s -> 0.02 s in 15 s, step p99 28 -> 18-19
-    ms (docs/benchmarks.md)."""
+    Measured at 64 tiny sessions (``python -m bench.gc_pauses``): worker GC time about 1 s per 15
+    s -> none, step p99 27 -> 19 ms (docs/benchmarks.md)."""
     gc.collect()
     gc.freeze()
     young, middle, old = gc.get_threshold()
