@@ -18,8 +18,8 @@ from workers.worker import Worker
 log = logging.getLogger(__name__)
 # Container allocations (net of frees) between two young-generation collections; Python's default
 # is 700. A worker keeps every in-flight step's objects alive across several of those collections,
-# so at 700 it collected about 340 times a second at 64 tiny sessions and promoted enough to run a
-# full collection every 0.4 s (13-16 ms each, every in-flight step waiting): 7% of its time.
+# so at 700 it collected about 330 times a second at 64 tiny sessions and promoted enough to run a
+# full collection every 0.4 s (14-16 ms each, every in-flight step waiting): 7% of its time.
 GC_YOUNG_THRESHOLD = 10_000
 
 
