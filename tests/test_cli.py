@@ -27,7 +27,7 @@ def test_demo_runs_both_modes_and_reports_no_loss() -> None:
 
 
 def test_demo_heals_a_killed_worker_and_exposes_its_metrics() -> None:
-    port = free_port()
+    port = free_port(count=2)  # the demo's two workers serve metrics on port and port + 1
     out = subprocess.run([*CLI, "demo", "--sessions", "6", "--steps", "30", "--no-progress", "--kill-one",
                           "--metrics-port", str(port), "--latent-shape", "1,4,2,8,10"],
                          capture_output=True, text=True, timeout=300)

@@ -8,7 +8,8 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from broker.redis.embedded import RedisServer, free_port, running_redis
+from broker.redis.embedded import RedisServer, running_redis
+from broker.redis.embedded_cluster import cluster_port
 from broker.redis.keys import CellKeys
 from broker.redis.slots import SLOTS, cell_slot, cells_on_distinct_masters, crc16, master_of
 
@@ -22,10 +23,9 @@ def test_crc16_matches_the_published_xmodem_vector() -> None:
 
 @pytest.fixture(scope="module")
 def cluster_node() -> Iterator[RedisServer]:
-    # The cluster bus listens on port + 10000 unless told otherwise, which is out of range for the
-    # high ports free_port() may return: give it its own free port.
-    args = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-port", str(free_port())]
-    with running_redis(extra_args=args) as server:
+    # the cluster bus listens on port + 10000: cluster_port() finds both free (Redis 6.2 has no --cluster-port)
+    args = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
+    with running_redis(port=cluster_port(), extra_args=args) as server:
         yield server
 
 

