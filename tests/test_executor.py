@@ -16,6 +16,7 @@ import pytest
 from broker import FleetClient
 from broker.client import Session
 from broker.redis.embedded import RedisServer
+from broker.redis.inbox import InboxEntry, parse_inbox_entry
 from broker.redis.script_replies import CommitReply
 from schemas.errors import ContextLost, ErrorCode, InferenceError, TransientEngineError
 from schemas.messages import StepResult
@@ -23,7 +24,6 @@ from tests.support import world_step
 from workers.engines.base import EngineOutput, EngineRequest
 from workers.engines.null import NullEngine
 from workers.failure import finish_before_cancel
-from workers.jobs import Job, parse_job
 from workers.settings import WorkerSettings
 from workers.worker import Worker
 
@@ -66,21 +66,22 @@ async def idle_worker(start_worker: StartWorker) -> Worker:
     return await start_worker(NullEngine())
 
 
-async def enqueued(fleet: FleetClient, worker: Worker, step_id: int) -> tuple[Session, asyncio.Task[StepResult], Job]:
+async def enqueued(fleet: FleetClient, worker: Worker,
+                   step_id: int) -> tuple[Session, asyncio.Task[StepResult], InboxEntry]:
     """Create a session on ``worker``, submit step ``step_id`` and take its job from the inbox."""
     session = await fleet.create_session(model="null-world", mode="world_model_env")
     waiting = session.submit(step_id, **world_step(step_id))
     for _ in range(200):
         entries = await fleet.redis.xrange(fleet.keys.inbox(worker.id))
         if entries:
-            job = parse_job(*entries[-1])
-            assert isinstance(job, Job)
+            job = parse_inbox_entry(*entries[-1])
+            assert isinstance(job, InboxEntry)
             return session, waiting, job
         await asyncio.sleep(0.01)
     pytest.fail("the step was not enqueued")
 
 
-async def run(worker: Worker, job: Job) -> None:
+async def run(worker: Worker, job: InboxEntry) -> None:
     await worker._guard(job, worker._process(job))
 
 
@@ -153,7 +154,7 @@ async def test_a_context_the_engine_keeps_losing_fails_with_context_lost_and_no_
 
 async def test_a_bug_is_answered_as_an_internal_worker_error(fleet: FleetClient, idle_worker: Worker,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    def broken(job: Job) -> Any:
+    def broken(job: InboxEntry) -> Any:
         raise KeyError("a bug")
 
     monkeypatch.setattr(idle_worker.executor, "_parse", broken)
@@ -169,7 +170,7 @@ async def test_a_malformed_entry_takes_the_same_path(fleet: FleetClient, idle_wo
     fields = {b"kind": b"step", b"job_id": b"junk-1", b"reply_to": fleet.client_id.encode()}
     entry_id = await fleet.redis.xadd(fleet.keys.inbox(idle_worker.id), fields)  # type: ignore[arg-type]
     await idle_worker._inflight.acquire()
-    idle_worker._dispatch(parse_job(entry_id, fields))
+    idle_worker._dispatch(parse_inbox_entry(entry_id, fields))
     r = fleet.decode_result(await asyncio.wait_for(waiting, 5), 0.0)
     assert r.error and r.error.code is ErrorCode.INVALID_REQUEST and "malformed job" in r.error.message
     dead = await fleet.redis.xrange(fleet.keys.dead)
@@ -183,7 +184,7 @@ async def test_a_commit_already_sent_completes_and_applies_its_outcome_when_the_
     sent = asyncio.Event()
     real_commit = idle_worker.executor.jobs.commit
 
-    async def slow_answer(job: Job, result: bytes, **kwargs: Any) -> CommitReply:
+    async def slow_answer(job: InboxEntry, result: bytes, **kwargs: Any) -> CommitReply:
         answer = await real_commit(job, result, **kwargs)
         sent.set()
         await asyncio.sleep(0.2)  # the reply is still on its way when the lane is cancelled

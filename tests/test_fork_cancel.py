@@ -12,6 +12,7 @@ import pytest
 from broker import FleetClient, SyncFleetClient
 from broker.client.session import Session
 from broker.redis.embedded import RedisServer
+from broker.redis.inbox import InboxEntry, parse_inbox_entry
 from broker.redis.script_replies import Cancelled, CancelledCommit, Committed, Created, Duplicate, Queued
 from broker.redis.scripts import Scripts
 from schemas.errors import (
@@ -31,7 +32,6 @@ from workers.engines.null import NullEngine
 from workers.engines.reference import ReferenceEngine, ReferenceEngineConfig
 from workers.engines.reference_lm import ReferenceLMConfig
 from workers.engines.token_sessions import TokenContexts
-from workers.jobs import Job, parse_job
 
 pytestmark = pytest.mark.asyncio
 SHAPE = (1, 4, 2, 8, 10)
@@ -251,16 +251,16 @@ async def test_commit_lua_alone_refuses_every_step_enqueued_before_a_cancel(scri
     assert isinstance(await scripts.create("s1", "tokens", "m", lease_ms=5000, retention="full", result_window=2),
                       Created)
 
-    async def enqueue(step: int) -> Job:
+    async def enqueue(step: int) -> InboxEntry:
         queued = await scripts.enqueue("s1", "w1", step_id=step, contextual=True, job_id=f"j{step}", reply_to="c",
                                        payload=b"p")
         assert isinstance(queued, Queued)
         [(entry_id, fields)] = await scripts.redis.xrange(scripts.keys.inbox("w1"), queued.entry_id, queued.entry_id)
-        job = parse_job(entry_id, fields)
-        assert isinstance(job, Job)
+        job = parse_inbox_entry(entry_id, fields)
+        assert isinstance(job, InboxEntry)
         return job
 
-    async def commit(job: Job, result: bytes = b"r") -> object:
+    async def commit(job: InboxEntry, result: bytes = b"r") -> object:
         return await scripts.commit(session_id="s1", worker_id="w1", epoch=1, step_id=job.step_id,
                                     entry_id=job.entry_id, result=result, context_length=3, job_id=job.job_id,
                                     reply_to="c", reply_ttl_ms=60000, cancels=job.cancels if result else None)

@@ -17,10 +17,10 @@ from schemas.messages import Mode
 from schemas.sharing import Priority
 from tests.support import WorkerPool, world_step
 from tests.test_batcher import request
-from workers.admission import Admission
 from workers.batcher import Batcher
 from workers.engines.base import EngineOutput, EngineRequest
 from workers.engines.null import NullEngine
+from workers.worker import Admission
 
 MODEL, MODE = "null-world", "world_model_env"
 WAIT_S = 20.0  # every wait of these tests is bounded by this

@@ -7,10 +7,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from broker import FleetClient
 from schemas.codec import decode
 from schemas.errors import ContextLost
 from schemas.messages import Mode
+from tests.support import WorkerPool, until, world_step
 from workers.digests import BLAKE2B_16, DIGEST_KIND, XXH3_128, output_digest, record_digest_kind
+from workers.engines.null import NullEngine
 from workers.rebuild import step_record
 
 # output_digest of OUTPUT as the previous release (blake2b-16 over plain msgpack, no frame) computed it.
@@ -45,3 +48,24 @@ def test_new_records_name_their_digest_and_old_ones_read_as_blake2b() -> None:
 def test_a_digest_of_an_unknown_kind_is_a_lost_context_not_a_crash() -> None:
     with pytest.raises(ContextLost, match="unknown kind 'sha3-512'"):
         output_digest(_output(), "sha3-512")
+
+
+async def test_rebuilds_leave_no_growing_list_on_the_executor(fleet: FleetClient, workers: WorkerPool) -> None:
+    """A long-lived worker rebuilds contexts without end: what it keeps of them is counts and the
+    rebuild histogram, never one list entry per rebuild."""
+    running = await workers.add(NullEngine())
+    session = await fleet.create_session(model="null-world", mode="world_model_env")
+    assert (await session.step(0, **world_step(0))).ok
+    executor, rebuilds = running.worker.executor, 8
+
+    async def idle() -> bool:  # the reply can come before the worker applied its commit
+        return running.worker._active == 0
+
+    for step in range(1, rebuilds + 1):
+        await until(idle, "the worker done with the last step")
+        running.worker._sessions[session.session_id].engine_ready = False  # as after a takeover
+        assert (await session.step(step, **world_step(step))).ok
+    assert executor.rebuilt_steps == sum(range(1, rebuilds + 1))  # each rebuild replayed steps 0..step-1
+    histogram = executor.metrics.fleet.context_rebuild_seconds.collect()[0]
+    assert [s.value for s in histogram.samples if s.name.endswith("_count")] == [rebuilds]
+    assert not [name for name, value in vars(executor).items() if isinstance(value, list) and len(value) >= rebuilds]

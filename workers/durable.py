@@ -18,11 +18,11 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+from broker.redis.inbox import InboxEntry
 from broker.redis.script_replies import Committed, Duplicate
 from schemas.errors import ErrorCode
 from workers.failure import StepFailed, settled
 from workers.job_scripts import CommitAnswer, JobScripts
-from workers.jobs import Job
 from workers.rate_limit import WarningLimiter
 from workers.settings import WorkerSettings
 
@@ -39,7 +39,7 @@ class ReplicaConfirmation:
         self.timeout_s = settings.durability_timeout_s
         self._warnings = WarningLimiter(log)  # a replica down for a while: one warning per step otherwise
 
-    async def confirm(self, job: Job, acked: int, commit_again: CommitCall) -> None:
+    async def confirm(self, job: InboxEntry, acked: int, commit_again: CommitCall) -> None:
         """Publish the job's committed result once enough replicas acknowledged it; ``acked``: how
         many did after the commit, ``commit_again``: the same commit (deferred, with its WAIT)."""
         if self.wait is None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from broker.redis.backoff import REDIS_ERRORS, until_redis_answers
+from broker.redis.inbox import BadEntry, InboxEntry
 from broker.redis.inputs import InputGone, dead_letter_input, read_input
 from broker.redis.script_replies import CancelledCommit, Committed, Duplicate, OutOfOrder
 from broker.redis.scripts import Scripts
@@ -37,7 +38,6 @@ from workers.durable import ReplicaConfirmation
 from workers.engines.base import Engine, EngineOutput, EngineRequest
 from workers.failure import StepFailed, finish_before_cancel, settled
 from workers.job_scripts import CommitAnswer, JobScripts
-from workers.jobs import BadJob, Job
 from workers.rebuild import rebuild_context, records_kept, step_record
 from workers.settings import WorkerSettings
 from workers.snapshots import Snapshotter
@@ -79,7 +79,6 @@ class StepExecutor:
         self.stats = StepStats(settings.heartbeat_ms)  # the dashboard's rates and latencies
         self.rebuilt_steps = 0
         self.aborted_steps = 0  # runs stopped by an aborting weight update (each ran again)
-        self.rebuild_ms: list[float] = []
         self.rebuild_engine_calls = 0  # engine requests rebuilds made (one per token session)
         self.replayed_steps = 0  # steps rebuilds ran one by one (after a snapshot: at most N)
         self.snapshots = Snapshotter(scripts, engine, settings.snapshot_every)
@@ -97,16 +96,17 @@ class StepExecutor:
 
     # ------------------------------------------------------------------ publishing
 
-    async def publish(self, job: Job, result: StepResult, *, fallback: bool,
+    async def publish(self, job: InboxEntry, result: StepResult, *, fallback: bool,
                       dead_letter: dict[str, object] | None = None) -> None:
         """Publish a result that commits nothing; ``fallback`` lets the trainer retry the step."""
         payload = encode(result.to_wire())
         await settled(lambda: self.jobs.report(job, payload, fallback=fallback, dead_letter=dead_letter),
                       f"report {job.session_id}/{job.step_id}")
 
-    async def publish_failure(self, job: Job | BadJob, failure: StepFailed, state: SessionState | None) -> None:
+    async def publish_failure(self, job: InboxEntry | BadEntry, failure: StepFailed,
+                              state: SessionState | None) -> None:
         """Answer a failed job: its error result, the fallback and the dead letter it asks for."""
-        if isinstance(job, BadJob):  # one attempt, as its pipeline is not safe to repeat
+        if isinstance(job, BadEntry):  # one attempt, as its pipeline is not safe to repeat
             await finish_before_cancel(self.jobs.reject_malformed(job, failure))
             self.metrics.fleet.dead_letters.inc()
             return
@@ -126,7 +126,7 @@ class StepExecutor:
                                             self.worker_id, int(time.time() * 1000), kept)
         await self.publish(job, result, fallback=failure.fallback, dead_letter=fields)
 
-    async def _staged_dead_letter_input(self, job: Job) -> tuple[bytes, str]:
+    async def _staged_dead_letter_input(self, job: InboxEntry) -> tuple[bytes, str]:
         """What the dead letter of a job with a staged payload keeps of it (a replay needs it)."""
         try:
             return await dead_letter_input(self.scripts.redis, self.scripts.keys, job.session_id, job.job_id)
@@ -135,7 +135,7 @@ class StepExecutor:
 
     # ------------------------------------------------------------------ steps
 
-    async def run_step(self, job: Job, state: SessionState | None) -> None:
+    async def run_step(self, job: InboxEntry, state: SessionState | None) -> None:
         """A contextual step (``state`` given) or a stateless one (``state`` None)."""
         picked_ms = time.time() * 1000.0
         if state is not None and job.step_id > state.committed:
@@ -165,7 +165,7 @@ class StepExecutor:
             if self.snapshots.due(job):
                 await self.snapshots.after_commit(job, output_digest(out.output), self.worker_id)
 
-    async def _parse(self, job: Job) -> StepInput:
+    async def _parse(self, job: InboxEntry) -> StepInput:
         payload = job.payload
         if job.input_staged:  # a large payload: one GET here, it never went through a script (inputs.py)
             redis, keys = self.scripts.redis, self.scripts.keys
@@ -179,7 +179,7 @@ class StepExecutor:
         except FleetError as exc:
             raise StepFailed.of(exc) from exc
 
-    async def _is_next(self, job: Job, state: SessionState) -> bool:
+    async def _is_next(self, job: InboxEntry, state: SessionState) -> bool:
         """Answer a duplicate at once (False); raise for a job out of order; True when it is next."""
         if job.step_id <= state.committed:
             await self._answer_duplicate(job, state)
@@ -191,7 +191,7 @@ class StepExecutor:
                              "(an earlier step of this session failed; resubmit from there).", fallback=False)
         return True
 
-    async def _run_gated(self, job: Job, request: EngineRequest, state: SessionState | None) -> EngineRun:
+    async def _run_gated(self, job: InboxEntry, request: EngineRequest, state: SessionState | None) -> EngineRun:
         """The gate keeps weight updates out while this step (and its rebuild) uses the engine. An
         update that aborts in-flight steps sends this one back to the gate: it runs again on the new
         weights (the engine left the session's context as it was), whole, or under ``continue``
@@ -217,7 +217,7 @@ class StepExecutor:
                              "tokens kept)", job.session_id, job.step_id, kept)
 
     @contextlib.asynccontextmanager
-    async def _gate(self, job: Job) -> AsyncIterator[int]:
+    async def _gate(self, job: InboxEntry) -> AsyncIterator[int]:
         """Pass the weight gate; a step waiting there for its minimum policy version gives up after
         ``version_wait_s``, or at once when its session is closed or the worker drains."""
         stop = asyncio.Event()
@@ -237,7 +237,7 @@ class StepExecutor:
             if not waiting and self._gate_waits.get(job.session_id) is waiting:
                 del self._gate_waits[job.session_id]
 
-    def _raise_if_cancelled(self, job: Job) -> None:
+    def _raise_if_cancelled(self, job: InboxEntry) -> None:
         """A contextual step enqueued before a cancel of its session (workers/groups.py) never runs
         or commits: it answers ``cancelled`` and leaves next_step_id as the cancel set it."""
         if job.contextual and self.cancels.cancelled(job.session_id, job.cancels):
@@ -263,7 +263,7 @@ class StepExecutor:
         return StepFailed(ErrorCode.SESSION_CLOSED, f"the session was closed while its step waited: {exc}",
                           fallback=False)
 
-    async def _run_engine(self, job: Job, request: EngineRequest,
+    async def _run_engine(self, job: InboxEntry, request: EngineRequest,
                           state: SessionState | None) -> tuple[EngineOutput, int, float]:
         batcher = self.batchers.get(job.model)
         if batcher is None:
@@ -279,7 +279,7 @@ class StepExecutor:
                 await self._after_engine_failure(job, state, exc, attempt)
             attempt += 1
 
-    async def _after_engine_failure(self, job: Job, state: SessionState | None, exc: Exception,
+    async def _after_engine_failure(self, job: InboxEntry, state: SessionState | None, exc: Exception,
                                     attempt: int) -> None:
         """Raise what ends the step, or return (after a rebuild or a wait) to run it again."""
         last = attempt >= self.settings.max_attempts
@@ -303,7 +303,7 @@ class StepExecutor:
                     job.session_id, job.step_id, attempt, text, delay)
         await asyncio.sleep(delay * (0.5 + random.random()))
 
-    async def _recover_context(self, job: Job, state: SessionState, exc: FleetError) -> None:
+    async def _recover_context(self, job: InboxEntry, state: SessionState, exc: FleetError) -> None:
         """The engine lost the session's context (e.g. a remote server restarted): rebuild it from the
         committed step records so the step can run again, instead of failing the session."""
         log.warning("engine lost the context of %s (%s); rebuilding", job.session_id, exc.message)
@@ -312,7 +312,7 @@ class StepExecutor:
         if state.committed >= 0:
             await self._rebuild(job, state)
 
-    async def _rebuild(self, job: Job, state: SessionState) -> None:
+    async def _rebuild(self, job: InboxEntry, state: SessionState) -> None:
         """Rebuild the engine context of a session this worker took over."""
         batcher = self.batchers.get(job.model)
         try:
@@ -322,8 +322,7 @@ class StepExecutor:
                 self.scripts.redis, self.scripts.keys, batcher, self.engine, session_id=job.session_id,
                 model=job.model, mode=job.mode, committed=state.committed,
                 version=self.engine.policy_version_of(job.model), gen=job.gen)
-            self.rebuild_ms.append(rebuilt.ms)
-            self.metrics.rebuilt(rebuilt.ms / 1000.0)
+            self.metrics.rebuilt(rebuilt.ms / 1000.0)  # a histogram: bounded, however many rebuilds
             self.rebuilt_steps += state.committed + 1
             self.rebuild_engine_calls += rebuilt.engine_calls
             self.replayed_steps += rebuilt.replayed_steps
@@ -334,7 +333,7 @@ class StepExecutor:
 
     # ------------------------------------------------------------------ commits
 
-    async def _commit(self, job: Job, result: StepResult, state: SessionState) -> bool:
+    async def _commit(self, job: InboxEntry, result: StepResult, state: SessionState) -> bool:
         """Commit the step; False when it was committed before (the stored result went out again)."""
         assert result.output is not None
         payload = encode(result.to_wire())
@@ -354,7 +353,7 @@ class StepExecutor:
         await self.replicas.confirm(job, acked, commit_call)  # replicated durability: then it is published
         return fresh
 
-    def _apply_commit(self, job: Job, state: SessionState, answer: CommitAnswer) -> bool:
+    def _apply_commit(self, job: InboxEntry, state: SessionState, answer: CommitAnswer) -> bool:
         if isinstance(answer, Committed):
             state.committed = job.step_id
             state.engine_ready = True
@@ -378,7 +377,7 @@ class StepExecutor:
                          f"{state.committed}: Redis lost later commits); send the steps again from "
                          f"{state.committed + 1}", fallback=True)
 
-    async def _answer_duplicate(self, job: Job, state: SessionState) -> None:
+    async def _answer_duplicate(self, job: InboxEntry, state: SessionState) -> None:
         """A job for a step that is already committed: re-publish the stored result, never re-run."""
         def republish() -> Coroutine[Any, Any, tuple[CommitAnswer, int]]:
             return self.jobs.commit(job, b"", context_length=0)

@@ -14,13 +14,12 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 from broker.redis.backoff import REDIS_ERRORS, until_redis_answers
+from broker.redis.inbox import BadEntry, InboxEntry
 from schemas.errors import ErrorCode, Fenced, FleetError
-from workers.jobs import BadJob, Job
 from workers.rate_limit import WarningLimiter
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-log = logging.getLogger(__name__)
 
 
 class StepFailed(FleetError):
@@ -80,13 +79,13 @@ async def settled(attempt: Callable[[], Coroutine[Any, Any, T]], what: str) -> T
     return await until_redis_answers(shielded, what)
 
 
-async def reject_malformed(job: BadJob, warnings: WarningLimiter) -> None:
+async def reject_malformed(job: BadEntry, warnings: WarningLimiter) -> None:
     """A malformed entry fails like any job: dead-lettered, and answered if it names where to."""
     warnings.warning("malformed job %s: %s", job.entry_id, job.reason)
     raise StepFailed(ErrorCode.INVALID_REQUEST, f"malformed job: {job.reason}", fallback=False, dead_letter=True)
 
 
-async def as_step_failure(job: Job | BadJob, coro: Any) -> None:
+async def as_step_failure(job: InboxEntry | BadEntry, coro: Any) -> None:
     """Run a job; a bug becomes an ``internal worker error`` failure like any other."""
     try:
         await coro

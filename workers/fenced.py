@@ -11,9 +11,9 @@ from typing import Any
 
 from broker.redis.aio import resolve
 from broker.redis.backoff import until_redis_answers
+from broker.redis.inbox import InboxEntry
 from workers.failure import settled
 from workers.job_scripts import JobScripts
-from workers.jobs import Job
 from workers.rate_limit import WarningLimiter
 
 log = logging.getLogger(__name__)
@@ -25,7 +25,7 @@ class FencedEntries:
         self.dropped = 0
         self._warn = WarningLimiter(log)
 
-    async def drop(self, job: Job, held_epoch: int | None) -> bool:
+    async def drop(self, job: InboxEntry, held_epoch: int | None) -> bool:
         """Ack and drop the fenced ``job``; True when this worker still holds the session at
         ``held_epoch`` (None: it holds no state of it) and must keep its context."""
         await settled(lambda: self.jobs.drop_entry(job.entry_id), f"drop fenced {job.entry_id}")

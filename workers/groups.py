@@ -21,10 +21,10 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from broker.redis.aio import resolve
+from broker.redis.inbox import InboxEntry
 from broker.redis.layouts import SessionHash
 from workers.executor import SessionState, StepExecutor
 from workers.failure import settled
-from workers.jobs import Job
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ class Groups:
         self._executor = executor  # the worker's, once started
         self._sessions = sessions  # the worker's sessions at their epochs (shared, not copied)
 
-    def cancel(self, job: Job) -> Coroutine[Any, Any, None]:
+    def cancel(self, job: InboxEntry) -> Coroutine[Any, Any, None]:
         """Act on a cancel entry now (synchronously: before the reader hands out anything after it);
         returns the acknowledgement of the entry, to run as a job."""
         executor = self._executor()
@@ -45,7 +45,7 @@ class Groups:
                  aborted)
         return self._ack(job)
 
-    async def fork(self, job: Job, state: SessionState) -> None:
+    async def fork(self, job: InboxEntry, state: SessionState) -> None:
         """The parent's lane reached its fork entry: copy its context into the branches, then ack."""
         branches = job.payload.decode("utf-8", "replace").split()
         if state.engine_ready and state.committed == job.step_id >= 0 and branches:
@@ -56,7 +56,7 @@ class Groups:
                             job.session_id, exc)
         await self._ack(job)
 
-    async def _copy(self, job: Job, branches: list[str]) -> None:
+    async def _copy(self, job: InboxEntry, branches: list[str]) -> None:
         executor = self._executor()
         redis, keys = executor.scripts.redis, executor.scripts.keys
         hashes: list[SessionHash | None] = []
@@ -75,6 +75,6 @@ class Groups:
             self._sessions[branch] = SessionState(committed=h.committed_step_id, epoch=h.epoch, engine_ready=True,
                                                   model=h.model)
 
-    async def _ack(self, job: Job) -> None:
+    async def _ack(self, job: InboxEntry) -> None:
         jobs = self._executor().jobs
         await settled(lambda: jobs.drop_entry(job.entry_id), f"{job.kind} {job.session_id}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from broker.redis.connect import atomic_pipeline
+from broker.redis.inbox import BadEntry, InboxEntry
 from broker.redis.inputs import is_staged
 from broker.redis.keys import INBOX_GROUP
 from broker.redis.layouts import DEAD_LETTER_MAXLEN, ReplyEntry
@@ -24,7 +25,6 @@ from schemas.codec import encode
 from schemas.errors import ErrorCode, Fenced
 from schemas.messages import StepResult
 from workers.failure import StepFailed
-from workers.jobs import BadJob, Job
 from workers.settings import WorkerSettings
 
 CommitAnswer = Committed | Duplicate | DuplicateUnstored | OutOfOrder | CancelledCommit
@@ -40,7 +40,7 @@ class JobScripts:
         self.reply_bounds = settings.reply_bounds()
         self.replica_wait = settings.replica_wait()
 
-    async def commit(self, job: Job, result: bytes, *, context_length: int, record: bytes = b"",
+    async def commit(self, job: InboxEntry, result: bytes, *, context_length: int, record: bytes = b"",
                      keep_records: int = -1, version: int | None = None) -> tuple[CommitAnswer, int]:
         """Commit ``result`` as the job's step (``result`` empty: only re-publish a stored one), and
         how many replicas have it. With durability async the result goes out with the commit (the
@@ -61,7 +61,7 @@ class JobScripts:
             raise Fenced(job.session_id)
         return reply, acked
 
-    async def publish_committed(self, job: Job) -> None:
+    async def publish_committed(self, job: InboxEntry) -> None:
         """Publish the stored result of the job's committed step and acknowledge the job (after a
         replica confirmed a deferred commit)."""
         reply = await self.scripts.commit(
@@ -75,7 +75,7 @@ class JobScripts:
             raise StepFailed(ErrorCode.STEP_OUT_OF_ORDER, f"step {job.step_id} is no longer committed "
                              "(Redis failed over); send it again", fallback=True)
 
-    async def report(self, job: Job, result: bytes, *, fallback: bool,
+    async def report(self, job: InboxEntry, result: bytes, *, fallback: bool,
                      dead_letter: dict[str, object] | None) -> None:
         """Publish a result that commits nothing; ``fallback`` lets the trainer retry the step."""
         reply = await self.scripts.report(
@@ -87,7 +87,7 @@ class JobScripts:
         if isinstance(reply, StaleOwner):
             raise Fenced(job.session_id)
 
-    async def apply_control(self, job: Job) -> None:
+    async def apply_control(self, job: InboxEntry) -> None:
         """Apply a reset or close job and answer it."""
         reply = await self.scripts.apply_control(
             session_id=job.session_id, worker_id=self.worker_id, epoch=job.epoch, entry_id=job.entry_id,
@@ -107,7 +107,7 @@ class JobScripts:
             pipe.xdel(inbox, entry_id)
             await pipe.execute()
 
-    async def reject_malformed(self, job: BadJob, failure: StepFailed) -> None:
+    async def reject_malformed(self, job: BadEntry, failure: StepFailed) -> None:
         """Dead-letter an entry that does not parse and answer whoever it names. Not the report
         script: a malformed entry has no epoch to fence on, and maybe nobody to answer."""
         redis, keys = self.scripts.redis, self.scripts.keys

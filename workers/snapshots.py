@@ -27,6 +27,7 @@ from typing import Any
 from redis.asyncio import Redis
 
 from broker.redis.aio import resolve
+from broker.redis.inbox import InboxEntry
 from broker.redis.keys import CellKeys
 from broker.redis.layouts import LOG_SNAPSHOT_FIELD
 from broker.redis.scripts import Scripts
@@ -34,7 +35,6 @@ from schemas.codec import decode, encode
 from schemas.errors import FleetError
 from schemas.messages import Mode
 from workers.engines.base import Engine
-from workers.jobs import Job
 
 log = logging.getLogger(__name__)
 MAX_STATE_BYTES = 1 << 30  # a decompressed state larger than this is refused, not allocated
@@ -117,10 +117,10 @@ class Snapshotter:
         self.every = every
         self.written = 0
 
-    def due(self, job: Job) -> bool:
+    def due(self, job: InboxEntry) -> bool:
         return self.every > 0 and job.mode is not Mode.TOKENS and (job.step_id + 1) % self.every == 0
 
-    async def after_commit(self, job: Job, output_digest: bytes, worker_id: str) -> bool:
+    async def after_commit(self, job: InboxEntry, output_digest: bytes, worker_id: str) -> bool:
         """Snapshot the session after its committed step ``job``; the commit stands either way, so a
         failure here only costs a longer replay on failover (warned, never raised)."""
         state = self.engine.export_session(job.session_id)  # now: before the session's next step

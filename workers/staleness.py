@@ -12,11 +12,11 @@ from typing import Any
 from redis.asyncio import Redis
 
 from broker.redis.backoff import until_redis_answers
+from broker.redis.inbox import InboxEntry
 from broker.redis.keys import CellKeys
 from schemas.errors import ErrorCode
 from workers.engines.base import Engine
 from workers.failure import StepFailed
-from workers.jobs import Job
 
 
 def stale_message(first: int, announced: int, model: str, max_staleness: int) -> str | None:
@@ -37,19 +37,19 @@ class StalenessCheck:
         self.keys = keys
         self.engine = engine
 
-    async def before_run(self, job: Job, max_staleness: int | None) -> int:
+    async def before_run(self, job: InboxEntry, max_staleness: int | None) -> int:
         """Refuse a stale step (StepFailed ``stale_policy``); the engine's version it checked at."""
         version = self.engine.policy_version_of(job.model)
         if max_staleness is not None:
             await self._check(job, max_staleness)
         return version
 
-    async def in_gate(self, job: Job, max_staleness: int | None, checked: int, version: int) -> None:
+    async def in_gate(self, job: InboxEntry, max_staleness: int | None, checked: int, version: int) -> None:
         """After the gate: check again only when the weights changed since ``checked``."""
         if max_staleness is not None and version != checked:
             await self._check(job, max_staleness)
 
-    async def _check(self, job: Job, max_staleness: int) -> None:
+    async def _check(self, job: InboxEntry, max_staleness: int) -> None:
         async def read() -> list[Any]:
             async with self.redis.pipeline(transaction=False) as pipe:
                 pipe.hget(self.keys.session(job.session_id), "first_version")

@@ -11,6 +11,8 @@ import collections
 import contextlib
 import dataclasses
 import logging
+from collections.abc import Callable
+from enum import StrEnum
 from typing import Any
 
 from redis.asyncio import Redis
@@ -19,11 +21,12 @@ from redis.exceptions import ResponseError
 from broker.redis.aio import resolve
 from broker.redis.backoff import REDIS_ERRORS, Backoff, raise_if_cancelling, until_redis_answers
 from broker.redis.connect import open_redis
+from broker.redis.inbox import BadEntry, InboxEntry, parse_inbox_entry
 from broker.redis.keys import INBOX_GROUP
 from broker.redis.layouts import SessionHash
 from broker.redis.scripts import Scripts
 from schemas.errors import Fenced
-from workers.admission import Admission
+from schemas.sharing import Priority
 from workers.batcher import Batcher
 from workers.drain import Drain
 from workers.engines.base import Engine
@@ -33,7 +36,6 @@ from workers.fenced import FencedEntries
 from workers.groups import Groups
 from workers.idle import IdleSweeper
 from workers.inbox_repair import recreate_inbox
-from workers.jobs import BadJob, Job, parse_job
 from workers.placement import pool_caps, pressure
 from workers.rate_limit import WarningLimiter
 from workers.readiness import Readiness
@@ -44,6 +46,100 @@ from workers.weight_control import WeightControl
 from workers.worker_metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
+Entry = InboxEntry | BadEntry  # what the reader admits: a parsed job or a malformed entry
+
+
+class WorkerState(StrEnum):
+    """A worker's state, as its registry hash and the pools' leave call carry it."""
+
+    STARTING = "starting"
+    ACTIVE = "active"  # registered, reading its inbox
+    DRAINING = "draining"  # stopped reading; finishing what it read, then handing over
+    STOPPED = "stopped"
+
+
+class Admission:
+    """Admission of inbox entries into running jobs (``max_inflight``), interactive first.
+
+    The reader admits entries in inbox order. With plain slots, a reader blocked on a bulk entry
+    would leave an interactive entry behind it unread until that bulk entry got its slot. Here a bulk
+    entry that finds no slot waits in a bounded backlog of its own (``backlog``: the reader reads on
+    until that many wait), and a freed slot goes to an interactive entry first, then to the backlog
+    in order. Order per session holds: once a session has an entry in the backlog, its later entries
+    (whatever their class) queue behind it; a session's other jobs go to its lane, one at a time.
+    ``acquire``/``release`` keep the semaphore's interface for code that needs one slot.
+    """
+
+    def __init__(self, limit: int, backlog: int) -> None:
+        self._free = limit
+        self._backlog_limit = max(1, backlog)
+        self._backlog: collections.deque[tuple[Entry, Callable[[Entry], None]]] = collections.deque()
+        self._held: collections.Counter[str] = collections.Counter()  # sessions in the backlog
+        self._held_ids: set[str] = set()  # entry ids in the backlog (a history read skips them)
+        self._interactive_waiting = 0
+        self._changed = asyncio.Event()  # set on every release
+
+    @property
+    def backlog(self) -> int:
+        return len(self._backlog)
+
+    @property
+    def interactive_waiting(self) -> int:
+        return self._interactive_waiting
+
+    def holds(self, entry_id: str) -> bool:
+        """Whether the entry waits in the backlog (read, not dispatched yet)."""
+        return entry_id in self._held_ids
+
+    async def acquire(self) -> None:
+        """One slot, as a semaphore gives it."""
+        while self._free <= 0:
+            self._changed.clear()
+            await self._changed.wait()
+        self._free -= 1
+
+    def release(self) -> None:
+        self._free += 1
+        if not self._interactive_waiting:  # a waiting interactive entry takes this slot first
+            self._run_backlog()
+        self._changed.set()
+
+    async def admit(self, job: InboxEntry | BadEntry, dispatch: Callable[[InboxEntry | BadEntry], None]) -> None:
+        """``dispatch(job)`` now or once a slot frees; returns when the reader may read on."""
+        session = job.session_id or ""
+        if isinstance(job, InboxEntry) and job.priority is Priority.INTERACTIVE and session not in self._held:
+            self._interactive_waiting += 1
+            try:
+                await self.acquire()
+            except BaseException:  # the reader stops: slots it left alone go to the backlog
+                self._interactive_waiting -= 1
+                self._run_backlog()
+                raise
+            self._interactive_waiting -= 1
+            dispatch(job)
+            self._run_backlog()  # slots freed while it waited and left for it
+            return
+        if self._free > 0 and not self._backlog:
+            self._free -= 1
+            dispatch(job)
+            return
+        self._backlog.append((job, dispatch))
+        self._held[session] += 1
+        self._held_ids.add(job.entry_id)
+        while len(self._backlog) >= self._backlog_limit:
+            self._changed.clear()
+            await self._changed.wait()
+
+    def _run_backlog(self) -> None:
+        while self._free > 0 and self._backlog:
+            job, dispatch = self._backlog.popleft()
+            session = job.session_id or ""
+            self._held[session] -= 1
+            if not self._held[session]:
+                del self._held[session]
+            self._held_ids.discard(job.entry_id)
+            self._free -= 1
+            dispatch(job)
 
 
 class Worker:
@@ -54,13 +150,13 @@ class Worker:
         self.settings = settings
         self.id = settings.worker_id
         self.keys = settings.cell_config.keys
-        self.state = "starting"
+        self.state = WorkerState.STARTING
         self._redis: Redis | None = None
         self._scripts: Scripts | None = None
         self._executor: StepExecutor | None = None
         self._batchers: dict[str, Batcher] = {}
         self._sessions: dict[str, SessionState] = {}
-        self._lanes: dict[str, collections.deque[Job]] = {}
+        self._lanes: dict[str, collections.deque[InboxEntry]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._inflight = Admission(settings.max_inflight, backlog=settings.read_count)  # interactive first
         self._running: set[str] = set()  # inbox entry ids read and not finished
@@ -111,8 +207,8 @@ class Worker:
         self._idle_sweeper = IdleSweeper(self._scripts, lambda: self.id, interval_s=self.settings.idle_sweep_s)
         await self.weights.apply_latest()
         await self.readiness.probe()  # a worker whose engine is not ready registers with no capacity
-        await self._register("active")
-        self.state = "active"
+        await self._register(WorkerState.ACTIVE)
+        self.state = WorkerState.ACTIVE
         self._idle.set()
         self._spawn(self._heartbeat_loop(), "heartbeat")
         self._spawn(self.readiness.follow(self._scripts, lambda: self.id, self.settings.heartbeat_ms), "readiness")
@@ -123,7 +219,7 @@ class Worker:
             self._spawn(reap_loop(self._scripts, lease_ms=lease_ms, metrics=self.metrics.fleet), "reaper")
         if self.settings.rebalance_interval_s > 0:
             self._spawn(Rebalancer(self._scripts, lambda: self.id, self._movable, self._forget,
-                                   lambda: self.state == "active", self.settings.rebalance_interval_s,
+                                   lambda: self.state is WorkerState.ACTIVE, self.settings.rebalance_interval_s,
                                    self.settings.rebalance_threshold, lease_ms, self.metrics.fleet).run(),
                         "rebalance")
         log.info("worker %s serving %s", self.id, ", ".join(self.engine.models()))
@@ -137,9 +233,9 @@ class Worker:
         reader = self._spawn(self._read_loop(self._stop), "reader")
         await self._stop.wait()
         deadline = asyncio.get_running_loop().time() + self.settings.drain_timeout_s
-        self.state = "draining"
+        self.state = WorkerState.DRAINING
         with contextlib.suppress(Exception):
-            await self._scripts_or_fail().leave_pools(self.id, pools=self._pools, state="draining")
+            await self._scripts_or_fail().leave_pools(self.id, pools=self._pools, state=WorkerState.DRAINING)
         reader.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await reader
@@ -169,13 +265,13 @@ class Worker:
         await asyncio.gather(*(batcher.close() for batcher in self._batchers.values()))
         if self._redis is not None:
             with contextlib.suppress(Exception):
-                await self._scripts_or_fail().leave_pools(self.id, pools=self._pools, state="stopped")
+                await self._scripts_or_fail().leave_pools(self.id, pools=self._pools, state=WorkerState.STOPPED)
             await self._scripts_or_fail().cancel_pending()
             await self._redis.aclose()
             self._redis = None
         await self.engine.close()
         self.metrics.close()
-        self.state = "stopped"
+        self.state = WorkerState.STOPPED
 
     # ------------------------------------------------------------------ plumbing
 
@@ -193,7 +289,7 @@ class Worker:
         task.add_done_callback(self._tasks.discard)
         return task
 
-    def _describe(self, state: str) -> dict[str, str]:
+    def _describe(self, state: WorkerState) -> dict[str, str]:
         models = self.engine.models()
         return {
             "state": state,
@@ -238,7 +334,7 @@ class Worker:
         await self._register(self.state)
         log.warning("worker %s was declared dead; re-registered as %s", old, self.id)
 
-    async def _register(self, state: str) -> None:
+    async def _register(self, state: WorkerState) -> None:
         await self._scripts_or_fail().register(
             self.id, capacity=self.readiness.offered_capacity, pools=self._pools, pool_caps=self._pool_caps,
             ttl_ms=3 * self.settings.cell_config.lease_ms, fields=self._describe(state))
@@ -281,13 +377,13 @@ class Worker:
                 eid = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
                 if not fields or eid in self._running or self._inflight.holds(eid):  # deleted, or read already
                     continue
-                await self._inflight.admit(parse_job(entry_id, fields), self._dispatch)
+                await self._inflight.admit(parse_inbox_entry(entry_id, fields), self._dispatch)
 
-    def _dispatch(self, job: Job | BadJob) -> None:
+    def _dispatch(self, job: InboxEntry | BadEntry) -> None:
         self._active += 1
         self._idle.clear()
         self._running.add(job.entry_id)
-        if isinstance(job, BadJob):
+        if isinstance(job, BadEntry):
             self._spawn(self._finish(self._guard(job, reject_malformed(job, self._bad_entries)), job.entry_id), "bad")
         elif job.kind == "step" and not job.contextual:
             self._spawn(self._finish(self._guard(job, self.executor.run_step(job, None)), job.entry_id), "stateless")
@@ -312,7 +408,7 @@ class Worker:
             if self._active == 0:
                 self._idle.set()
 
-    async def _lane(self, session_id: str, lane: collections.deque[Job]) -> None:
+    async def _lane(self, session_id: str, lane: collections.deque[InboxEntry]) -> None:
         """One session's jobs, strictly in inbox order, one at a time."""
         try:
             while lane:
@@ -324,7 +420,7 @@ class Worker:
 
     # ------------------------------------------------------------------ processing
 
-    async def _guard(self, job: Job | BadJob, coro: Any) -> None:
+    async def _guard(self, job: InboxEntry | BadEntry, coro: Any) -> None:
         try:
             await self._answer_failure(job, coro)
         except Fenced:
@@ -335,7 +431,7 @@ class Worker:
         except Exception:
             log.exception("job %s of session %s could not be answered", job.job_id, job.session_id)
 
-    async def _answer_failure(self, job: Job | BadJob, coro: Any) -> None:
+    async def _answer_failure(self, job: InboxEntry | BadEntry, coro: Any) -> None:
         """The one place a failed job is answered: steps, control jobs and malformed entries all
         end here as a ``StepFailed``, answered by ``publish_failure``."""
         try:
@@ -343,13 +439,13 @@ class Worker:
         except StepFailed as failure:
             await self.executor.publish_failure(job, failure, self._state_of(job))
 
-    def _state_of(self, job: Job | BadJob) -> SessionState | None:
+    def _state_of(self, job: InboxEntry | BadEntry) -> SessionState | None:
         """The session state a failure reports its committed step from (none for a stateless step)."""
-        if isinstance(job, BadJob) or (job.kind == "step" and not job.contextual):
+        if isinstance(job, BadEntry) or (job.kind == "step" and not job.contextual):
             return None
         return self._sessions.get(job.session_id)
 
-    async def _process(self, job: Job) -> None:
+    async def _process(self, job: InboxEntry) -> None:
         state = await self._session_state(job)
         if job.kind in ("step", "fork"):
             await (self.executor.run_step(job, state) if job.kind == "step" else self._groups.fork(job, state))
@@ -366,7 +462,7 @@ class Worker:
 
         await settled(apply_once, f"{job.kind} {job.session_id}")
 
-    async def _session_state(self, job: Job) -> SessionState:
+    async def _session_state(self, job: InboxEntry) -> SessionState:
         """This worker's view of the job's session at the job's epoch; read from Redis when the
         session is new here or its epoch moved (a failover in or out). Raises Fenced for a job of
         a session this worker does not own at that epoch."""
@@ -385,10 +481,10 @@ class Worker:
         self._sessions[job.session_id] = state
         return state
 
-    async def _drop_fenced(self, job: Job | BadJob) -> None:
+    async def _drop_fenced(self, job: InboxEntry | BadEntry) -> None:
         """A job the session hash fences off is acked and dropped; the session's context goes only
         when Redis says it is no longer ours at the epoch we hold (see workers/fenced.py)."""
-        assert isinstance(job, Job)  # only a parsed job has an epoch to be fenced on
+        assert isinstance(job, InboxEntry)  # only a parsed job has an epoch to be fenced on
         assert self._fenced is not None, "worker not started"
         state = self._sessions.get(job.session_id)
         if not await self._fenced.drop(job, state.epoch if state else None):
