@@ -23,11 +23,11 @@ from tests.holding_engine import HoldingConfig, HoldingEngine
 from tests.procs import Fleet
 from tests.support import FAST, WorkerPool, reap_until_moved, run_cli, world_step
 from tests.test_multiturn import QUESTION, MathEnv
-from workers.continuation import Continuation
 from workers.engines.base import EngineOutput, EngineRequest
 from workers.engines.partial import PartialAbort
 from workers.engines.reference import ReferenceEngine, ReferenceEngineConfig
 from workers.engines.reference_lm import ReferenceLMConfig
+from workers.executor import Continuation
 
 pytestmark = pytest.mark.asyncio
 SHAPE = (1, 4, 2, 8, 10)

@@ -12,9 +12,8 @@ from schemas.codec import decode
 from schemas.errors import ContextLost
 from schemas.messages import Mode
 from tests.support import WorkerPool, until, world_step
-from workers.digests import BLAKE2B_16, DIGEST_KIND, XXH3_128, output_digest, record_digest_kind
 from workers.engines.null import NullEngine
-from workers.rebuild import step_record
+from workers.rebuild import BLAKE2B_16, DIGEST_KIND, XXH3_128, output_digest, record_digest_kind, step_record
 
 # output_digest of OUTPUT as the previous release (blake2b-16 over plain msgpack, no frame) computed it.
 PREVIOUS_RELEASE_DIGEST = "e7d66c89e031c1859ecb94c770a7e66d"

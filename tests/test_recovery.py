@@ -23,13 +23,11 @@ from schemas.codec import decode, encode
 from schemas.messages import StepResult, TokenStep, WorldStep
 from tests.procs import Fleet
 from tests.support import FAST, RunningWorker, WorkerPool, reap_until_moved, world_step
-from workers.digests import BLAKE2B_16, XXH3_128, output_digest
 from workers.engines.base import EngineRequest
 from workers.engines.reference import ReferenceEngine, ReferenceEngineConfig
 from workers.processes import spawn_worker
 from workers.reaper import EXPIRY_MARGIN_S, until_next_expiry_s
-from workers.rebuild import one_prefill
-from workers.snapshots import load_snapshot, pack
+from workers.rebuild import BLAKE2B_16, XXH3_128, load_snapshot, one_prefill, output_digest, pack
 
 pytestmark = pytest.mark.asyncio
 SHAPE = (1, 4, 2, 8, 10)

@@ -7,17 +7,21 @@ can fail raises ``StepFailed``; the worker answers it with :meth:`StepExecutor.p
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import random
 import time
 from collections.abc import AsyncIterator, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
+
+from redis.asyncio import Redis
 
 from broker.redis.backoff import REDIS_ERRORS, until_redis_answers
 from broker.redis.inbox import BadEntry, InboxEntry
 from broker.redis.inputs import InputGone, dead_letter_input, read_input
+from broker.redis.keys import CellKeys
 from broker.redis.script_replies import CancelledCommit, Committed, Duplicate, OutOfOrder
 from broker.redis.scripts import Scripts
 from schemas.codec import decode, encode
@@ -29,22 +33,17 @@ from schemas.errors import (
     StepAborted,
     TransientEngineError,
 )
-from schemas.messages import Latency, StepInput, StepResult, parse_step_input
+from schemas.messages import Latency, StepInput, StepResult, TokenStep, parse_step_input
 from workers.batcher import Batcher
-from workers.cancels import CancelMarks
-from workers.continuation import Continuation
-from workers.digests import output_digest
 from workers.durable import ReplicaConfirmation
 from workers.engines.base import Engine, EngineOutput, EngineRequest
+from workers.engines.partial import partial_of
 from workers.failure import StepFailed, finish_before_cancel, settled
 from workers.job_scripts import CommitAnswer, JobScripts
-from workers.rebuild import rebuild_context, records_kept, step_record
+from workers.rebuild import VERSIONS_KEY, Snapshotter, output_digest, rebuild_context, records_kept, step_record
 from workers.settings import WorkerSettings
-from workers.snapshots import Snapshotter
-from workers.staleness import StalenessCheck
-from workers.stats_publisher import StepStats
-from workers.weights_gate import VersionWaitEnded, WeightGate
-from workers.worker_metrics import WorkerMetrics
+from workers.weight_control import VersionWaitEnded, WeightGate
+from workers.worker_metrics import StepStats, WorkerMetrics
 
 log = logging.getLogger(__name__)
 EngineRun = tuple[EngineOutput, int, float, int]  # output, attempt, engine ms, policy version
@@ -58,8 +57,153 @@ class SessionState:
     epoch: int
     engine_ready: bool = False  # the engine holds the context of every committed step
     model: str = ""  # the session's model (the sessions gauge counts by model)
-    max_staleness: int | None = None  # the session's staleness bound (workers/staleness.py)
+    max_staleness: int | None = None  # the session's staleness bound (StalenessCheck)
     checked_version: int = 0  # the engine's version at the last staleness check
+
+
+# ------------------------------------------------------------------ cancels
+# What this worker knows of its sessions' cancels (``Session.cancel``): the cancel count of the
+# last cancel entry read per session. A step enqueued under a lower count is answered ``cancelled``
+# without running. Bounded: a session forgotten here only loses that shortcut, as commit.lua refuses
+# a cancelled step's commit on its own.
+
+MAX_SESSIONS = 100_000  # the newest cancels kept; one small int per cancelled session
+
+
+class CancelMarks:
+    def __init__(self, max_sessions: int = MAX_SESSIONS) -> None:
+        self._marks: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self._max = max_sessions
+
+    def record(self, session_id: str, cancels: int) -> None:
+        """A cancel entry (or a commit refused as cancelled) says the session's count is ``cancels``."""
+        self._marks[session_id] = max(self._marks.pop(session_id, 0), cancels)
+        while len(self._marks) > self._max:
+            self._marks.popitem(last=False)
+
+    def cancelled(self, session_id: str, cancels: int) -> bool:
+        """Whether a step enqueued under ``cancels`` was cancelled since."""
+        return cancels < self._marks.get(session_id, 0)
+
+
+# ------------------------------------------------------------------ staleness
+# The worker's half of ``max_staleness`` (docs/async_rl.md). enqueue.lua refuses a step once
+# the version announced for the session's model passed the trajectory's first version by more than
+# the bound; a step queued before that announcement is refused here, when its lane picks it up,
+# and again after the weight gate when the worker's weights changed while it waited there (the
+# update that made it stale). A refused step commits nothing and falls back like a failed step:
+# the trainer drops or resets the trajectory.
+
+
+def stale_message(first: int, announced: int, model: str, max_staleness: int) -> str | None:
+    """Why a step of a trajectory that started on ``first`` is stale, or None (enqueue.lua says
+    the same)."""
+    if announced <= first + max_staleness:
+        return None
+    return (f"the trajectory started on policy version {first} and version {announced} of {model} is "
+            f"announced, more than max_staleness {max_staleness} ahead: drop the trajectory or reset the session")
+
+
+class StalenessCheck:
+    """Reads the trajectory's first version and the announced one (one round trip) for the steps
+    of sessions with a bound; sessions without one cost nothing."""
+
+    def __init__(self, redis: Redis, keys: CellKeys, engine: Engine) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.engine = engine
+
+    async def before_run(self, job: InboxEntry, max_staleness: int | None) -> int:
+        """Refuse a stale step (StepFailed ``stale_policy``); the engine's version it checked at."""
+        version = self.engine.policy_version_of(job.model)
+        if max_staleness is not None:
+            await self._check(job, max_staleness)
+        return version
+
+    async def in_gate(self, job: InboxEntry, max_staleness: int | None, checked: int, version: int) -> None:
+        """After the gate: check again only when the weights changed since ``checked``."""
+        if max_staleness is not None and version != checked:
+            await self._check(job, max_staleness)
+
+    async def _check(self, job: InboxEntry, max_staleness: int) -> None:
+        async def read() -> list[Any]:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.hget(self.keys.session(job.session_id), "first_version")
+                pipe.hget(self.keys.announced, job.model)
+                return await pipe.execute()
+
+        first, announced = await until_redis_answers(read, f"staleness {job.session_id}")
+        if first is None:  # the trajectory has no committed step yet: this one starts it
+            return
+        why = stale_message(int(first), int(announced or 0), job.model, max_staleness)
+        if why is not None:
+            raise StepFailed(ErrorCode.STALE_POLICY, why, fallback=True)
+
+
+# ------------------------------------------------------------------ partial rollouts
+# Partial rollouts: a token step that spans weight updates, and the version of each of its tokens.
+#
+# A weight update with ``in_flight="continue"`` aborts the running steps like ``abort`` does, but a
+# token step keeps what it generated before the abort (``PartialAbort``): after the update it runs
+# again with those tokens appended to its prompt and its ``max_tokens`` (and ``min_tokens``) reduced by their count, so
+# the generation continues on the new weights from where it stopped (vLLM's prefix cache finds the
+# context; only the kept tokens are prefilled). The result carries every token and log probability
+# of the step, and ``weight_versions``: the policy version of each generated token, e.g.
+# ``[3, 3, 3, 4, 4]`` (vime's ``Sample.weight_versions``, per token). Every token step reports it,
+# all entries equal when the step ran on one version. The engine's context after the step is the
+# step's prompt plus all its tokens, exactly as for a step that was never aborted.
+#
+# World-model steps have no partial output: under ``continue`` they run again, whole, as under
+# ``abort``. So does a token step the engine stopped without telling what it had generated.
+
+
+class Continuation:
+    """One step's runs across aborting weight updates: the tokens kept so far and their versions."""
+
+    def __init__(self, request: EngineRequest) -> None:
+        self.original = request
+        self.request = request  # what the engine runs next
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.versions: list[int] = []
+
+    @property
+    def kept(self) -> int:
+        return len(self.token_ids)
+
+    def aborted(self, exc: BaseException, version: int, *, keep: bool) -> int:
+        """The step was aborted while it ran on ``version``. ``keep``: continue from what it
+        generated (a ``continue`` update), else run it again, whole (an ``abort`` update; tokens
+        kept by an earlier ``continue`` go too). Returns how many tokens are kept now."""
+        step = self.original.step
+        token_ids, logprobs = partial_of(exc)
+        if not keep or not isinstance(step, TokenStep):
+            self.request, self.token_ids, self.logprobs, self.versions = self.original, [], [], []
+            return 0
+        if not token_ids:
+            return self.kept
+        self.token_ids += token_ids
+        self.logprobs += logprobs
+        self.versions += [version] * len(token_ids)
+        # Both budgets count the step's tokens: the kept ones are generated already.
+        sampling = replace(step.sampling, max_tokens=max(0, step.sampling.max_tokens - self.kept),
+                           min_tokens=max(0, step.sampling.min_tokens - self.kept))
+        self.request = replace(self.original, step=replace(step, token_ids=(*step.token_ids, *self.token_ids),
+                                                         sampling=sampling))
+        return self.kept
+
+    def output(self, out: EngineOutput, version: int) -> EngineOutput:
+        """The step's output from the last run's (on ``version``): the kept tokens first, and the
+        version of every token (token steps only; other outputs pass as they are)."""
+        if not isinstance(self.original.step, TokenStep) or "token_ids" not in out.output:
+            return out
+        merged: dict[str, Any] = dict(out.output)
+        generated = [int(t) for t in out.output["token_ids"]]
+        merged["token_ids"] = [*self.token_ids, *generated]
+        if "logprobs" in out.output:
+            merged["logprobs"] = [*self.logprobs, *(float(p) for p in out.output["logprobs"])]
+        merged[VERSIONS_KEY] = [*self.versions, *([version] * len(generated))]
+        return EngineOutput(output=merged, context_length=out.context_length)
 
 
 class StepExecutor:
@@ -84,7 +228,7 @@ class StepExecutor:
         self.snapshots = Snapshotter(scripts, engine, settings.snapshot_every)
         self.draining = False  # a drain stops every step waiting at the gate for a policy version
         self._gate_waits: dict[str, set[asyncio.Event]] = {}  # session -> its steps' stop events
-        self.cancels = CancelMarks()  # the sessions' cancels read here (workers/groups.py)
+        self.cancels = CancelMarks()  # the sessions' cancels read here (workers/fork_cancel.py)
 
     @property
     def worker_id(self) -> str:
@@ -195,7 +339,7 @@ class StepExecutor:
         """The gate keeps weight updates out while this step (and its rebuild) uses the engine. An
         update that aborts in-flight steps sends this one back to the gate: it runs again on the new
         weights (the engine left the session's context as it was), whole, or under ``continue``
-        from the tokens it had generated (``workers.continuation``)."""
+        from the tokens it had generated (``Continuation``)."""
         runs = Continuation(request)
         while True:
             self._raise_if_cancelled(job)  # also after an aborting update: a cancelled step never runs again
@@ -238,7 +382,7 @@ class StepExecutor:
                 del self._gate_waits[job.session_id]
 
     def _raise_if_cancelled(self, job: InboxEntry) -> None:
-        """A contextual step enqueued before a cancel of its session (workers/groups.py) never runs
+        """A contextual step enqueued before a cancel of its session (workers/fork_cancel.py) never runs
         or commits: it answers ``cancelled`` and leaves next_step_id as the cancel set it."""
         if job.contextual and self.cancels.cancelled(job.session_id, job.cancels):
             raise StepFailed(ErrorCode.CANCELLED, f"step {job.step_id} was cancelled (Session.cancel); the "

@@ -1,5 +1,8 @@
 """Context rebuild: a new owner rebuilds a session's engine context from its committed step records.
 
+The records themselves (written with each commit), their output digests and the snapshots of
+engine contexts live here too: they exist for the rebuild and are read by it alone.
+
 Each committed step leaves a record: its input payload, a digest of its output, the policy version
 that produced it, the context length after it and, for token steps, the generated token ids. A
 payload that was staged (broker/redis/inputs.py) is the mark in the record and its bytes are in the
@@ -9,7 +12,7 @@ step's record blob, read back in one round trip with the records.
   and generated ids, in order, generating nothing (``max_tokens=0``), rebuilds it in one prefill,
   checked by context length; whatever weights produced the steps. Steps with multimodal inputs
   are replayed one by one instead (their features are not token ids).
-- A session whose engine exported snapshots (workers/snapshots.py) restores the latest usable one
+- A session whose engine exported snapshots (snapshots, below) restores the latest usable one
   and replays only the steps after it; without one, every step is replayed.
 - A replay of records produced by the weights this engine runs now rebuilds the context exactly;
   every replayed output must match its digest, so a wrong context is caught before it produces a
@@ -23,29 +26,213 @@ step's record blob, read back in one round trip with the records.
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import logging
 import time
-from collections.abc import Mapping
+import zlib
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol
 
+import numpy as np
+import xxhash
 from redis.asyncio import Redis
 
 from broker.redis.aio import resolve
+from broker.redis.inbox import InboxEntry
 from broker.redis.inputs import InputGone, read_record_inputs
 from broker.redis.keys import CellKeys
-from broker.redis.layouts import log_input_field
-from schemas.codec import decode, encode
+from broker.redis.layouts import LOG_SNAPSHOT_FIELD, log_input_field
+from broker.redis.scripts import Scripts
+from schemas.codec import decode, encode, encode_plain
 from schemas.errors import ContextLost, FleetError, StepAborted
 from schemas.messages import Mode, SamplingParams, StepInput, TokenStep, parse_step_input
 from workers.batcher import Batcher
-from workers.continuation import first_version
-from workers.digests import DIGEST_KIND, output_digest, record_digest_kind
 from workers.engines.base import Engine, EngineRequest
-from workers.snapshots import Snapshot, load_snapshot
 
 log = logging.getLogger(__name__)
+VERSIONS_KEY = "weight_versions"  # per token: the policy version (workers.executor.Continuation)
 
+
+def first_version(output: Mapping[str, Any], version: int) -> int:
+    """The oldest policy version among a step's tokens (``version`` when it reports none)."""
+    versions = output.get(VERSIONS_KEY)
+    return min(int(v) for v in versions) if versions else version
+
+
+# ------------------------------------------------------------------ output digests
+# Output digests: the fingerprint of a step's output kept in its step record, which a new owner
+# checks its replay against (the rebuild, below). Not a security boundary: a replay is compared with
+# what the same engine produced before, so a fast non-cryptographic hash is enough.
+#
+# A record names the hash that made its digest (``digest_kind``). New records use xxh3-128: a 450 KB
+# latent hashes in about 5 µs, where blake2b took 325 µs (a quarter of a latent step's round trip,
+# docs/benchmarks.md). Records without the field were written by earlier releases with blake2b-16;
+# they stay checkable, so a session committed before an upgrade rebuilds after it.
+
+
+class _Hasher(Protocol):
+    def update(self, data: Any, /) -> None: ...
+
+    def digest(self) -> bytes: ...
+
+
+XXH3_128 = "xxh3-128"
+BLAKE2B_16 = "blake2b-16"  # records without a digest_kind (earlier releases)
+DIGEST_KIND = XXH3_128  # what new records get
+_HASHERS: dict[str, Callable[[], _Hasher]] = {
+    XXH3_128: xxhash.xxh3_128,
+    BLAKE2B_16: lambda: hashlib.blake2b(digest_size=16),
+}
+
+
+def output_digest(output: Mapping[str, Any], kind: str = DIGEST_KIND) -> bytes:
+    """A fingerprint of a step's output: arrays are hashed in place, so a latent is read once and
+    never re-encoded. ``weight_versions`` is left out: the worker adds it to the engine's output,
+    and a replay compares the engine's alone."""
+    new = _HASHERS.get(kind)
+    if new is None:
+        raise ContextLost(f"the step record's digest is of an unknown kind {kind!r}; this worker "
+                          f"checks {', '.join(sorted(_HASHERS))}")
+    h = new()
+    for key in sorted(output):
+        if key == VERSIONS_KEY:
+            continue
+        value = output[key]
+        h.update(key.encode())
+        if isinstance(value, np.ndarray):
+            h.update(f"{value.dtype.str}{value.shape}".encode())
+            h.update(np.ascontiguousarray(value).reshape(-1).view(np.uint8).data)
+        else:
+            h.update(encode_plain(value))  # not the frame: a digest must survive a change of framing
+    return h.digest()
+
+
+def record_digest_kind(record: Mapping[str, Any]) -> str:
+    """The hash that made a step record's digest."""
+    kind = record.get("digest_kind", BLAKE2B_16)
+    return kind if isinstance(kind, str) else repr(kind)
+
+
+# ------------------------------------------------------------------ snapshots
+# Snapshots of engine contexts: a session's context, saved every N committed steps, lets a new owner
+# restore it and replay at most N steps instead of every step of the session.
+#
+# Only engines that can export a session's context take part (``Engine.export_session``; the
+# reference world model can); token sessions need none (their context is rebuilt from the recorded
+# tokens in one prefill, below). A snapshot lives in the session's log hash
+# (``LOG_SNAPSHOT_FIELD``, written by snapshot.lua only after the step's commit) as a msgpack map:
+#
+# - ``step``: the committed step it follows; ``gen``: the session's gen when it was taken;
+# - ``state``: the engine's export, zlib-compressed; ``digest``: blake2b of ``state`` as stored;
+# - ``output``: the digest of that step's output, checked against its step record when one is kept.
+#
+# Restoring checks all of these; a snapshot that fails a check is ignored with a warning, and the
+# context is rebuilt by a full replay as before.
+
+MAX_STATE_BYTES = 1 << 30  # a decompressed state larger than this is refused, not allocated
+_THREAD_BYTES = 1 << 16  # states this large are compressed off the event loop
+
+
+class SnapshotError(ValueError):
+    """A stored snapshot that cannot be used (corrupt, truncated, of another format)."""
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    step: int
+    gen: int
+    state: bytes  # the engine's export, decompressed and digest-checked
+    output: bytes  # the digest of the step's output (workers.rebuild.output_digest)
+
+
+def state_digest(data: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=32).digest()
+
+
+def pack(step: int, gen: int, state: bytes, output: bytes) -> bytes:
+    compressed = zlib.compress(state, 1)
+    return encode({"step": step, "gen": gen, "state": compressed, "digest": state_digest(compressed),
+                   "output": output})
+
+
+def unpack(raw: bytes) -> Snapshot:
+    """The snapshot in ``raw``; SnapshotError when any check fails."""
+    try:
+        fields: Mapping[str, Any] = decode(raw)
+        compressed, digest = fields["state"], fields["digest"]
+        step, gen, output = fields["step"], fields["gen"], fields["output"]
+    except (FleetError, KeyError, TypeError) as exc:
+        raise SnapshotError(f"unreadable: {exc}") from exc
+    if not all(isinstance(v, bytes) for v in (compressed, digest, output)) \
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in (step, gen)):
+        raise SnapshotError("fields of the wrong types")
+    if state_digest(compressed) != digest:
+        raise SnapshotError("its digest does not match its state")
+    try:
+        inflate = zlib.decompressobj()
+        state = inflate.decompress(compressed, MAX_STATE_BYTES)
+    except zlib.error as exc:
+        raise SnapshotError(f"cannot decompress: {exc}") from exc
+    if inflate.unconsumed_tail or not inflate.eof:
+        raise SnapshotError(f"its state is truncated or larger than {MAX_STATE_BYTES} bytes")
+    return Snapshot(step=step, gen=gen, state=state, output=output)
+
+
+async def load_snapshot(redis: Redis, keys: CellKeys, session_id: str, *, gen: int,
+                        committed: int) -> Snapshot | None:
+    """The session's usable snapshot, or None (no snapshot, or one that fails a check: warned)."""
+    raw: Any = await resolve(redis.hget(keys.log(session_id), LOG_SNAPSHOT_FIELD))
+    if raw is None:
+        return None
+    try:
+        snapshot = unpack(raw)
+    except SnapshotError as exc:
+        log.warning("the snapshot of %s is unusable (%s); replaying every step", session_id, exc)
+        return None
+    # Only a reset makes a snapshot stale, and a reset drops the log with it; snapshot.lua refuses
+    # a write for an older gen. A step fallback moves the gen on too, but keeps the committed
+    # steps, and the snapshot with them. So one gen at most as new as the job's is good.
+    if snapshot.gen > gen or snapshot.step > committed:
+        log.warning("the snapshot of %s (gen %d, step %d) does not match the session (gen %d, committed %d); "
+                    "replaying every step", session_id, snapshot.gen, snapshot.step, gen, committed)
+        return None
+    return snapshot
+
+
+class Snapshotter:
+    """Takes a snapshot after every ``every``-th committed step (0: never) of the sessions whose
+    engine can export them."""
+
+    def __init__(self, scripts: Scripts, engine: Engine, every: int) -> None:
+        self.scripts = scripts
+        self.engine = engine
+        self.every = every
+        self.written = 0
+
+    def due(self, job: InboxEntry) -> bool:
+        return self.every > 0 and job.mode is not Mode.TOKENS and (job.step_id + 1) % self.every == 0
+
+    async def after_commit(self, job: InboxEntry, output_digest: bytes, worker_id: str) -> bool:
+        """Snapshot the session after its committed step ``job``; the commit stands either way, so a
+        failure here only costs a longer replay on failover (warned, never raised)."""
+        state = self.engine.export_session(job.session_id)  # now: before the session's next step
+        if state is None:
+            return False
+        try:
+            blob = (await asyncio.to_thread(pack, job.step_id, job.gen, state, output_digest)
+                    if len(state) > _THREAD_BYTES else pack(job.step_id, job.gen, state, output_digest))
+            written = await self.scripts.save_snapshot(job.session_id, worker_id=worker_id, epoch=job.epoch,
+                                                       step_id=job.step_id, gen=job.gen, snapshot=blob)
+        except Exception as exc:  # Redis unreachable, a script error: the next snapshot tries again
+            log.warning("snapshot of %s after step %d not saved: %s", job.session_id, job.step_id, exc)
+            return False
+        self.written += int(written)
+        return written
+
+
+# ------------------------------------------------------------------ step records and rebuilds
 
 def step_record(payload: bytes, output: Mapping[str, Any], *, version: int, context_length: int,
                 mode: Mode) -> bytes:

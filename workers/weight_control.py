@@ -1,10 +1,21 @@
-"""A worker's side of the control stream: apply weight updates for the models it serves."""
+"""Weight updates on a worker: its side of the control stream, and the gate its steps pass.
+
+``WeightControl`` follows the control stream and applies the weight updates for the models the
+worker serves. ``WeightGate`` keeps half-updated steps out: steps pass a gate; an update closes
+it, waits until no step is inside the engine (letting running steps finish, or aborting them),
+loads the weights, and opens it again. A step that needs a minimum policy version waits at the
+gate until the engine has it. An aborted step leaves the gate, waits for it to open, and runs
+again on the new weights (whole, or from the tokens it had generated:
+``workers.executor.Continuation``).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+from collections.abc import AsyncIterator
 from typing import Any
 
 from redis.asyncio import Redis
@@ -13,9 +24,133 @@ from broker.ops.weights import WeightUpdate, weights_error_prefix
 from broker.redis.backoff import REDIS_ERRORS, raise_if_cancelling
 from broker.redis.keys import CellKeys
 from workers.engines.base import Engine
-from workers.weights_gate import WeightGate
 
 log = logging.getLogger(__name__)
+ABORT_REPEAT_S = 0.05  # how often an aborting update re-aborts steps that reached the engine late
+
+
+class VersionWaitEnded(Exception):
+    """A step stopped waiting at the gate for a policy version the engine does not have."""
+
+    def __init__(self, wanted: int, current: int, *, stopped: bool) -> None:
+        super().__init__(f"policy version {wanted} was not reached (the worker has version {current})")
+        self.wanted = wanted
+        self.current = current
+        self.stopped = stopped  # told to stop (a close, a drain) rather than timed out
+
+
+class WeightGate:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._open = asyncio.Event()
+        self._open.set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._running = 0
+        self._changed = asyncio.Event()
+        self._aborting = False
+        self._keep_partial = False
+        self._updating = False
+
+    @contextlib.asynccontextmanager
+    async def step(self, min_version: int = 0, *, model: str | None = None, wait_s: float | None = None,
+                   stop: asyncio.Event | None = None) -> AsyncIterator[int]:
+        """Hold the engine for one step of ``model``; yields the policy version the step runs with
+        (``model``'s own; None: the engine-wide one). A step that needs a version the engine does
+        not have waits at most ``wait_s`` for it, and no longer than until ``stop`` is set: then
+        VersionWaitEnded."""
+        deadline = None if wait_s is None else asyncio.get_running_loop().time() + wait_s
+        while True:
+            await self._open.wait()
+            if self._version(model) >= min_version:
+                break
+            await self._wait_for_change(min_version, model, deadline, stop)
+        self._running += 1
+        self._idle.clear()
+        try:
+            yield self._version(model)
+        finally:
+            self._running -= 1
+            if self._running == 0:
+                self._idle.set()
+
+    def _version(self, model: str | None) -> int:
+        return self.engine.policy_version if model is None else self.engine.policy_version_of(model)
+
+    async def _wait_for_change(self, min_version: int, model: str | None, deadline: float | None,
+                               stop: asyncio.Event | None) -> None:
+        """Wait until the weights change; VersionWaitEnded at the deadline or when ``stop`` is set."""
+        changed = self._changed  # an update sets this one, then puts a fresh one in its place
+        waits = {asyncio.ensure_future(changed.wait())}
+        if stop is not None:
+            waits.add(asyncio.ensure_future(stop.wait()))
+        timeout = None if deadline is None else max(0.0, deadline - asyncio.get_running_loop().time())
+        try:
+            await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiting in waits:
+                waiting.cancel()
+        if changed.is_set():
+            return
+        if (stop is not None and stop.is_set()) or (deadline is not None
+                                                    and asyncio.get_running_loop().time() >= deadline):
+            raise VersionWaitEnded(min_version, self._version(model),
+                                   stopped=stop is not None and stop.is_set())
+
+    @property
+    def running(self) -> int:
+        return self._running
+
+    @property
+    def updating(self) -> bool:
+        """An update holds the gate (draining, aborting or loading): the engine is busy by our own
+        request, so a slow or failed health answer now says nothing about it (workers/readiness.py)."""
+        return self._updating
+
+    @property
+    def aborting(self) -> bool:
+        """An update is aborting the steps inside the gate (a StepAborted now is ours)."""
+        return self._aborting
+
+    @property
+    def keeps_partial(self) -> bool:
+        """The aborting update is ``continue``: aborted token steps keep what they generated."""
+        return self._aborting and self._keep_partial
+
+    async def update(self, path: str, version: int, *, abort: bool = False, keep_partial: bool = False,
+                     model: str | None = None) -> None:
+        """Pause intake, let running steps finish (``abort``: abort them; ``keep_partial``: they
+        continue from their generated tokens afterwards), load (``model``'s weights only; None: the
+        whole engine's), resume."""
+        self._open.clear()
+        self._updating = True
+        try:
+            if abort:
+                self._aborting, self._keep_partial = True, keep_partial
+                await self._abort_until_idle()
+            await self._idle.wait()
+            if model is None:
+                await self.engine.load_weights(path, version)
+            else:
+                await self.engine.load_model_weights(model, path, version)
+        finally:
+            self._aborting = self._keep_partial = self._updating = False
+            self._open.set()
+            changed, self._changed = self._changed, asyncio.Event()
+            changed.set()
+
+    async def _abort_until_idle(self) -> None:
+        """Abort what runs in the engine until no step is inside the gate. Steps that were already
+        past the gate but had not reached the engine yet are caught by the next round."""
+        while self._running:
+            if not await self.engine.abort_running():
+                log.info("the %s engine cannot abort steps; waiting for %d to finish",
+                         self.engine.kind, self._running)
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), ABORT_REPEAT_S)
+
+
 
 
 class WeightControl:

@@ -33,7 +33,7 @@ from workers.engines.base import Engine
 from workers.executor import SessionState, StepExecutor
 from workers.failure import StepFailed, as_step_failure, reject_malformed, settled
 from workers.fenced import FencedEntries
-from workers.groups import Groups
+from workers.fork_cancel import ForkCancel
 from workers.idle import IdleSweeper
 from workers.inbox_repair import recreate_inbox
 from workers.placement import pool_caps, pressure
@@ -174,7 +174,7 @@ class Worker:
         self._pools = [self.keys.pool(mode.value, model) for model, mode in engine.models().items()]
         self._pool_caps = pool_caps(engine, self.keys, settings.capacity)  # the engine's per-model split
         self._drain: Drain | None = None
-        self._groups = Groups(lambda: self.executor, self._sessions)  # cancel and fork entries
+        self._fork_cancel = ForkCancel(lambda: self.executor, self._sessions)  # cancel and fork entries
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -387,8 +387,8 @@ class Worker:
             self._spawn(self._finish(self._guard(job, reject_malformed(job, self._bad_entries)), job.entry_id), "bad")
         elif job.kind == "step" and not job.contextual:
             self._spawn(self._finish(self._guard(job, self.executor.run_step(job, None)), job.entry_id), "stateless")
-        elif job.kind == "cancel":  # at once, ahead of the session's queued steps (workers/groups.py)
-            self._spawn(self._finish(self._guard(job, self._groups.cancel(job)), job.entry_id), "cancel")
+        elif job.kind == "cancel":  # at once, ahead of the session's queued steps (workers/fork_cancel.py)
+            self._spawn(self._finish(self._guard(job, self._fork_cancel.cancel(job)), job.entry_id), "cancel")
         else:
             if job.kind == "close":  # a step waiting at the weight gate must not hold the close
                 self.executor.stop_gate_waits(job.session_id)
@@ -448,7 +448,7 @@ class Worker:
     async def _process(self, job: InboxEntry) -> None:
         state = await self._session_state(job)
         if job.kind in ("step", "fork"):
-            await (self.executor.run_step(job, state) if job.kind == "step" else self._groups.fork(job, state))
+            await (self.executor.run_step(job, state) if job.kind == "step" else self._fork_cancel.fork(job, state))
             return
 
         async def apply_once() -> None:

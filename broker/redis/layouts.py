@@ -160,7 +160,7 @@ def log_input_field(step_id: int) -> str:
     return f"input:{step_id}"
 
 
-# The snapshot of a session's engine context (workers/snapshots.py; written by snapshot.lua): in
+# The snapshot of a session's engine context (workers/rebuild.py, its snapshots; written by snapshot.lua): in
 # the log hash, so it is dropped on reset and expires on close with the step records.
 LOG_SNAPSHOT_FIELD = "snapshot"
 

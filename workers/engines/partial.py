@@ -3,7 +3,7 @@
 An engine that can tell (the reference LM, the vLLM engines) raises ``PartialAbort`` instead of a
 plain ``StepAborted``: it carries the tokens and log probabilities generated so far. A weight
 update with ``in_flight="continue"`` keeps them and the worker continues the generation from them
-on the new weights (``workers.continuation``); any other aborting update drops them and runs the
+on the new weights (``workers.executor.Continuation``); any other aborting update drops them and runs the
 step again, whole. A step that had already finished is never aborted: it returns its output.
 """
 

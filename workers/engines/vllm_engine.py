@@ -6,7 +6,7 @@ only the new tokens are prefilled. ``routed_experts`` come back when the step as
 was started with ``enable_return_routed_experts``.
 
 An aborting weight update aborts the running requests through vLLM (``abort_running``); each
-returns what it generated so far, which a ``continue`` update keeps (``workers.continuation``).
+returns what it generated so far, which a ``continue`` update keeps (``workers.executor.Continuation``).
 
 Multimodal: a step's ``multimodal`` is the ``features`` object of ``/v1/chat/completions/render``
 (see ``mm_features``); the engine input carries every turn's items, built as vLLM's

@@ -3,7 +3,7 @@
 -- answered `cancelled` by the owner); next_step_id goes back to committed + 1 (0 when a reset is
 -- queued: steps after a reset start at 0), so the trainer goes on from the committed step. A step
 -- that committed before this call stays committed. A `cancel` entry tells the owner at once (its
--- reader acts on it before the queued steps: workers/groups.py). gen + 1: a late fallback of a
+-- reader acts on it before the queued steps: workers/fork_cancel.py). gen + 1: a late fallback of a
 -- cancelled step (report.lua) must not move next_step_id under the steps sent after the cancel.
 -- Uses: prelude.lua (now_ms, session_refusal)
 -- KEYS: 1 session hash, 2 inbox of the believed owner

@@ -8,7 +8,7 @@
 -- they would pass, creates none. The parent must have no step queued or running (the
 -- fork point is its committed step, here and on the worker): otherwise step_out_of_order. A `fork`
 -- entry in the owner's inbox lets the worker copy the parent's engine state into the branches
--- (workers/groups.py); without it a branch rebuilds from its records on its first step.
+-- (workers/fork_cancel.py); without it a branch rebuilds from its records on its first step.
 -- Uses: prelude.lua (now_ms, session_refusal, result_blob, record_blob)
 -- KEYS: 1 parent session hash, 2 parent log hash, 3 sessions hash, 4 owned hash, 5 capacity hash,
 --       6 pool zset (mode, model), 7 owner's inbox, 8 trainer caps hash, 9 trainer open hash, then

@@ -1,4 +1,4 @@
--- Store a snapshot of a session's engine context (workers/snapshots.py) in its log hash, so that
+-- Store a snapshot of a session's engine context (workers/rebuild.py) in its log hash, so that
 -- a new owner restores it and replays only the steps after it. Fenced like a commit, and written
 -- only for a committed step of the session's current gen: a reset (gen + 1, log dropped) or a
 -- close (log expiring) is never undone by a late write. The log hash holds it, so it goes where

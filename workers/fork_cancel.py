@@ -29,7 +29,9 @@ from workers.failure import settled
 log = logging.getLogger(__name__)
 
 
-class Groups:
+class ForkCancel:
+    """The worker's handling of a session's cancel and fork entries."""
+
     def __init__(self, executor: Callable[[], StepExecutor], sessions: dict[str, SessionState]) -> None:
         self._executor = executor  # the worker's, once started
         self._sessions = sessions  # the worker's sessions at their epochs (shared, not copied)
