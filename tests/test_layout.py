@@ -32,8 +32,8 @@ ALLOWED: dict[str, set[str]] = {
     "bench": {"broker", "broker.redis", "broker.client", "broker.ops", "schemas", "workers", "workers.engines"},
 }
 BROKER_ROOMS = {"redis", "client", "ops", "rollouts", "integrations", "gateway"}
-MAX_MODULE_LINES = 400
-MAX_FUNCTION_LINES = 50
+MAX_MODULE_LINES = 600  # flags an outlier for review; a module is sized by its concept
+MAX_FUNCTION_LINES = 80
 
 
 def room_of(module: str) -> str:
