@@ -23,7 +23,7 @@ from schemas.messages import StepResult
 from tests.support import world_step
 from workers.engines.base import EngineOutput, EngineRequest
 from workers.engines.null import NullEngine
-from workers.failure import finish_before_cancel
+from workers.job_scripts import finish_before_cancel
 from workers.settings import WorkerSettings
 from workers.worker import Worker
 

@@ -90,7 +90,7 @@ def test_parse_step_input_of_arbitrary_maps_fails_clearly(data: dict[str, Any]) 
 # ---------------------------------------------------------------------- a live worker's inbox
 
 # Every field is fuzzed, session_id and epoch included: an entry for no session or a foreign epoch
-# is acked and dropped like any other the worker cannot run (workers/fenced.py).
+# is acked and dropped like any other the worker cannot run (workers/job_scripts.py, FencedEntries).
 _FIELDS = ("kind", "job_id", "session_id", "epoch", "step_id", "contextual", "gen", "mode", "model",
            "reply_to", "enqueued_ms", "attempt", "retention", "min_version", "payload")
 

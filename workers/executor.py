@@ -35,11 +35,9 @@ from schemas.errors import (
 )
 from schemas.messages import Latency, StepInput, StepResult, TokenStep, parse_step_input
 from workers.batcher import Batcher
-from workers.durable import ReplicaConfirmation
 from workers.engines.base import Engine, EngineOutput, EngineRequest
 from workers.engines.partial import partial_of
-from workers.failure import StepFailed, finish_before_cancel, settled
-from workers.job_scripts import CommitAnswer, JobScripts
+from workers.job_scripts import CommitAnswer, JobScripts, ReplicaConfirmation, StepFailed, finish_before_cancel, settled
 from workers.rebuild import VERSIONS_KEY, Snapshotter, output_digest, rebuild_context, records_kept, step_record
 from workers.settings import WorkerSettings
 from workers.weight_control import VersionWaitEnded, WeightGate

@@ -24,7 +24,7 @@ from broker.redis.aio import resolve
 from broker.redis.inbox import InboxEntry
 from broker.redis.layouts import SessionHash
 from workers.executor import SessionState, StepExecutor
-from workers.failure import settled
+from workers.job_scripts import settled
 
 log = logging.getLogger(__name__)
 

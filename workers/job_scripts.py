@@ -1,11 +1,27 @@
-"""The worker's Lua calls that end a job (commit, report, control, malformed entry), one attempt
-each, and the only place that reads their replies: each call turns its reply into a small answer
-or raises ``Fenced``. Callers retry and shield them through ``workers.failure.settled``."""
+"""How a job ends: the worker's Lua calls that end it (commit, report, control, malformed entry),
+how such a call survives cancellation, the one failure path, replica confirmation of a commit,
+and the drop of entries the session fences off.
+
+Every way a job can fail (bad input, engine error after its retries, a lost context, a step out of
+order, a malformed inbox entry, a bug) raises one ``StepFailed``; the worker catches it in one
+place and publishes it through the report script. The exception carries every decision the report
+needs, so no helper has to answer a failure itself and signal "already answered" to its caller.
+
+``JobScripts`` makes one attempt of each call and is the only place that reads their replies: each
+call turns its reply into a small answer or raises ``Fenced``. Callers retry and shield them
+through ``settled``.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
 
+from broker.redis.aio import resolve
+from broker.redis.backoff import REDIS_ERRORS, until_redis_answers
 from broker.redis.connect import atomic_pipeline
 from broker.redis.inbox import BadEntry, InboxEntry
 from broker.redis.inputs import is_staged
@@ -22,10 +38,89 @@ from broker.redis.script_replies import (
 )
 from broker.redis.scripts import Scripts
 from schemas.codec import encode
-from schemas.errors import ErrorCode, Fenced
+from schemas.errors import ErrorCode, Fenced, FleetError
 from schemas.messages import StepResult
-from workers.failure import StepFailed
+from workers.rate_limit import WarningLimiter
 from workers.settings import WorkerSettings
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class StepFailed(FleetError):
+    """A job that ends with an error result: its code and message, and what the report does.
+
+    ``fallback``: next_step_id falls back to committed+1, so the trainer can send the same step_id
+    again (False when the step_id itself is wrong: a retry would fail the same way).
+    ``dead_letter``: the job also goes to the dead-letter stream, for a replay.
+    ``attempt``: how many engine runs the job had (0 when it never reached the engine)."""
+
+    def __init__(self, code: ErrorCode, message: str, *, fallback: bool, dead_letter: bool = False,
+                 attempt: int = 0) -> None:
+        super().__init__(message, code=code)
+        self.fallback = fallback
+        self.dead_letter = dead_letter
+        self.attempt = attempt
+
+    @classmethod
+    def of(cls, error: FleetError, *, fallback: bool = True, dead_letter: bool = False,
+           attempt: int = 0) -> StepFailed:
+        """The failure that answers ``error`` with its own code and message."""
+        return cls(error.code, error.message, fallback=fallback, dead_letter=dead_letter, attempt=attempt)
+
+
+async def finish_before_cancel(work: Coroutine[Any, Any, T]) -> T:
+    """Run ``work`` to its end even if the caller is cancelled meanwhile; the cancellation reaches
+    the caller after it. A commit that was sent is read back and its outcome applied here, so a
+    cancelled lane or drain never leaves this worker believing a different committed step than
+    Redis. Whatever ``work`` raised after the cancellation is dropped: the job stays pending in
+    the inbox and its next owner answers it."""
+    task = asyncio.ensure_future(work)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        if task.cancelled():
+            raise
+        await _wait_out(task)
+        raise
+
+
+async def _wait_out(task: asyncio.Future[Any]) -> None:
+    while not task.done():
+        try:
+            await asyncio.wait({task})
+        except asyncio.CancelledError:
+            continue  # cancelled again: the call still has to finish first
+    if not task.cancelled():
+        task.exception()  # retrieved: it is dropped on purpose (see finish_before_cancel)
+
+
+async def settled(attempt: Callable[[], Coroutine[Any, Any, T]], what: str) -> T:
+    """A job-ending script call (commit, report, control): retried until Redis answers, each attempt
+    shielded by ``finish_before_cancel``. A cancellation stops the retries but never an attempt."""
+    def shielded() -> Awaitable[T]:
+        return finish_before_cancel(attempt())
+
+    return await until_redis_answers(shielded, what)
+
+
+async def reject_malformed(job: BadEntry, warnings: WarningLimiter) -> None:
+    """A malformed entry fails like any job: dead-lettered, and answered if it names where to."""
+    warnings.warning("malformed job %s: %s", job.entry_id, job.reason)
+    raise StepFailed(ErrorCode.INVALID_REQUEST, f"malformed job: {job.reason}", fallback=False, dead_letter=True)
+
+
+async def as_step_failure(job: InboxEntry | BadEntry, coro: Any) -> None:
+    """Run a job; a bug becomes an ``internal worker error`` failure like any other."""
+    try:
+        await coro
+    except (StepFailed, Fenced, *REDIS_ERRORS):
+        raise
+    except Exception as exc:
+        log.exception("job %s of session %s failed unexpectedly", job.job_id, job.session_id)
+        raise StepFailed(ErrorCode.INFERENCE_ERROR, "internal worker error",
+                         fallback=True) from exc
+
 
 CommitAnswer = Committed | Duplicate | DuplicateUnstored | OutOfOrder | CancelledCommit
 
@@ -128,3 +223,83 @@ class JobScripts:
                 pipe.xadd(reply, ReplyEntry("step", job.job_id, -1, encode(result.to_wire())).to_fields())
                 pipe.pexpire(reply, self.settings.reply_ttl_ms)
             await pipe.execute()
+
+
+# ------------------------------------------------------------------ replicated durability
+# Replicated durability on the worker: a committed step is published only once a replica has it.
+#
+# With ``durability="replicated"`` the commit script writes the commit but keeps the job pending and
+# publishes nothing (broker/redis/lua/commit.lua, "deferred"); ``WAIT`` on the same connection says
+# how many replicas have it. Until enough do, the worker sends the same commit again (each time
+# with a WAIT): on the master that still holds it the repeat is a duplicate that only re-confirms,
+# and on a replica promoted before it saw the commit the repeat writes it again (the fence of
+# committed_step_id makes that the one commit). Once confirmed, the stored result is published and
+# the job acknowledged. Past ``durability_timeout_s`` the step answers ``timeout`` instead: the
+# trainer is never told "committed" about a commit no replica has, and a re-send of the step is
+# queued for the owner (enqueue.lua), which answers it the same way once a replica is back.
+
+CommitCall = Callable[[], Coroutine[Any, Any, tuple[CommitAnswer, int]]]
+
+
+class ReplicaConfirmation:
+    """Publishes a job's commit once ``durability_replicas`` replicas have it (no-op when async)."""
+
+    def __init__(self, jobs: JobScripts, settings: WorkerSettings) -> None:
+        self.jobs = jobs
+        self.wait = settings.replica_wait()
+        self.timeout_s = settings.durability_timeout_s
+        self._warnings = WarningLimiter(log)  # a replica down for a while: one warning per step otherwise
+
+    async def confirm(self, job: InboxEntry, acked: int, commit_again: CommitCall) -> None:
+        """Publish the job's committed result once enough replicas acknowledged it; ``acked``: how
+        many did after the commit, ``commit_again``: the same commit (deferred, with its WAIT)."""
+        if self.wait is None:
+            return
+        deadline = time.monotonic() + self.timeout_s
+        what = f"confirm {job.session_id}/{job.step_id}"
+        while acked < self.wait.replicas:
+            if time.monotonic() >= deadline:
+                raise StepFailed(
+                    ErrorCode.TIMEOUT,
+                    f"step {job.step_id} was written on the Redis master but {acked} of {self.wait.replicas} "
+                    f"replicas confirmed it within {self.timeout_s:g}s (durability=replicated), so it is not "
+                    "reported as committed: send the same step_id again to get its result once a replica has it",
+                    fallback=False)
+            self._warnings.warning("%s: %d of %d replicas have it; waiting", what, acked, self.wait.replicas)
+            answer, acked = await settled(commit_again, what)
+            if not isinstance(answer, Committed | Duplicate):  # the master lost more than this step
+                raise StepFailed(ErrorCode.STEP_OUT_OF_ORDER, f"step {job.step_id} could not be committed again "
+                                 "after a Redis failover; send the steps again from the first missing one",
+                                 fallback=True)
+        await settled(lambda: self.jobs.publish_committed(job), f"publish {job.session_id}/{job.step_id}")
+
+
+# ------------------------------------------------------------------ fenced entries
+# Inbox entries the session hash fences off: a job whose epoch (or whose inbox's owner) is not the
+# session's. Such an entry can never run or commit here, so it is acknowledged and dropped at once
+# (left pending, it would be read again after every reconnect). The session's context is dropped
+# only when Redis says this worker no longer holds it at the epoch it runs it under: a forged or
+# stale entry leaves a live session alone (no context drop, no rebuild).
+
+
+class FencedEntries:
+    def __init__(self, jobs: JobScripts) -> None:
+        self.jobs = jobs
+        self.dropped = 0
+        self._warn = WarningLimiter(log)
+
+    async def drop(self, job: InboxEntry, held_epoch: int | None) -> bool:
+        """Ack and drop the fenced ``job``; True when this worker still holds the session at
+        ``held_epoch`` (None: it holds no state of it) and must keep its context."""
+        await settled(lambda: self.jobs.drop_entry(job.entry_id), f"drop fenced {job.entry_id}")
+        self.dropped += 1
+        keep = held_epoch is not None and await self._holds(job.session_id, held_epoch)
+        self._warn.warning("dropped fenced entry %s (%s of session %s at epoch %d)%s", job.entry_id, job.kind,
+                           job.session_id, job.epoch, "" if keep else "; the session is no longer ours")
+        return keep
+
+    async def _holds(self, session_id: str, epoch: int) -> bool:
+        redis, keys = self.jobs.scripts.redis, self.jobs.scripts.keys
+        raw: Any = await until_redis_answers(
+            lambda: resolve(redis.hmget(keys.session(session_id), ["owner", "epoch"])), "session owner")
+        return bool(raw[0] == self.jobs.worker_id.encode() and raw[1] == str(epoch).encode())

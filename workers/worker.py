@@ -31,11 +31,10 @@ from workers.batcher import Batcher
 from workers.drain import Drain
 from workers.engines.base import Engine
 from workers.executor import SessionState, StepExecutor
-from workers.failure import StepFailed, as_step_failure, reject_malformed, settled
-from workers.fenced import FencedEntries
 from workers.fork_cancel import ForkCancel
 from workers.idle import IdleSweeper
 from workers.inbox_repair import recreate_inbox
+from workers.job_scripts import FencedEntries, StepFailed, as_step_failure, reject_malformed, settled
 from workers.placement import pool_caps, pressure
 from workers.rate_limit import WarningLimiter
 from workers.readiness import Readiness
@@ -483,7 +482,7 @@ class Worker:
 
     async def _drop_fenced(self, job: InboxEntry | BadEntry) -> None:
         """A job the session hash fences off is acked and dropped; the session's context goes only
-        when Redis says it is no longer ours at the epoch we hold (see workers/fenced.py)."""
+        when Redis says it is no longer ours at the epoch we hold (see FencedEntries in workers/job_scripts.py)."""
         assert isinstance(job, InboxEntry)  # only a parsed job has an epoch to be fenced on
         assert self._fenced is not None, "worker not started"
         state = self._sessions.get(job.session_id)
