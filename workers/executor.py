@@ -1,7 +1,10 @@
 """Runs one job end to end: decode, engine (with retries), then commit through Lua.
 
-Kept apart from the worker loop so the exactly-once rules live in one small place. Every way a step
-can fail raises ``StepFailed``; the worker answers it with :meth:`StepExecutor.publish_failure`.
+What a step passes on the way is here too: the cancel marks it is checked against, the staleness
+checks (before it runs and after the weight gate) and, for a token step that spans weight updates,
+its continuation (partial rollouts). Kept apart from the worker loop so the exactly-once rules live
+in one place. Every way a step can fail raises ``StepFailed``; the worker answers it with
+:meth:`StepExecutor.publish_failure`.
 """
 
 from __future__ import annotations
@@ -65,11 +68,13 @@ class SessionState:
 # without running. Bounded: a session forgotten here only loses that shortcut, as commit.lua refuses
 # a cancelled step's commit on its own.
 
-MAX_SESSIONS = 100_000  # the newest cancels kept; one small int per cancelled session
+MAX_CANCELLED_SESSIONS = 100_000  # the newest cancels kept; one small int per cancelled session
 
 
 class CancelMarks:
-    def __init__(self, max_sessions: int = MAX_SESSIONS) -> None:
+    """The newest cancel count read per session (bounded)."""
+
+    def __init__(self, max_sessions: int = MAX_CANCELLED_SESSIONS) -> None:
         self._marks: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._max = max_sessions
 
