@@ -161,15 +161,16 @@ def check_report(report: CellReport, lease_ms: int) -> tuple[bool, str]:
 
 
 def format_status(report: CellReport, lease_ms: int | None = None) -> str:
-    """A table of the report; a worker is alive while its heartbeat is younger than ``lease_ms``
-    (default: the cell's default lease). A worker's last weights error follows on its own line."""
+    """A table of the report; a worker is live (``live`` in ``--json`` too) while its heartbeat is
+    younger than ``lease_ms`` (default: the cell's default lease). A worker's last weights error
+    follows on its own line."""
     lease_ms = CellConfig().lease_ms if lease_ms is None else lease_ms
-    lines = [f"{'worker':<40} {'state':<9} {'alive':<6} {'beat_ms':>8} {'load':>5} {'inbox':>6} {'pending':>7} "
+    lines = [f"{'worker':<40} {'state':<9} {'live':<6} {'beat_ms':>8} {'load':>5} {'inbox':>6} {'pending':>7} "
              f"{'idle_closed':>11} {'engine':<10} {'version':>7} {'models@version':<40} engine_ready"]
     for w in report.workers:
         f = w.fields
-        alive = "yes" if w.live(lease_ms) else "NO"
-        lines.append(f"{w.worker_id:<40} {f.get('state', '?'):<9} {alive:<6} {w.heartbeat_age_ms:>8} "
+        live = "yes" if w.live(lease_ms) else "NO"
+        lines.append(f"{w.worker_id:<40} {f.get('state', '?'):<9} {live:<6} {w.heartbeat_age_ms:>8} "
                      f"{f.get('load', '?'):>5} {w.inbox_length:>6} {w.inbox_pending:>7} "
                      f"{f.get('idle_closed', '0'):>11} {f.get('engine', '?'):<10} "
                      f"{f.get('policy_version', '?'):>7} {w.models_text():<40} {_engine_ready(f)}")
