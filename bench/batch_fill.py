@@ -32,7 +32,7 @@ from bench.http_anchor import HttpRollout
 from bench.sim_engine import SIM_MODEL, SimEngineConfig
 from broker import FleetClient
 from broker.redis.embedded import free_port
-from workers import processes
+from cli import processes
 
 NAME = "batch_fill"
 SESSIONS = 64

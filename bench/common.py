@@ -21,7 +21,7 @@ import numpy as np
 from broker.redis.connect import open_redis
 from broker.redis.embedded import RedisServer
 from broker.redis.keys import CellKeys
-from workers import processes
+from cli import processes
 
 SIZES = ("smoke", "full")
 # glibc malloc: keep freed large blocks instead of returning them to the kernel (munmap / trim);

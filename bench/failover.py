@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 from bench.common import Children, Row, module_main, new_prefix, private_redis, wait_fleet_workers
 from broker import FleetClient, Session
+from cli.processes import Process, supervisor_command, worker_command
 from schemas.reference_tokenizer import ReferenceTokenizer
-from workers.processes import Process, supervisor_command, worker_command
 
 HEARTBEAT_MS, LEASE_MS = 250, 2000
 _REBUILT = re.compile(r"rebuilt (\S+) \((\d+) steps\) in ([\d.]+) ms with (\d+) engine requests")

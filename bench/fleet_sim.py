@@ -37,8 +37,8 @@ from bench.fleet_sim_report import Window
 from bench.redis_meter import ClusterMeter, Master, cells_on_masters, cluster_masters, snapshot
 from broker.redis.connect import is_cluster_url, parse_cluster_url
 from broker.redis.embedded_cluster import running_cluster
-from workers import processes
-from workers.processes import Process
+from cli import processes
+from cli.processes import Process
 
 # Latent steps first: their few sessions stay parked through the token window, while 10,000 parked
 # token sessions would add their owners' idle sweeps to the latent window.

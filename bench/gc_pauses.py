@@ -38,7 +38,7 @@ from bench.common import (
     world_inputs,
 )
 from broker import FleetClient
-from workers import processes
+from cli import processes
 
 NAME = "gc_pauses"
 SESSIONS = 64
@@ -77,7 +77,7 @@ class CollectionTimer:
 
 
 def run_child(argv: list[str]) -> int:
-    """A worker (``workers.cli`` arguments after ``--``) whose collections are timed: SIGUSR1 starts
+    """A worker (``cli.main`` arguments after ``--``) whose collections are timed: SIGUSR1 starts
     the window, a second SIGUSR1 writes the window's summary to ``--out``."""
     out, default_gc = argv[argv.index("--out") + 1], "--default-gc" in argv
     timer = CollectionTimer()
@@ -96,7 +96,7 @@ def run_child(argv: list[str]) -> int:
         from workers import runner
 
         runner.tune_gc = lambda: None  # the worker as it ran before its tuning
-    from workers.cli import main
+    from cli.main import main
 
     return main(argv[argv.index("--") + 1 :])
 
@@ -105,7 +105,7 @@ async def one_round(url: str, latent: bool, default_gc: bool, window_s: float) -
     prefix, shape = new_prefix("gc"), LATENT_SHAPE if latent else TINY_SHAPE
     out = os.path.join(tempfile.gettempdir(), f"gc-pauses-{prefix}.json")
     worker_args = processes.worker_command(url, prefix, latent_shape=shape)
-    cli_args = worker_args[worker_args.index("workers.cli") + 1 :]
+    cli_args = worker_args[worker_args.index("cli.main") + 1 :]
     with Children() as children:  # one per round: a killed worker of an earlier round is no error
         proc = children.spawn([sys.executable, "-m", "bench.gc_pauses", "--child", "--out", out,
                                *(["--default-gc"] if default_gc else []), "--", *cli_args])

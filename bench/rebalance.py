@@ -13,7 +13,7 @@ import time
 
 from bench.common import Children, Row, module_main, new_prefix, private_redis, wait_fleet_workers, world_inputs
 from broker import FleetClient, Session
-from workers.processes import worker_command
+from cli.processes import worker_command
 
 CAPACITY, DELAY_MS = 16, 20
 

@@ -1,6 +1,6 @@
 """Step round trip, null engine: p50/p99/max with 1 and 64 concurrent sessions.
 
-Systems: the fleet (a worker process from ``python -m workers.cli worker --engine null``, the
+Systems: the fleet (a worker process from ``python -m cli.main worker --engine null``, the
 trainer on FleetClient), the direct HTTP anchor (FastAPI + uvicorn, one POST per step, httpx
 pool), arq (enqueue and wait; poll delay 0.01 s on both sides) and the floor, a Redis PING from
 asyncio redis-py (also 64 PINGs as one pipeline). Fleet workers run with glibc malloc tuned

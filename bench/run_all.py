@@ -28,7 +28,7 @@ from bench import batch_fill, cells, failover, memory, round_trip, throughput, t
 from bench import report as report_md
 from bench.common import SIZES, BenchFn, Row, format_table, tune_malloc
 from bench.targets import evaluate
-from workers.cli_env import EnvError, apply_env, attach_env
+from cli.env import EnvError, apply_env, attach_env
 
 BENCHMARKS: dict[str, BenchFn] = {
     "round_trip": round_trip.run,

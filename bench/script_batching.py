@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from redis.asyncio import Redis
 
 from bench.common import Row, module_main, private_redis
+from broker.redis.connect import open_redis
 
 NAME = "script_batching"
 BATCHES = (8, 32, 64)
@@ -98,7 +99,7 @@ async def run(size: str) -> list[Row]:
     cfg = SIZE[size]
     rows: list[Row] = []
     with private_redis() as server:
-        redis = Redis.from_url(server.url)
+        redis = open_redis(server.url)
         try:
             shas = {"pipeline": await redis.script_load(ONE_STEP), "one call": await redis.script_load(WHOLE_BATCH)}
             for batch in BATCHES:

@@ -56,7 +56,7 @@ async def measure(args: argparse.Namespace) -> dict[str, float]:
     from broker import FleetClient  # the checkout under measurement
 
     shape, count = CASES[args.case]
-    worker = subprocess.Popen([sys.executable, "-m", "workers.cli", "--log-level", "WARNING", "worker",
+    worker = subprocess.Popen([sys.executable, "-m", "cli.main", "--log-level", "WARNING", "worker",
                                "--redis-url", args.redis_url, "--prefix", args.prefix, "--engine", "null",
                                "--latent-shape", ",".join(str(d) for d in shape)])
     pids = {"workers": worker.pid, "redis": args.redis_pid}

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 
 from broker.ops.status import cell_status
-from workers.processes import Process, spawn, spawn_worker, supervisor_command
+from cli.processes import Process, spawn, spawn_worker, supervisor_command
 
 
 @dataclass

@@ -168,7 +168,7 @@ def world_step(i: int, prompt: str = "pick the cup", seed: int = 0) -> dict[str,
 async def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
     """``rollout-fleet ARGV`` in a thread (it runs its own event loop), with no environment:
     exit code, stdout, stderr."""
-    from workers.cli import main  # the CLI pulls in every verb: only the tests that run it pay
+    from cli.main import main  # the CLI pulls in every verb: only the tests that run it pay
 
     capsys.readouterr()
     code = await asyncio.to_thread(main, list(argv), {})
@@ -183,7 +183,7 @@ async def cli_http_server(argv: list[str], env: dict[str, str], path: str,
     client for it once ``GET path`` answers as ``ready`` says (at most 60 s, or until the process
     exits); the process is stopped on the way out."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "workers.cli", *argv, "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "cli.main", *argv, "--port", str(port)],
                             env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10.0) as http:

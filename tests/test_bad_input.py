@@ -312,7 +312,7 @@ async def test_malformed_dead_letters_get_a_clear_line_in_replay(redis_server, p
     outcomes = await replay_ids(scripts, [bad.decode(), junk.decode()])
     assert [o.status for o in outcomes] == ["not_replayable", "not_replayable"]
     assert await fleet.redis.xlen(fleet.keys.dead) == 2  # nothing removed, nothing enqueued
-    base = [sys.executable, "-m", "workers.cli", "replay", "--redis-url", redis_server.url, "--prefix", prefix]
+    base = [sys.executable, "-m", "cli.main", "replay", "--redis-url", redis_server.url, "--prefix", prefix]
     for args in (["list"], ["list", "--json"], ["show", bad.decode()], ["run"], ["run", bad.decode()]):
         out = await asyncio.to_thread(subprocess.run, [*base, *args], capture_output=True, text=True, timeout=60)
         assert out.returncode == 0 and "Traceback" not in out.stderr, (args, out.stderr)

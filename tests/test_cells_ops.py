@@ -25,10 +25,10 @@ from broker.redis.config import CellConfig
 from broker.redis.embedded import RedisServer
 from broker.redis.keys import CellKeys
 from broker.redis.slots import cell_slot
+from cli.main import parse_invocation
 from tests.support import FAST, WorkerPool, world_step
 from tests.support import run_cli as _cli
 from tests.test_gateway import SESSIONS, GatewayServer, body
-from workers.cli import parse_invocation
 from workers.engines.null import NullEngine
 
 pytestmark = pytest.mark.asyncio

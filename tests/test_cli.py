@@ -13,7 +13,7 @@ import redis
 from broker.redis.embedded import RedisServer, free_port
 
 pytestmark = pytest.mark.slow
-CLI = [sys.executable, "-m", "workers.cli"]
+CLI = [sys.executable, "-m", "cli.main"]
 
 
 def test_demo_runs_both_modes_and_reports_no_loss() -> None:

@@ -1,4 +1,4 @@
-"""Every option of every verb reads ROLLOUT_FLEET_<DEST> (workers/cli_env.py); the flag wins.
+"""Every option of every verb reads ROLLOUT_FLEET_<DEST> (cli/env.py); the flag wins.
 
 OPTIONS is the table of every option: a verb or option added without a row fails
 test_every_option_is_in_the_table, and each row checks that the variable sets what the flag sets.
@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 from broker.redis.config import ENV_VARS
-from workers.cli import parse_invocation
-from workers.cli_args import build_parser, dashboard_settings, gateway_settings
-from workers.cli_env import env_map
+from cli.args import build_parser, dashboard_settings, gateway_settings
+from cli.env import env_map
+from cli.main import parse_invocation
 
 # verb -> option -> (the flag's values on the command line, the same as the variable's value).
 # A flag without values is a switch; its variable takes 1/true/yes/on (0/false/no/off).

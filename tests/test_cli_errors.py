@@ -15,9 +15,9 @@ import pytest
 import redis
 
 from broker.redis.embedded import RedisServer, free_port
-from workers.cli import main
+from cli.main import main
 
-CLI = [sys.executable, "-m", "workers.cli"]
+CLI = [sys.executable, "-m", "cli.main"]
 ENV = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUT_FLEET_")}
 
 
@@ -45,7 +45,7 @@ def test_redis_down_is_one_line(argv: list[str], says: str) -> None:
 def test_a_missing_extra_names_it() -> None:
     # fastapi absent as in a plain `pip install rollout-fleet` (None in sys.modules makes its import fail)
     code = ("import sys; sys.modules['fastapi'] = None\n"
-            "from workers.cli import main; sys.exit(main(['gateway', '--redis-url', 'redis://127.0.0.1:1/0']))")
+            "from cli.main import main; sys.exit(main(['gateway', '--redis-url', 'redis://127.0.0.1:1/0']))")
     out = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True, timeout=60)
     _one_line_exit_2(out, "rollout-fleet gateway: error: the gateway verb needs fastapi: "
                           "install rollout-fleet[gateway]")
@@ -114,7 +114,7 @@ def test_idle_supervisor_logs_no_info_lines_and_json_lines(redis_server: RedisSe
 
 def test_json_log_lines_carry_the_exception() -> None:
     code = ("import logging, sys, json\n"
-            "from workers.logs import configure_logging\n"
+            "from cli.logs import configure_logging\n"
             "configure_logging('INFO', 'json')\n"
             "try:\n    1 / 0\nexcept ZeroDivisionError:\n    logging.getLogger('x.y').exception('boom %d', 7)\n")
     out = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True, timeout=60)

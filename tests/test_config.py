@@ -16,9 +16,9 @@ from broker.ops.supervisor import SupervisorSettings
 from broker.redis.config import ENV_VARS, CellConfig, ConfigError
 from broker.redis.embedded import RedisServer
 from broker.redis.keys import CellKeys
-from workers.cli import main
-from workers.cli_args import build_parser, resolve, setting_default
-from workers.demo import DemoConfig
+from cli.args import build_parser, resolve, setting_default
+from cli.demo import DemoConfig
+from cli.main import main
 from workers.settings import WorkerSettings
 
 ENV = {
@@ -162,7 +162,7 @@ def test_status_honours_the_environment_in_process(redis_server: RedisServer, pr
 def test_status_command_reads_the_environment(redis_server: RedisServer, prefix: str) -> None:
     _announce_worker(redis_server.url, CellKeys(prefix), "w-env-2")
     env = {**os.environ, ENV_VARS["redis_url"]: redis_server.url, ENV_VARS["prefix"]: prefix}
-    out = subprocess.run([sys.executable, "-m", "workers.cli", "status"], env=env, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "cli.main", "status"], env=env, capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0, out.stderr
     assert "w-env-2" in out.stdout and "sessions=0 dead_letters=0" in out.stdout

@@ -15,11 +15,11 @@ from broker import FleetClient
 from broker.gateway.settings import GatewaySettings
 from broker.redis.config import CellConfig
 from broker.redis.embedded import RedisServer, running_redis
+from cli.args import build_parser, gateway_settings
 from tests.support import FAST, WorkerPool, cli_http_server
 from tests.test_gateway import SESSIONS, GatewayServer, body, error_body
 from tests.test_gateway_limits import MB, post_raw
 from tests.test_multiturn import reference_engine
-from workers.cli_args import build_parser, gateway_settings
 from workers.engines.null import NullEngine
 
 ALPHA, BETA = {"Authorization": "Bearer alpha-key"}, {"Authorization": "Bearer beta-key"}

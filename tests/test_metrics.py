@@ -25,13 +25,13 @@ from broker.ops.supervisor import SupervisorSettings, reap_job, trim_job
 from broker.redis.config import CellConfig
 from broker.redis.embedded import RedisServer
 from broker.redis.scripts import Scripts
+from cli.main import parse_invocation
+from cli.processes import supervisor_command, worker_command
 from schemas.errors import ErrorCode
 from tests.procs import Fleet
 from tests.support import FAST, WorkerPool, world_step
 from tests.test_gateway import SESSIONS, GatewayServer, body
-from workers.cli import parse_invocation
 from workers.engines.null import NullEngine
-from workers.processes import supervisor_command, worker_command
 
 WORLD = "null-world"
 

@@ -19,13 +19,13 @@ from broker.ops.weights import update_weights, workers_at_version
 from broker.redis.embedded import RedisServer
 from broker.redis.layouts import LOG_SNAPSHOT_FIELD, log_input_field
 from broker.redis.scripts import Scripts
+from cli.processes import spawn_worker
 from schemas.codec import decode, encode
 from schemas.messages import StepResult, TokenStep, WorldStep
 from tests.procs import Fleet
 from tests.support import FAST, RunningWorker, WorkerPool, reap_until_moved, world_step
 from workers.engines.base import EngineRequest
 from workers.engines.reference import ReferenceEngine, ReferenceEngineConfig
-from workers.processes import spawn_worker
 from workers.reaper import EXPIRY_MARGIN_S, until_next_expiry_s
 from workers.rebuild import BLAKE2B_16, XXH3_128, load_snapshot, one_prefill, output_digest, pack
 

@@ -116,7 +116,7 @@ async def test_invalid_input_is_never_retried_nor_dead_lettered(
 async def test_replay_cli_lists_and_runs(redis_server: RedisServer, prefix: str, fleet: FleetClient,
                                         workers: WorkerPool) -> None:
     _, s = await _dead_step(fleet, workers)
-    base = [sys.executable, "-m", "workers.cli", "replay", "--redis-url", redis_server.url, "--prefix", prefix]
+    base = [sys.executable, "-m", "cli.main", "replay", "--redis-url", redis_server.url, "--prefix", prefix]
 
     def run(*args: str) -> str:
         out = subprocess.run([*base, *args], capture_output=True, text=True, timeout=60)

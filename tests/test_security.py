@@ -24,7 +24,6 @@ from broker.gateway.errors import MAX_ERROR_CHARS, MAX_INPUT_CHARS, MAX_REPORTED
 from broker.gateway.settings import GatewaySettings
 from broker.ops.acl import fleet_acl_rules
 from broker.ops.arq_queue import MAX_ARQ_JOB_BYTES
-from broker.ops.replay_cli import run_replay_command
 from broker.ops.status import cell_status
 from broker.ops.supervisor import SupervisorSettings, build_worker, request_replay
 from broker.redis.config import CellConfig
@@ -36,6 +35,7 @@ from broker.redis.layouts import (
     DEFAULT_IDLE_TIMEOUT_S,
     MAX_IDLE_TIMEOUT_S,
 )
+from cli.replay import run_replay_command
 from tests.support import FAST, WorkerPool, stop_supervisor, worker_pool, world_step
 from tests.test_gateway import SESSIONS, GatewayServer, body
 from tests.tls import TlsRedis, make_certificates, tls_redis_server

@@ -15,7 +15,7 @@ from tests.support import WorkerPool, world_step
 from tests.support import run_cli as _cli
 from workers.engines.null import NullEngine
 
-CLI = [sys.executable, "-m", "workers.cli"]
+CLI = [sys.executable, "-m", "cli.main"]
 
 
 @pytest.mark.asyncio

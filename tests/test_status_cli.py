@@ -20,7 +20,7 @@ from tests.support import WorkerPool, run_cli, world_step
 from workers.engines.base import EngineOutput, EngineRequest
 from workers.engines.null import NullEngine
 
-CLI = [sys.executable, "-m", "workers.cli"]
+CLI = [sys.executable, "-m", "cli.main"]
 
 
 class BrokenEngine(NullEngine):

@@ -9,7 +9,7 @@ import subprocess
 import threading
 
 from broker.redis.embedded import RedisServer
-from workers.processes import worker_command
+from cli.processes import worker_command
 from workers.runner import GC_YOUNG_THRESHOLD
 
 TUNED = re.compile(r"garbage collector tuned: (\d+) objects frozen, young-generation threshold (\d+)")

@@ -11,9 +11,9 @@ import pytest
 from broker import FleetClient
 from broker.ops.status import cell_status
 from broker.redis.embedded import RedisServer
+from cli.processes import spawn_worker, stop
 from schemas.errors import InvalidRequestError
 from tests.support import world_step
-from workers.processes import spawn_worker, stop
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.slow]
 # A drain whose sessions find no other worker with room serves them on for its whole timeout

@@ -5,9 +5,9 @@ arq stores every job and result with ``pickle`` unless told otherwise, so whoeve
 fleet (the supervisor's worker, :func:`broker.ops.supervisor.request_replay`) is built here, with
 msgpack (de)serializers: a job that is not msgpack fails to decode, and arq drops it with a log.
 
-The pool is built from the cell's URL by redis-py's own parser (``Redis.from_url``), exactly as
-workers and clients connect, so ``rediss://`` query parameters (``ssl_ca_certs``,
-``ssl_cert_reqs``...), the username and the password all reach arq; ``RedisSettings.from_dsn``
+The pool is built from the cell's URL by redis-py's own parser (through
+:func:`broker.redis.connect.open_pool`), exactly as workers and clients connect, so
+``rediss://`` query parameters (``ssl_ca_certs``, ``ssl_cert_reqs``...), the username and the password all reach arq; ``RedisSettings.from_dsn``
 keeps only host, port, db and credentials.
 """
 
@@ -18,12 +18,12 @@ from typing import Any
 import msgpack
 from arq import constants as arq_constants
 from arq.connections import ArqRedis
-from redis.asyncio import ConnectionPool
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
 from broker.redis.backoff import CAP_S, REDIS_ERRORS, START_S
 from broker.redis.config import CellConfig
+from broker.redis.connect import open_pool
 
 # A replay request is a few filters; a result is a list of outcomes. A job larger than this is
 # not one the fleet wrote, and is refused before msgpack allocates anything for it.
@@ -70,8 +70,7 @@ def unpack_arq(data: bytes) -> Any:
 def arq_pool(config: CellConfig) -> ArqRedis:
     """An arq pool on the cell's Redis, with the msgpack serializers and the cell's queue."""
     retry = Retry(ExponentialBackoff(cap=CAP_S, base=START_S), CONNECT_RETRIES)
-    connections = ConnectionPool.from_url(config.redis_url, retry=retry,
-                                          retry_on_error=list(REDIS_ERRORS))
+    connections = open_pool(config.redis_url, retry=retry, retry_on_error=list(REDIS_ERRORS))
     pool = ArqRedis(connections, job_serializer=pack_arq, job_deserializer=unpack_arq,
                     default_queue_name=config.keys.arq_queue)
     pool.auto_close_connection_pool = True  # the pool is this client's alone: aclose() closes it

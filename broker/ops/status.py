@@ -135,7 +135,7 @@ async def fleet_status(config: CellConfig, *, window_s: float = DEFAULT_CHECK_WI
     """The report of ``config``'s cell, or with cell ``*`` of every known cell (by name)."""
     if not config.any_cell:
         return {config.cell: await cell_status(config=config, window_s=window_s)}
-    redis = Redis.from_url(config.redis_url, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S)
+    redis = open_redis(config.redis_url, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S)
     try:
         cells = await cells_of(redis, config)
     finally:

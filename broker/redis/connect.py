@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 from redis.asyncio.cluster import ClusterNode, RedisCluster
-from redis.asyncio.connection import AbstractConnection, parse_url
+from redis.asyncio.connection import AbstractConnection, ConnectionPool, parse_url
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException
 
@@ -122,6 +122,17 @@ def open_redis(url: str, **options: Any) -> Redis:
     nodes, settings = parse_cluster_url(url)
     cluster = _FleetCluster(startup_nodes=[ClusterNode(host, port) for host, port in nodes], **settings, **options)
     return cast(Redis, cluster)  # same command methods (see the module docstring)
+
+
+def open_pool(url: str, **options: Any) -> ConnectionPool:
+    """A connection pool for a single-node ``url``, for clients built on a pool of their own (arq's
+    ``ArqRedis``); ``options`` (``retry``, ``retry_on_error``, ...) go to redis-py. A cluster URL is
+    refused: such a client has no cluster routing."""
+    if not isinstance(url, str) or not url.startswith(URL_SCHEMES):
+        raise RedisURLError(f"expected a {', '.join(URL_SCHEMES)} URL, got {url!r}")
+    if is_cluster_url(url):
+        raise RedisURLError(f"a connection pool needs a single-node URL, got {_redacted(url)}")
+    return ConnectionPool.from_url(url, **options)
 
 
 def packing_in_c(base: type[AbstractConnection]) -> type[AbstractConnection]:

@@ -21,7 +21,7 @@ from tests.support import run_cli as _cli
 from tests.test_replay import BreakableEngine
 
 pytestmark = pytest.mark.cluster
-CLI = [sys.executable, "-m", "workers.cli"]
+CLI = [sys.executable, "-m", "cli.main"]
 
 
 async def test_worker_process_status_sessions_and_update_weights(

@@ -1,5 +1,5 @@
 """verl 0.9's SingleTurnAgentLoop and ToolAgentLoop, unchanged, rolling out on a real vLLM engine
-through the fleet: a ``workers.cli worker --engine vllm`` process of the engines venv (vLLM's
+through the fleet: a ``cli.main worker --engine vllm`` process of the engines venv (vLLM's
 in-process ``AsyncLLM`` on the engines tier's tiny Llama, CPU) and verl's loops here, tokenizing with
 the tiny model's own Hugging Face tokenizer. What verl reads back (token ids, log probs, finish and
 stop reasons) equals vLLM's offline ``LLM.generate`` for the same prompt."""

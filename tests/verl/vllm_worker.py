@@ -1,5 +1,5 @@
 """A fleet worker on real vLLM for the verl tier: the verl venv has verl but no vLLM and the engines
-venv has vLLM but no verl, so the worker (``workers.cli worker --engine vllm``) and vLLM's offline
+venv has vLLM but no verl, so the worker (``cli.main worker --engine vllm``) and vLLM's offline
 anchor (``tests.engines.vllm_offline``) run as processes of the engines venv, on the tiny Llama that
 the engines tier builds, and verl's agent loops run in this process, all on one private Redis."""
 
@@ -19,7 +19,7 @@ import pytest
 
 from bench.children import ROOT, Child, cache_dir, child_env, start, wait_exit
 from broker.ops.status import cell_status
-from workers.processes import worker_command
+from cli.processes import worker_command
 
 MODEL_NAME = "tiny-llama"
 ENGINE_OPTIONS = {"served_model_name": MODEL_NAME, "dtype": "float32", "max_model_len": 1024,
@@ -65,7 +65,7 @@ def wait_offline(child: Child) -> list[list[dict[str, Any]]]:
 
 
 def start_worker(python: Path, model: str, url: str, prefix: str, logs: Path) -> Child:
-    """``workers.cli worker --engine vllm`` in the engines venv, serving ``MODEL_NAME``."""
+    """``cli.main worker --engine vllm`` in the engines venv, serving ``MODEL_NAME``."""
     cmd = worker_command(url, prefix, engine="vllm", log_level="INFO",
                          engine_options={"model": model, **ENGINE_OPTIONS})
     return start([str(python), *cmd[1:]], logs / "vllm-worker.log")

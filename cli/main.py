@@ -1,7 +1,7 @@
 """``rollout-fleet``: worker, demo, redis, status, supervisor, gateway, replay, sessions, trainers, update-weights
 and bench.
 
-The verbs' arguments are in :mod:`workers.cli_args`; this module runs them."""
+The verbs' arguments are in :mod:`cli.args`; this module runs them."""
 
 from __future__ import annotations
 
@@ -19,11 +19,11 @@ from typing import Any
 
 from broker.redis.config import ConfigError
 from broker.redis.connect import open_redis
-from workers.cli_args import WORKER_SETTINGS, Invocation, build_parser, gateway_settings, resolve
-from workers.cli_checks import check_invocation
-from workers.cli_env import EnvError, apply_env, subparsers
-from workers.cli_errors import UsageError, one_line
-from workers.logs import configure_logging
+from cli.args import WORKER_SETTINGS, Invocation, build_parser, gateway_settings, resolve
+from cli.checks import check_invocation
+from cli.env import EnvError, apply_env, subparsers
+from cli.errors import UsageError, one_line
+from cli.logs import configure_logging
 
 
 def _shape(text: str | None) -> tuple[int, ...] | None:
@@ -73,7 +73,7 @@ def _cmd_worker(run: Invocation) -> int:
 
 
 def _cmd_demo(run: Invocation) -> int:
-    from workers.demo import DemoConfig, run_demo
+    from cli.demo import DemoConfig, run_demo
 
     args = run.args
     config = DemoConfig(cell_config=run.cell, embedded_redis=not run.redis_url_given, workers=args.workers,
@@ -121,7 +121,7 @@ def _run_cluster() -> int:
 
 
 def _cmd_status(run: Invocation) -> int:
-    from broker.ops.status_cli import run_status_command
+    from cli.status import run_status_command
 
     return run_status_command(run.cell, run.args)
 
@@ -140,25 +140,25 @@ def _cmd_supervisor(run: Invocation) -> int:
 
 
 def _cmd_replay(run: Invocation) -> int:
-    from broker.ops.replay_cli import run_replay_command
+    from cli.replay import run_replay_command
 
     return asyncio.run(run_replay_command(run.cell, run.args))
 
 
 def _cmd_sessions(run: Invocation) -> int:
-    from broker.ops.sessions_cli import run_sessions_command
+    from cli.sessions import run_sessions_command
 
     return asyncio.run(run_sessions_command(run.cell, run.args))
 
 
 def _cmd_cells(run: Invocation) -> int:
-    from broker.ops.cells_cli import run_cells_command
+    from cli.cells import run_cells_command
 
     return asyncio.run(run_cells_command(run.cell, run.args))
 
 
 def _cmd_trainers(run: Invocation) -> int:
-    from broker.ops.trainers import run_trainers_command
+    from cli.trainers import run_trainers_command
 
     return asyncio.run(run_trainers_command(run.cell, run.args))
 
@@ -203,7 +203,7 @@ def _cmd_gateway(run: Invocation) -> int:
 
 
 def _cmd_dashboard(run: Invocation) -> int:
-    from workers.cli_args import dashboard_settings
+    from cli.args import dashboard_settings
 
     try:
         from broker.gateway.dashboard import serve_dashboard
@@ -251,7 +251,7 @@ def parse_invocation(argv: Sequence[str] | None, environ: Mapping[str, str]) -> 
 
 def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
     """Run one verb. ``environ`` (default: ``os.environ``) gives every option its default
-    (:mod:`workers.cli_env`): the one place the fleet reads its environment."""
+    (:mod:`cli.env`): the one place the fleet reads its environment."""
     run = parse_invocation(argv, os.environ if environ is None else environ)
     args = run.args
     configure_logging(args.log_level, args.log_format)

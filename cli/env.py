@@ -1,6 +1,6 @@
 """Every option of every verb also reads an environment variable, ``ROLLOUT_FLEET_<DEST>``.
 
-Applied once, in :func:`workers.cli_args.build_parser`, to every action of every subparser, so an
+Applied once, in :func:`cli.args.build_parser`, to every action of every subparser, so an
 option added later gets its variable without being edited here. Passwords (in a Redis URL) and API
 keys then never need to be in argv, where ``ps`` shows them to every user of the host.
 

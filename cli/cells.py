@@ -18,6 +18,7 @@ from redis.exceptions import NoPermissionError, ResponseError
 
 from broker.redis.cells import CELL_FORGET_MS, redis_now_ms
 from broker.redis.config import CellConfig
+from broker.redis.connect import open_redis
 from broker.redis.keys import cell_problem
 from broker.redis.slots import SLOTS, SlotRange, cell_slot, cells_on_distinct_masters, master_of
 
@@ -71,7 +72,7 @@ def _print_rows(rows: list[dict[str, Any]], as_json: bool) -> None:
 async def run_cells_command(config: CellConfig, args: argparse.Namespace) -> int:
     """0 when shown; 2 (one line on stderr) when no such set of cell names exists. A Redis error
     goes up to the CLI, which says it in one line (the password left out) with exit 2."""
-    redis = Redis.from_url(config.redis_url, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S)
+    redis = open_redis(config.redis_url, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S)
     try:
         try:
             ranges = await slot_ranges(redis)

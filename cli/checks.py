@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from workers.cli_args import Invocation
-from workers.cli_errors import UsageError
-from workers.demo import MODELS
+from cli.args import Invocation
+from cli.demo import MODELS
+from cli.errors import UsageError
 
 
 def check_invocation(run: Invocation) -> None:

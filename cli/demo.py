@@ -21,8 +21,8 @@ from tqdm import tqdm
 from broker import FleetClient, Session
 from broker.redis.config import CellConfig
 from broker.redis.embedded import RedisServer
+from cli.processes import Process, spawn_worker, stop
 from schemas.messages import StepResult
-from workers.processes import Process, spawn_worker, stop
 
 MODELS = {"reference": ("reference-world", "reference-lm"), "null": ("null-world", "null-lm")}
 

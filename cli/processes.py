@@ -1,7 +1,7 @@
 """Fleet processes started through the CLI: the one place that builds their command lines.
 
 The demo, the benchmarks and the integration and chaos tests all run real worker (and supervisor)
-processes as ``python -m workers.cli ... worker ...``; they get the command line and the process
+processes as ``python -m cli.main ... worker ...``; they get the command line and the process
 from here, so a flag renamed in the CLI is renamed once. Where a child's output goes stays the
 caller's choice (the demo shows it, the benchmarks keep it in a file to quote when a child dies).
 """
@@ -21,9 +21,9 @@ Redirect = int | IO[Any] | None
 
 
 def cli_command(verb: str, *args: str, log_level: str | None = "WARNING") -> list[str]:
-    """``python -m workers.cli [--log-level L] <verb> <args>``; ``None`` keeps the CLI's default."""
+    """``python -m cli.main [--log-level L] <verb> <args>``; ``None`` keeps the CLI's default."""
     level = [] if log_level is None else ["--log-level", log_level]
-    return [sys.executable, "-m", "workers.cli", *level, verb, *args]
+    return [sys.executable, "-m", "cli.main", *level, verb, *args]
 
 
 def worker_command(redis_url: str, prefix: str, *, cell: str | None = None, engine: str = "null",

@@ -25,11 +25,11 @@ from broker.ops.supervisor import SupervisorSettings
 from broker.ops.weights import IN_FLIGHT
 from broker.redis.config import ENV_VARS, CellConfig, ConfigError
 from broker.redis.durability import DURABILITY_MODES
-from workers.cli_env import attach_env
-from workers.cli_errors import redact
-from workers.demo import DemoConfig
+from cli.demo import DemoConfig
+from cli.env import attach_env
+from cli.errors import redact
+from cli.logs import FORMATS, LEVELS
 from workers.engines.registry import ENGINE_HELP, engine_name
-from workers.logs import FORMATS, LEVELS
 from workers.settings import WorkerSettings
 
 DESCRIPTION = "rollout-fleet: worker, demo, redis (embedded, foreground) and status commands."
@@ -95,7 +95,7 @@ def _port(text: str) -> int:
 
 
 def add_metrics_port(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
-    """--metrics-port: off unless given (its $ROLLOUT_FLEET_METRICS_PORT comes from workers.cli_env,
+    """--metrics-port: off unless given (its $ROLLOUT_FLEET_METRICS_PORT comes from cli.env,
     like every option's variable, and is checked by the same ``_port``)."""
     p.add_argument("--metrics-port", dest="metrics_port", type=_port, default=None, metavar="PORT",
                    help="serve Prometheus metrics at http://0.0.0.0:PORT/metrics (default: off)")
@@ -338,7 +338,7 @@ def _log_flags(p: argparse.ArgumentParser, *, after_verb: bool) -> None:
 
 
 def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
-    """The parser; ``environ`` supplies the defaults of every option (:mod:`workers.cli_env`)."""
+    """The parser; ``environ`` supplies the defaults of every option (:mod:`cli.env`)."""
     parser = Parser(prog="rollout-fleet", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"rollout-fleet {package_version()}")
     _log_flags(parser, after_verb=False)
