@@ -206,3 +206,19 @@ async def test_the_page_in_headless_chromium(redis_server: RedisServer, prefix: 
         stop.set()
         with contextlib.suppress(Exception):
             await asyncio.wait_for(trainer, 10)
+
+
+@pytest.mark.asyncio
+async def test_the_standalone_dashboards_root_redirects_to_the_page(redis_server: RedisServer, prefix: str,
+                                                                    workers: WorkerPool) -> None:
+    running = await workers.add(NullEngine(), **FAST)
+    app = create_dashboard_app(CellConfig(redis_url=redis_server.url, prefix=prefix),
+                               GatewaySettings(api_keys=frozenset({KEY})))
+    async with AppServer(app) as server, httpx.AsyncClient(base_url=server.url, timeout=30.0) as http:
+        bare = await http.get("/")
+        assert bare.status_code == 307 and bare.headers["location"] == "/dashboard"
+        assert (await http.get("/", follow_redirects=True)).status_code == 401  # the page still needs the key
+        keyed = await http.get("/", params={"key": KEY})
+        assert keyed.status_code == 307 and keyed.headers["location"] == f"/dashboard?key={KEY}"
+        page = await http.get("/", params={"key": KEY}, follow_redirects=True)
+        assert page.status_code == 200 and running.id in page.text

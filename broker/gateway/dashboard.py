@@ -2,7 +2,8 @@
 every two seconds) and ``POST /dashboard/replay/{entry_id}`` (re-enqueue a dead letter through
 :mod:`broker.ops.replay`, as ``rollout-fleet replay run`` does).
 
-Mounted by the gateway, or served alone by ``rollout-fleet dashboard`` (:func:`create_dashboard_app`).
+Mounted by the gateway, or served alone by ``rollout-fleet dashboard`` (:func:`create_dashboard_app`,
+whose ``/`` redirects to the page).
 With API keys set, these routes need a key like every other route (see :mod:`broker.gateway.guards`);
 a browser may give it once as ``/dashboard?key=KEY``, which the page turns into a cookie
 (HttpOnly, SameSite=Strict, path /dashboard) and removes from the address bar.
@@ -18,12 +19,13 @@ from typing import Any
 
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request, Response
-from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse
 from redis.exceptions import RedisError
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from broker.gateway.dashboard_page import render_page
 from broker.gateway.errors import error_response
-from broker.gateway.guards import DASHBOARD_COOKIE, DASHBOARD_KEY_PARAM, BearerAuth
+from broker.gateway.guards import DASHBOARD_COOKIE, DASHBOARD_KEY_PARAM, DASHBOARD_PATH, BearerAuth
 from broker.gateway.settings import GatewaySettings
 from broker.ops.dashboard_data import DashboardSource
 from broker.ops.fleet_dashboard import FleetDashboardSource
@@ -87,6 +89,22 @@ async def dashboard_replay(entry_id: str, request: Request) -> Response:
     return outcome if isinstance(outcome, Response) else JSONResponse(outcome)
 
 
+class RootToPage:
+    """``GET /`` of the standalone dashboard answers a redirect to the page, its query (``?key=``)
+    kept. It runs before the key check: the redirect shows nothing, and the page asks for a key."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] == "/" and scope["method"] in ("GET", "HEAD"):
+            query = bytes(scope.get("query_string", b"")).decode("latin-1")
+            page = DASHBOARD_PATH + (f"?{query}" if query else "")
+            await RedirectResponse(page, status_code=307)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
 def create_dashboard_app(config: CellConfig, settings: GatewaySettings | None = None) -> FastAPI:
     """The dashboard alone, without a gateway: its own Redis connection to the cell."""
     settings = settings or GatewaySettings()
@@ -105,6 +123,7 @@ def create_dashboard_app(config: CellConfig, settings: GatewaySettings | None = 
                   openapi_url=None)
     app.include_router(router)
     app.add_middleware(BearerAuth, api_keys=settings.api_keys)
+    app.add_middleware(RootToPage)  # added last: the outermost, ahead of the key check
     return app
 
 
