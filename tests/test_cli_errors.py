@@ -89,10 +89,10 @@ def _reap_passes(client: redis.Redis) -> set[bytes]:
     return set(client.keys("arq:in-progress:*:reap:*"))  # the job name carries the cell's queue
 
 
-def test_idle_supervisor_logs_no_info_lines_and_json_lines(redis_server: RedisServer, prefix: str) -> None:
+def test_idle_supervisor_logs_its_start_and_stop_only_and_json_lines(redis_server: RedisServer, prefix: str) -> None:
     client = redis.Redis.from_url(redis_server.url)
     before = _reap_passes(client)
-    proc = subprocess.Popen([*CLI, "supervisor", "--log-format", "json", "--interval", "1"],
+    proc = subprocess.Popen([*CLI, "supervisor", "--log-format", "json", "--interval", "1", "--metrics-port", "0"],
                             env={**ENV, "ROLLOUT_FLEET_REDIS_URL": redis_server.url, "ROLLOUT_FLEET_PREFIX": prefix},
                             stderr=subprocess.PIPE, text=True)
     try:
@@ -109,7 +109,15 @@ def test_idle_supervisor_logs_no_info_lines_and_json_lines(redis_server: RedisSe
     records = [json.loads(line) for line in lines]
     for record in records:
         assert set(record) >= {"ts", "level", "logger", "message"}, record
-    assert [r for r in records if r["level"] in ("INFO", "DEBUG")] == []
+    # One INFO line when it is up (what it looks after, how often, its metrics port), one when it
+    # stops, and none for its passes.
+    info = [r for r in records if r["level"] in ("INFO", "DEBUG")]
+    assert [r["logger"] for r in info] == ["broker.ops.supervisor"] * 2, info
+    up, down = (r["message"] for r in info)
+    assert up.startswith(f"supervisor of cell 0 of prefix {prefix} up: reap every 1 s, trim every 30 s, on arq; "
+                         "metrics on port "), up
+    assert int(up.rsplit(" ", 1)[1]) > 0, up  # --metrics-port 0: the port it was given
+    assert down == f"supervisor of cell 0 of prefix {prefix} stopped"
 
 
 def test_json_log_lines_carry_the_exception() -> None:

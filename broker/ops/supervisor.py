@@ -205,11 +205,28 @@ def run_supervisor(settings: SupervisorSettings) -> None:
     stop = asyncio.Event()
     metrics = FleetMetrics()  # one registry for the process: counters survive arq restarts
     server = serve_metrics(settings.metrics_port, metrics.registry) if settings.metrics_port is not None else None
+    log.info("%s", up_line(settings, None if server is None else server.port))
     try:
         _supervise(settings, stop, metrics)
     finally:
         if server is not None:
             server.close()
+        log.info("supervisor of %s stopped", _cells_text(settings.cell_config))
+
+
+def up_line(settings: SupervisorSettings, metrics_port: int | None) -> str:
+    """The one INFO line a supervisor logs when it starts: what it looks after, how often, where
+    its metrics are (the Redis URL is left out: it may hold a password)."""
+    config = settings.cell_config
+    runner = "its own schedule (Redis Cluster: no arq)" if is_cluster_url(config.redis_url) else "arq"
+    metrics = f"metrics on port {metrics_port}" if metrics_port is not None else "no metrics port"
+    return (f"supervisor of {_cells_text(config)} up: reap every {settings.interval_s} s, trim every "
+            f"{TRIM_EVERY_S} s, on {runner}; {metrics}")
+
+
+def _cells_text(config: CellConfig) -> str:
+    return f"every cell of prefix {config.prefix}" if config.any_cell else \
+        f"cell {config.cell} of prefix {config.prefix}"
 
 
 def _supervise(settings: SupervisorSettings, stop: asyncio.Event, metrics: FleetMetrics) -> None:
@@ -240,8 +257,6 @@ async def _supervise_cluster(settings: SupervisorSettings, stop: asyncio.Event, 
     claim_key = config.deployment_keys.pass_claim if config.any_cell else config.keys.pass_claim
     ctx: dict[str, Any] = {"settings": settings, "metrics": metrics, "pass_claim": claim_key}
     await _startup(ctx)
-    log.info("supervisor on a Redis Cluster: reap every %ds, trim every %ds (no arq)", settings.interval_s,
-             TRIM_EVERY_S)
     try:
         await run_passes(ctx, [Pass("reap", settings.interval_s, reap_job), Pass("trim", TRIM_EVERY_S, trim_job)],
                          stop)
