@@ -135,3 +135,19 @@ async def test_a_read_block_is_bounded(fleet: FleetClient) -> None:
             with pytest.raises(ValueError, match="block_ms"):
                 await results.read(block_ms=bad)  # type: ignore[arg-type]
         assert await results.read(block_ms=1) == []
+
+
+async def test_enqueue_refuses_a_keyword_it_does_not_know_and_honours_min_policy_version(
+    fleet: FleetClient, workers: WorkerPool
+) -> None:
+    """A typo is a TypeError at the caller (it was silently dropped), and min_policy_version, which
+    submit takes, is honoured by enqueue too: a step needing a version no worker has is held back."""
+    await workers.add(NullEngine())
+    s = await fleet.create_session(model="null-lm", mode="tokens")
+    with pytest.raises(TypeError):
+        await s.enqueue(0, results_stream="rollouts", token_id=[1])  # type: ignore[call-arg]
+    ack = await s.enqueue(0, results_stream="rollouts", token_ids=[1], min_policy_version=5)
+    assert ack.status == "queued"
+    async with ResultConsumer(fleet, "rollouts", group="g", consumer="c1") as results:
+        deliveries = await results.read(block_ms=500)
+    assert deliveries == [] or all(not d.result.ok for d in deliveries)

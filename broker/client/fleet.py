@@ -7,19 +7,16 @@
 
 from __future__ import annotations
 
-import dataclasses
-import time
 from dataclasses import dataclass
-from typing import Any
 
 from redis.asyncio import Redis
 
 from broker.client.admission import admitted
 from broker.client.cells import placement_order
+from broker.client.link import Bounds, CellLink, decode_result, session_status
 from broker.client.replies import ReplyReader
 from broker.client.session import Session, new_id
 from broker.redis.admission import Admission
-from broker.redis.aio import resolve
 from broker.redis.cells import known_cells, live_cells
 from broker.redis.config import CellConfig
 from broker.redis.connect import open_redis
@@ -27,7 +24,6 @@ from broker.redis.keys import CELL_MARK, DEFAULT_CELL, CellKeys, cell_named_by, 
 from broker.redis.layouts import (
     DEFAULT_IDLE_TIMEOUT_S,
     ReplyEntry,
-    SessionHash,
     idle_timeout_ms_of,
     max_staleness_of,
 )
@@ -41,7 +37,6 @@ from schemas.errors import (
 )
 from schemas.limits import DEFAULT_LIMITS, Limits
 from schemas.messages import Mode, SessionStatus, StepResult, parse_mode
-from schemas.results import Latency
 from schemas.sharing import DEFAULT_PRIORITY, Priority, as_priority, as_trainer
 from schemas.wire_fields import as_result_window, as_retention
 
@@ -91,15 +86,6 @@ def _refusal(refused: Refused, cells: list[str], pool: str, trainer: str) -> Fle
                      f"{', '.join(cells)}")
 
 
-@dataclass
-class CellLink:
-    """What a client uses in one cell: its keys, its scripts and this client's reply stream there."""
-
-    keys: CellKeys
-    scripts: Scripts
-    replies: ReplyReader
-
-
 class FleetClient:
     """Async client of one cell, or of every cell. Use as ``async with FleetClient(url) as fleet``.
 
@@ -143,7 +129,7 @@ class FleetClient:
         self.reconnect_s = reconnect_s
         # A step (or reset) called without a timeout waits this long at most; None: no bound.
         self.step_timeout = _positive_or_none("step_timeout", step_timeout)
-        # While waiting, how often to check that the session still exists (broker/client/waiting.py).
+        # While waiting, how often to check that the session still exists (broker/client/link.py).
         self.session_check_s = _positive_or_none("session_check_s", session_check_s) or DEFAULT_SESSION_CHECK_S
         self._redis: Redis | None = None
         self._links: dict[str, CellLink] = {}
@@ -185,7 +171,9 @@ class FleetClient:
         found = self._links.get(cell)
         if found is None:
             keys = CellKeys(self.config.prefix, cell)
-            found = CellLink(keys, Scripts(self.redis, keys), ReplyReader(self.redis, keys.reply(self.client_id)))
+            found = CellLink(self.redis, keys, Scripts(self.redis, keys),
+                             ReplyReader(self.redis, keys.reply(self.client_id)), self.client_id, self.limits,
+                             Bounds(self.step_timeout, self.session_check_s, self.reconnect_s))
             found.replies.start()
             self._links[cell] = found
         return found
@@ -222,6 +210,10 @@ class FleetClient:
             raise InvalidRequestError(f"session {session_id!r} is in cell {named!r}; this client stays in cell "
                                       f"{self.cell!r}")
         return self.cell
+
+    def link_for(self, session_id: str) -> CellLink:
+        """The link of the cell ``session_id`` routes to (what a Session of it holds)."""
+        return self.link(self.cell_of(session_id))
 
     def keys_of(self, session_id: str) -> CellKeys:
         """The keys of the cell ``session_id`` routes to (no link made: reading a session of a cell
@@ -332,17 +324,8 @@ class FleetClient:
         return Session(self, session_id, model=st.model, mode=st.mode, owner=st.owner)
 
     async def status(self, session_id: str) -> SessionStatus:
-        raw: Any = await resolve(self.redis.hgetall(self.keys_of(session_id).session(session_id)))
-        if not raw:
-            raise error_for(ErrorCode.SESSION_NOT_FOUND, f"session {session_id!r} does not exist")
-        return SessionHash.from_fields(raw).status(session_id)
+        return await session_status(self.redis, self.keys_of(session_id), session_id)
 
     def decode_result(self, reply: ReplyEntry, started: float) -> StepResult:
         """A reply entry as a StepResult, with the current committed id and the client's timing."""
-        result = reply.step_result(self.limits)
-        total = (time.perf_counter() - started) * 1000.0
-        lat = result.latency
-        latency = Latency(queue_ms=lat.queue_ms, engine_ms=lat.engine_ms,
-                          commit_ms=max(0.0, total - lat.queue_ms - lat.engine_ms), total_ms=total)
-        return dataclasses.replace(result, committed_step_id=max(reply.committed, result.committed_step_id)
-                                   if result.ok else reply.committed, latency=latency)
+        return decode_result(reply, started, self.limits)

@@ -1,5 +1,9 @@
 """A session seen from the trainer: submit steps in order (pipelined), follow ownership moves,
-ride out a Redis outage, reset, close."""
+ride out a Redis outage, reset, close, fork into branches and cancel (what fork and cancel
+guarantee: docs/async_rl.md).
+
+A Session holds its cell's link (:class:`broker.client.link.CellLink`): the keys, scripts, reply
+reader, limits and bounds of that cell, never the client that made it."""
 
 from __future__ import annotations
 
@@ -7,19 +11,22 @@ import asyncio
 import dataclasses
 import os
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from enum import StrEnum
+from typing import Any, TypeVar
 
-from broker.client import groups
-from broker.client.waiting import wait_bound, wait_for_reply
+from broker.client.link import LinkSource
 from broker.redis.backoff import REDIS_ERRORS, Backoff
-from broker.redis.keys import check_stream_name
+from broker.redis.keys import CELL_MARK, cell_named_by, check_stream_name
 from broker.redis.layouts import ReplyEntry
 from broker.redis.script_replies import (
     AlreadyClosed,
+    Cancelled,
     ControlReply,
     EnqueueReply,
+    Forked,
     Moved,
     Queued,
     Refused,
@@ -38,11 +45,8 @@ from schemas.messages import ErrorInfo, Mode, SessionStatus, StepResult, parse_s
 from schemas.wire_fields import as_step_id, or_default
 
 _MAX_MOVES = 8  # owner changes followed in one call before giving up
+MAX_BRANCHES = 256  # one fork's branches: every branch is a key pair in one atomic script call
 _Reply = TypeVar("_Reply")
-
-
-if TYPE_CHECKING:
-    from broker.client.fleet import FleetClient
 
 
 def new_id() -> str:
@@ -54,10 +58,10 @@ def new_id() -> str:
 class Session:
     """One session: steps are numbered by the trainer from 0; ``submit`` pipelines them."""
 
-    def __init__(self, fleet: FleetClient, session_id: str, *, model: str, mode: Mode, owner: str) -> None:
-        self.fleet = fleet
+    def __init__(self, source: LinkSource, session_id: str, *, model: str, mode: Mode, owner: str) -> None:
+        self.link = source.link_for(session_id)  # every call of this session goes to this cell
         self.session_id = session_id
-        self.cell = fleet.cell_of(session_id)  # every call of this session goes to this cell's keys
+        self.cell = self.link.keys.cell
         self.model = model
         self.mode = mode
         self.owner = owner
@@ -97,32 +101,42 @@ class Session:
         return asyncio.create_task(self._run_step(step_id, payload, use_session_context, timeout,
                                                   min_policy_version))
 
-    async def enqueue(self, step_id: int, *, results_stream: str, **inputs: Any) -> Enqueued:
+    async def enqueue(
+        self,
+        step_id: int,
+        *,
+        results_stream: str,
+        observation: Mapping[str, Any] | None = None,
+        action: Mapping[str, Any] | None = None,
+        token_ids: Sequence[int] | None = None,
+        sampling: Mapping[str, Any] | None = None,
+        return_routed_experts: bool = False,
+        multimodal: Mapping[str, Any] | None = None,
+        use_session_context: bool = True,
+        min_policy_version: int = 0,
+    ) -> Enqueued:
         """Enqueue a step whose result goes to a shared results stream (read by a consumer group,
         see :class:`broker.client.consumer.ResultConsumer`) instead of back to this client. Returns once the
         step is queued, so a producer process can feed sessions while trainer processes consume.
-        Steps enqueued one after another keep their order."""
-        use_session_context = inputs.pop("use_session_context", True)
+        Steps enqueued one after another keep their order. The step's inputs are :meth:`submit`'s."""
         try:
             as_step_id(step_id)
             check_stream_name(results_stream)
-            payload = self._payload(inputs.get("observation"), inputs.get("action"), inputs.get("token_ids"),
-                                    inputs.get("sampling"), inputs.get("return_routed_experts", False),
-                                    inputs.get("multimodal"))
+            payload = self._payload(observation, action, token_ids, sampling, return_routed_experts, multimodal)
             async with self._order:
                 reply = await self._send_step(
-                    lambda owner: self.fleet.link(self.cell).scripts.enqueue(
+                    lambda owner: self.link.scripts.enqueue(
                         self.session_id, owner, step_id=step_id, contextual=use_session_context,
-                        job_id=new_id(), reply_to=results_stream, payload=payload,
+                        job_id=new_id(), reply_to=results_stream, payload=payload, min_version=min_policy_version,
                     )
                 )
         except FleetError as exc:
-            return Enqueued(step_id, "error", -1, ErrorInfo(exc.code, exc.message))
+            return Enqueued(step_id, EnqueueStatus.ERROR, -1, ErrorInfo(exc.code, exc.message))
         if isinstance(reply, Queued):
-            return Enqueued(step_id, "queued", reply.committed_step_id)
+            return Enqueued(step_id, EnqueueStatus.QUEUED, reply.committed_step_id)
         if isinstance(reply, Stored):
-            return Enqueued(step_id, "committed", reply.committed_step_id)
-        return Enqueued(step_id, "error", reply.committed_step_id, ErrorInfo(reply.code, reply.message))
+            return Enqueued(step_id, EnqueueStatus.COMMITTED, reply.committed_step_id)
+        return Enqueued(step_id, EnqueueStatus.ERROR, reply.committed_step_id, ErrorInfo(reply.code, reply.message))
 
     async def step(self, step_id: int, **kwargs: Any) -> StepResult:
         """Submit a step and wait for its result (see :meth:`submit` for the arguments)."""
@@ -140,7 +154,7 @@ class Session:
                 raise InvalidRequestError("a tokens step takes token_ids and sampling, not observations")
             data = {"token_ids": token_ids, "sampling": or_default(sampling, {}), "return_routed_experts": routed,
                     "multimodal": or_default(multimodal, {})}
-        limits = self.fleet.limits
+        limits = self.link.limits
         step = parse_step_input(self.mode, data, limits)
         payload = encode(step.to_wire(), limits)  # an array over the limits is refused before it is sent
         if len(payload) > limits.max_payload_bytes:
@@ -155,14 +169,14 @@ class Session:
             return StepResult.failure(self.session_id, -1, exc.code, exc.message)
         started = time.perf_counter()
         job_id = new_id()
-        replies = self.fleet.link(self.cell).replies
+        replies = self.link.replies
         waiter = replies.expect(job_id)
         try:
             async with self._order:
                 reply = await self._send_step(
-                    lambda owner: self.fleet.link(self.cell).scripts.enqueue(
+                    lambda owner: self.link.scripts.enqueue(
                         self.session_id, owner, step_id=step_id, contextual=contextual, job_id=job_id,
-                        reply_to=self.fleet.client_id, payload=payload, min_version=min_version,
+                        reply_to=self.link.client_id, payload=payload, min_version=min_version,
                     )
                 )
         except FleetError as exc:
@@ -170,7 +184,7 @@ class Session:
             return StepResult.failure(self.session_id, step_id, exc.code, exc.message)
         if isinstance(reply, Stored):
             replies.forget(job_id)
-            result = self.fleet.decode_result(ReplyEntry("step", job_id, reply.committed_step_id, reply.result),
+            result = self.link.decode_result(ReplyEntry("step", job_id, reply.committed_step_id, reply.result),
                                              started)
             return dataclasses.replace(result, duplicate=True)
         if isinstance(reply, Refused):
@@ -179,19 +193,19 @@ class Session:
                                       committed_step_id=reply.committed_step_id,
                                       context_length=reply.context_length)
         try:
-            answer = await wait_for_reply(self.fleet, self.session_id, waiter, timeout)
+            answer = await self.link.wait_for_reply(self.session_id, waiter, timeout)
         except FleetTimeoutError:
             replies.forget(job_id)
             return StepResult.failure(
                 self.session_id, step_id, ErrorCode.TIMEOUT,
-                f"no result within {wait_bound(self.fleet, timeout)}s; the step is still queued and may "
+                f"no result within {self.link.bounds.wait_s(timeout)}s; the step is still queued and may "
                 "commit later (re-send the same step_id to get its stored result)",
                 committed_step_id=reply.committed_step_id)
         except FleetError as exc:
             replies.forget(job_id)
             return StepResult.failure(self.session_id, step_id, exc.code, exc.message,
                                       committed_step_id=reply.committed_step_id)
-        return self.fleet.decode_result(answer, started)
+        return self.link.decode_result(answer, started)
 
     async def _send_step(self, call: Callable[[str], Awaitable[EnqueueReply]]) -> Queued | Stored | Refused:
         """:meth:`_send` for an enqueue. If a reply was lost in an outage and the retry finds our step
@@ -218,13 +232,13 @@ class Session:
         ``FleetClient.reconnect_s``). Returns the reply (Moved once the session kept moving) and
         whether an earlier attempt's reply was lost in the outage."""
         moves, lost, backoff = 0, False, Backoff()
-        deadline = time.monotonic() + self.fleet.reconnect_s
+        deadline = time.monotonic() + self.link.bounds.reconnect_s
         while True:
             try:
                 reply = await call(self.owner)
             except REDIS_ERRORS as exc:
                 if time.monotonic() > deadline:
-                    raise FleetTimeoutError(f"redis unreachable for {self.fleet.reconnect_s}s: {exc}") from exc
+                    raise FleetTimeoutError(f"redis unreachable for {self.link.bounds.reconnect_s}s: {exc}") from exc
                 lost = True
                 await backoff.wait()
                 continue
@@ -246,30 +260,51 @@ class Session:
         await self._control("close", wait=False, timeout=None)
 
     async def status(self) -> SessionStatus:
-        return await self.fleet.status(self.session_id)
+        return await self.link.status(self.session_id)
 
     async def fork(self, n: int) -> list[Session]:
         """``n`` new sessions (branches) that start from this session's committed step, on its worker:
         each steps on from committed + 1 on its own. Raises step_out_of_order while steps of this
         session are queued, capacity_exhausted when its worker has no room for all ``n``."""
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_BRANCHES:
+            raise InvalidRequestError(f"fork takes a number of branches in [1, {MAX_BRANCHES}], got {n!r}")
+        branches = [branch_id(self.session_id) for _ in range(n)]
         async with self._order:
-            ids = await groups.fork(self, n)
-        return [Session(self.fleet, sid, model=self.model, mode=self.mode, owner=self.owner) for sid in ids]
+            reply = await self._send_moving(lambda owner: self.link.scripts.fork(
+                self.session_id, owner, mode=self.mode.value, model=self.model, branches=branches))
+        if isinstance(reply, Refused):
+            raise error_for(reply.code, reply.message)
+        assert isinstance(reply, Forked)
+        return [Session(self.link, sid, model=self.model, mode=self.mode, owner=self.owner) for sid in branches]
 
-    async def cancel(self) -> groups.CancelOutcome:
+    async def cancel(self) -> CancelOutcome:
         """Cancel the steps that have not committed (queued or running): each answers ``cancelled``;
-        the session goes on from its committed step + 1."""
+        the session goes on from its committed step + 1. The refusal (session_not_found,
+        session_closed) is raised as its error."""
         async with self._order:
-            return await groups.cancel(self)
+            reply = await self._send_moving(lambda owner: self.link.scripts.cancel(self.session_id, owner))
+        if isinstance(reply, Refused):
+            raise error_for(reply.code, reply.message)
+        assert isinstance(reply, Cancelled)
+        first = reply.committed_step_id + 1
+        return CancelOutcome(reply.committed_step_id, reply.next_step_id,
+                             range(first, max(first, reply.next_before)))
+
+    async def _send_moving(self, call: Callable[[str], Awaitable[_Reply | Moved]]) -> _Reply:
+        """:meth:`_send`, with a session that kept moving raised as a timeout."""
+        reply, _ = await self._send(call)
+        if isinstance(reply, Moved):
+            raise self._kept_moving()
+        return reply
 
     async def _control(self, kind: str, *, wait: bool, timeout: float | None) -> int:
         job_id = new_id()
-        replies = self.fleet.link(self.cell).replies
+        replies = self.link.replies
         waiter = replies.expect(job_id)
         async with self._order:
             reply = await self._send_control(
-                lambda owner: self.fleet.link(self.cell).scripts.control(
-                    self.session_id, owner, kind=kind, job_id=job_id, reply_to=self.fleet.client_id
+                lambda owner: self.link.scripts.control(
+                    self.session_id, owner, kind=kind, job_id=job_id, reply_to=self.link.client_id
                 )
             )
         if isinstance(reply, Refused):
@@ -279,7 +314,7 @@ class Session:
             replies.forget(job_id)
             return reply.committed_step_id
         try:
-            answer = await wait_for_reply(self.fleet, self.session_id, waiter, timeout)
+            answer = await self.link.wait_for_reply(self.session_id, waiter, timeout)
         finally:
             replies.forget(job_id)
         return answer.committed
@@ -289,12 +324,37 @@ async def _resolved(result: StepResult) -> StepResult:
     return result
 
 
+class EnqueueStatus(StrEnum):
+    """What :meth:`Session.enqueue` did with a step."""
+
+    QUEUED = "queued"
+    COMMITTED = "committed"  # already committed: its result went to the results stream then
+    ERROR = "error"
+
+
 @dataclass(frozen=True)
 class Enqueued:
     """Answer to :meth:`Session.enqueue`: ``queued``, ``committed`` (the step was already committed;
     its result went to the results stream then) or ``error``."""
 
     step_id: int
-    status: str
+    status: EnqueueStatus
     committed_step_id: int
     error: ErrorInfo | None = None
+
+
+@dataclass(frozen=True)
+class CancelOutcome:
+    """What a cancel did: ``cancelled_steps`` (those queued or running; each answers ``cancelled``)
+    and the session's committed step and next step id after it (committed + 1; 0 behind a reset)."""
+
+    committed_step_id: int
+    next_step_id: int
+    cancelled_steps: range
+
+
+def branch_id(parent_id: str) -> str:
+    """A fresh session id in the parent's cell."""
+    cell = cell_named_by(parent_id)
+    fresh = uuid.uuid4().hex
+    return fresh if cell is None else f"{fresh}{CELL_MARK}{cell}"

@@ -17,8 +17,7 @@ from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 from broker.client.fleet import FleetClient
-from broker.client.groups import CancelOutcome
-from broker.client.session import Session
+from broker.client.session import CancelOutcome, Session
 from schemas.messages import SessionStatus, StepResult
 
 T = TypeVar("T")

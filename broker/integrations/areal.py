@@ -38,7 +38,7 @@ from typing import Any, NoReturn
 from redis.exceptions import RedisError
 
 from broker.client import DEFAULT_URL, Admission, FleetClient
-from broker.client.groups import MAX_BRANCHES
+from broker.client.session import MAX_BRANCHES
 from broker.integrations.areal_requests import (
     Conversation,
     ConversationIndex,

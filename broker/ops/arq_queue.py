@@ -7,8 +7,8 @@ msgpack (de)serializers: a job that is not msgpack fails to decode, and arq drop
 
 The pool is built from the cell's URL by redis-py's own parser (through
 :func:`broker.redis.connect.open_pool`), exactly as workers and clients connect, so
-``rediss://`` query parameters (``ssl_ca_certs``, ``ssl_cert_reqs``...), the username and the password all reach arq; ``RedisSettings.from_dsn``
-keeps only host, port, db and credentials.
+``rediss://`` query parameters (``ssl_ca_certs``, ``ssl_cert_reqs``...), the username and the
+password all reach arq; ``RedisSettings.from_dsn`` keeps only host, port, db and credentials.
 """
 
 from __future__ import annotations

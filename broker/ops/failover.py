@@ -149,7 +149,7 @@ async def fail_over(scripts: Scripts, worker_id: str, *, lease_ms: int, reason: 
     Sessions no live worker can take stay where they are. With ``mark_stuck`` (default: for an
     expired worker, whose sessions nobody serves) those whose pool has live workers, all of them
     full, are marked unplaced, so their trainers' waiting steps answer ``capacity_exhausted``
-    (broker/client/waiting.py) until one moves them. A pool with no live worker at all is a fleet
+    (broker/client/link.py) until one moves them. A pool with no live worker at all is a fleet
     (re)starting, not a full one: its sessions wait, and their trainers see a delay.
     """
     report = FailoverReport(worker_id, reason)

@@ -28,7 +28,7 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from broker.client import FleetClient, Session
-from broker.client.groups import MAX_BRANCHES
+from broker.client.session import MAX_BRANCHES
 from broker.rollouts.chat_tokens import ChatTokenizer
 from broker.rollouts.multiturn import (
     Environment,
