@@ -5,6 +5,7 @@ retire.lua. A malformed entry becomes a BadEntry, never a crash."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
 from broker.redis.inputs import is_staged
 from broker.redis.layouts import DeadLetter, Fields, LayoutError, dead_letter_payload, integer, text
@@ -12,13 +13,26 @@ from schemas.limits import MAX_STEP_ID
 from schemas.messages import Mode
 from schemas.sharing import DEFAULT_PRIORITY, Priority
 
-KINDS = frozenset({"step", "reset", "close", "cancel", "fork"})
+
+class JobKind(StrEnum):
+    """What an inbox entry asks of its worker (the entry's ``kind`` field)."""
+
+    STEP = "step"  # enqueue.lua
+    RESET = "reset"  # control.lua
+    CLOSE = "close"  # control.lua
+    CANCEL = "cancel"  # cancel.lua
+    FORK = "fork"  # fork.lua
+
+
+# The lowest step id an entry of a kind may carry (a fork's: the parent's committed step, -1 before
+# its first); the other kinds carry -1.
+_LOWEST_STEP_ID = {JobKind.STEP: 0, JobKind.FORK: -1}
 
 
 @dataclass(frozen=True)
 class InboxEntry:
     entry_id: str  # its id in the inbox (not a field)
-    kind: str  # step | reset | close | cancel | fork
+    kind: JobKind
     job_id: str
     session_id: str
     step_id: int  # -1 for reset, close and cancel; a fork's: the parent's committed step it forks from
@@ -39,9 +53,10 @@ class InboxEntry:
     @classmethod
     def from_fields(cls, entry_id: bytes | str, fields: Fields) -> InboxEntry:
         """Raises LayoutError for an entry that does not parse."""
-        kind = text(fields, "kind")
-        if kind not in KINDS:
-            raise LayoutError(f"unknown job kind {kind!r}")
+        try:
+            kind = JobKind(text(fields, "kind"))
+        except ValueError:
+            raise LayoutError(f"unknown job kind {text(fields, 'kind')!r}") from None
         try:
             mode = Mode(text(fields, "mode"))
         except ValueError as exc:
@@ -51,9 +66,9 @@ class InboxEntry:
         except ValueError as exc:
             raise LayoutError(f"field 'priority': {exc}") from exc
         step_id = integer(fields, "step_id")
-        low = {"step": 0, "fork": -1}.get(kind)
+        low = _LOWEST_STEP_ID.get(kind)
         if not (low <= step_id <= MAX_STEP_ID if low is not None else step_id == -1):
-            raise LayoutError(f"field 'step_id' is out of range for a {kind} job: {step_id}")
+            raise LayoutError(f"field 'step_id' is out of range for a {kind.value} job: {step_id}")
         return cls(
             entry_id=entry_id.decode() if isinstance(entry_id, bytes) else entry_id,
             kind=kind, job_id=text(fields, "job_id"), session_id=text(fields, "session_id"),
@@ -69,7 +84,7 @@ class InboxEntry:
     @property
     def input_staged(self) -> bool:
         """The step's payload is in its input blob (broker/redis/inputs.py), not in the entry."""
-        return self.kind == "step" and is_staged(self.payload)
+        return self.kind is JobKind.STEP and is_staged(self.payload)
 
     def dead_letter(self, reason: str, attempts: int, worker_id: str, failed_ms: int,
                     kept: tuple[bytes, str] | None = None) -> DeadLetter:
