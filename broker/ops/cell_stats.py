@@ -8,6 +8,12 @@ Any number of dashboards and gateways read the same window; Prometheus is not ne
 
 Latencies travel as fixed-bucket histograms rather than per-worker percentiles: histograms add
 up across workers and intervals, percentiles do not.
+
+Steps/s is each worker's committed steps of the last minute over the time its summaries cover,
+added up over the workers (:class:`WorkerRate`): a summary covers the ``interval_ms`` before its
+entry id, and the interval still running when the window is read (at most one) is not in the
+stream yet. Divided by a fixed minute instead, a fleet stepping for ten seconds showed a sixth of
+its rate (7 steps/s while a trainer ran 65).
 """
 
 from __future__ import annotations
@@ -97,6 +103,29 @@ class Failover:
 
 
 @dataclass
+class WorkerRate:
+    """One worker's summaries of the rate window: steps committed over the span they cover."""
+
+    committed: int = 0
+    first_ms: int = 0  # where the oldest summary's interval starts
+    newest_ms: int = 0  # the newest summary's entry time
+    longest_interval_ms: int = 0
+
+    def add(self, at_ms: int, interval_ms: int, committed: int) -> None:
+        start = at_ms - max(0, interval_ms)
+        self.first_ms = start if not self.newest_ms else min(self.first_ms, start)
+        self.newest_ms = max(self.newest_ms, at_ms)
+        self.longest_interval_ms = max(self.longest_interval_ms, interval_ms)
+        self.committed += committed
+
+    def steps_per_s(self, now_ms: int) -> float:
+        """Its steps over the span covered: up to its newest summary, or up to ``now`` less one
+        interval (the one being counted) when it has published nothing since (idle or gone)."""
+        end = max(self.newest_ms, now_ms - self.longest_interval_ms)
+        return self.committed * 1000.0 / max(1, end - self.first_ms)
+
+
+@dataclass
 class StatsWindow:
     """What the stats stream says about the last ``window_s`` seconds of the cell."""
 
@@ -107,11 +136,11 @@ class StatsWindow:
     failovers: list[Failover] = field(default_factory=list)
     reporting_workers: int = 0
     recent_committed: int = 0  # committed in the last RATE_WINDOW_S (or the window, if shorter)
+    recent_rates: list[float] = field(default_factory=list)  # each worker's steps/s over that span
 
     @property
     def steps_per_s(self) -> float:
-        span = min(self.window_s, RATE_WINDOW_S)
-        return self.recent_committed / span if span > 0 else 0.0
+        return sum(self.recent_rates)
 
     def as_json(self) -> dict[str, Any]:
         return {"window_s": self.window_s, "committed": self.committed, "failed": self.failed,
@@ -139,15 +168,18 @@ def _integer(fields: Fields, name: str) -> int:
         return 0
 
 
-def _add_entry(window: StatsWindow, entry_id: str, fields: Fields, workers: set[str],
+def _add_entry(window: StatsWindow, entry_id: str, fields: Fields, workers: dict[str, WorkerRate],
                recent_from_ms: int) -> None:
     kind = _text(fields, "kind")
     if kind == "steps":
+        worker = _text(fields, "worker")
+        rate = workers.setdefault(worker, WorkerRate())
         window.committed += _integer(fields, "committed")
-        if int(entry_id.split("-")[0]) >= recent_from_ms:
+        at_ms = int(entry_id.split("-")[0])
+        if at_ms >= recent_from_ms:
             window.recent_committed += _integer(fields, "committed")
+            rate.add(at_ms, _integer(fields, "interval_ms"), _integer(fields, "committed"))
         window.failed += _integer(fields, "failed")
-        workers.add(_text(fields, "worker"))
         for index, count in enumerate(_text(fields, "hist").split(",")[:len(BUCKETS_MS)]):
             window.histogram[index] += int(count) if count.isdigit() else 0
     elif kind == "failover":
@@ -157,12 +189,13 @@ def _add_entry(window: StatsWindow, entry_id: str, fields: Fields, workers: set[
 
 def summarize(entries: Iterable[tuple[Any, Fields]], window_s: float, now_ms: int) -> StatsWindow:
     window = StatsWindow(window_s)
-    workers: set[str] = set()
+    workers: dict[str, WorkerRate] = {}
     recent_from_ms = now_ms - int(min(window_s, RATE_WINDOW_S) * 1000)
     for raw_id, fields in entries:
         entry_id = raw_id.decode() if isinstance(raw_id, bytes) else str(raw_id)
         _add_entry(window, entry_id, fields, workers, recent_from_ms)
     window.reporting_workers = len(workers)
+    window.recent_rates = [rate.steps_per_s(now_ms) for rate in workers.values() if rate.newest_ms]
     return window
 
 

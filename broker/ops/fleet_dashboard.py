@@ -27,6 +27,7 @@ def _merge_windows(windows: list[StatsWindow], window_s: float) -> StatsWindow:
         total.committed += w.committed
         total.failed += w.failed
         total.recent_committed += w.recent_committed
+        total.recent_rates += w.recent_rates  # each worker's rate, as one cell's window adds them
         total.reporting_workers += w.reporting_workers
         total.histogram = [a + b for a, b in zip(total.histogram, w.histogram, strict=True)]
         total.failovers += w.failovers
