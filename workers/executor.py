@@ -22,7 +22,7 @@ from typing import Any
 from redis.asyncio import Redis
 
 from broker.redis.backoff import REDIS_ERRORS, until_redis_answers
-from broker.redis.inbox import BadEntry, InboxEntry
+from broker.redis.inbox import BadEntry, InboxEntry, JobKind
 from broker.redis.inputs import InputGone, dead_letter_input, read_input
 from broker.redis.keys import CellKeys
 from broker.redis.script_replies import CancelledCommit, Committed, Duplicate, OutOfOrder
@@ -258,7 +258,7 @@ class StepExecutor:
             self.metrics.fleet.dead_letters.inc()
             return
         self.failed_steps += 1
-        if job.kind == "step":
+        if job.kind == JobKind.STEP:
             self.metrics.failed(job.model, failure.code.value, dead_letter=failure.dead_letter)
         self.stats.failed()
         result = StepResult.failure(

@@ -21,7 +21,7 @@ from redis.exceptions import ResponseError
 from broker.redis.aio import resolve
 from broker.redis.backoff import REDIS_ERRORS, Backoff, raise_if_cancelling, until_redis_answers
 from broker.redis.connect import open_redis
-from broker.redis.inbox import BadEntry, InboxEntry, parse_inbox_entry
+from broker.redis.inbox import BadEntry, InboxEntry, JobKind, parse_inbox_entry
 from broker.redis.keys import INBOX_GROUP
 from broker.redis.layouts import SessionHash
 from broker.redis.scripts import Scripts
@@ -384,12 +384,12 @@ class Worker:
         self._running.add(job.entry_id)
         if isinstance(job, BadEntry):
             self._spawn(self._finish(self._guard(job, reject_malformed(job, self._bad_entries)), job.entry_id), "bad")
-        elif job.kind == "step" and not job.contextual:
+        elif job.kind == JobKind.STEP and not job.contextual:
             self._spawn(self._finish(self._guard(job, self.executor.run_step(job, None)), job.entry_id), "stateless")
-        elif job.kind == "cancel":  # at once, ahead of the session's queued steps (workers/fork_cancel.py)
+        elif job.kind == JobKind.CANCEL:  # at once, ahead of the session's queued steps (workers/fork_cancel.py)
             self._spawn(self._finish(self._guard(job, self._fork_cancel.cancel(job)), job.entry_id), "cancel")
         else:
-            if job.kind == "close":  # a step waiting at the weight gate must not hold the close
+            if job.kind == JobKind.CLOSE:  # a step waiting at the weight gate must not hold the close
                 self.executor.stop_gate_waits(job.session_id)
             lane = self._lanes.get(job.session_id)
             if lane is None:
@@ -440,19 +440,20 @@ class Worker:
 
     def _state_of(self, job: InboxEntry | BadEntry) -> SessionState | None:
         """The session state a failure reports its committed step from (none for a stateless step)."""
-        if isinstance(job, BadEntry) or (job.kind == "step" and not job.contextual):
+        if isinstance(job, BadEntry) or (job.kind == JobKind.STEP and not job.contextual):
             return None
         return self._sessions.get(job.session_id)
 
     async def _process(self, job: InboxEntry) -> None:
         state = await self._session_state(job)
-        if job.kind in ("step", "fork"):
-            await (self.executor.run_step(job, state) if job.kind == "step" else self._fork_cancel.fork(job, state))
+        if job.kind in (JobKind.STEP, JobKind.FORK):
+            await (self.executor.run_step(job, state) if job.kind == JobKind.STEP
+                   else self._fork_cancel.fork(job, state))
             return
 
         async def apply_once() -> None:
             await self.executor.jobs.apply_control(job)  # raises Fenced before the engine is touched
-            if job.kind == "close":
+            if job.kind == JobKind.CLOSE:
                 self._forget(job.session_id)
             else:
                 self.engine.drop_session(job.session_id)
