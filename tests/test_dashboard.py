@@ -25,10 +25,10 @@ from broker.ops.replay import list_dead
 from broker.redis.config import CellConfig
 from broker.redis.embedded import RedisServer
 from broker.redis.scripts import Scripts
+from cli.args import build_parser, dashboard_settings
 from tests.support import FAST, WorkerPool, cli_http_server, reap_until_moved, world_step
 from tests.test_cell_stats import until
 from tests.test_gateway import AppServer, GatewayServer
-from workers.cli_args import build_parser, dashboard_settings
 from workers.engines.base import EngineOutput, EngineRequest
 from workers.engines.null import NullEngine
 
@@ -134,7 +134,7 @@ async def test_without_redis_the_routes_answer_503_with_the_reason() -> None:
 
 
 def test_the_verb_without_the_gateway_extra_says_what_to_install() -> None:
-    hide_fastapi = ("import sys; sys.modules['fastapi'] = None; from workers.cli import main; "
+    hide_fastapi = ("import sys; sys.modules['fastapi'] = None; from cli.main import main; "
                     "sys.exit(main(['dashboard']))")
     done = subprocess.run([sys.executable, "-c", hide_fastapi], capture_output=True, text=True, timeout=60,
                           env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)})
