@@ -11,14 +11,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
+from typing import Any, cast
 
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoPermissionError, ResponseError
 
 from broker.redis.cells import CELL_FORGET_MS, redis_now_ms
 from broker.redis.config import CellConfig
-from broker.redis.connect import open_redis
+from broker.redis.connect import is_cluster, open_redis
 from broker.redis.keys import cell_problem
 from broker.redis.slots import SLOTS, SlotRange, cell_slot, cells_on_distinct_masters, master_of
 
@@ -34,7 +35,7 @@ async def slot_ranges(redis: Redis) -> list[SlotRange]:
     """The masters' slot ranges from ``CLUSTER SLOTS`` (a master is named by its node id, else
     host:port); a Redis without cluster mode serves every slot itself."""
     try:
-        raw: Any = await redis.execute_command("CLUSTER", "SLOTS")  # type: ignore[no-untyped-call]
+        raw: Any = await _cluster_slots(redis)
     except ResponseError as exc:
         if "cluster support disabled" not in str(exc):
             raise
@@ -45,6 +46,19 @@ async def slot_ranges(redis: Redis) -> list[SlotRange]:
         name = _text(master[2]) if len(master) > 2 else f"{host}:{port}"
         ranges.append((int(first), int(last), name))
     return ranges
+
+
+async def _cluster_slots(redis: Redis) -> Any:
+    """``CLUSTER SLOTS`` as the server answers it. A cluster client is told which node to ask (it
+    cannot route a command without keys), and its parsed answer is turned back into the reply."""
+    if not is_cluster(redis):
+        return await redis.execute_command("CLUSTER", "SLOTS")  # type: ignore[no-untyped-call]
+    cluster = cast(RedisCluster, redis)
+    await cluster.initialize()
+    answer: Any = await cluster.execute_command("CLUSTER", "SLOTS", target_nodes=cluster.get_random_node())
+    if not isinstance(answer, dict):
+        return answer
+    return [[first, last, [*info["primary"]], *info.get("replicas", [])] for (first, last), info in answer.items()]
 
 
 async def _list(redis: Redis, config: CellConfig, ranges: list[SlotRange]) -> list[dict[str, Any]]:

@@ -130,3 +130,46 @@ def test_json_log_lines_carry_the_exception() -> None:
     record = json.loads(line)
     assert (record["level"], record["logger"], record["message"]) == ("ERROR", "x.y", "boom 7")
     assert "ZeroDivisionError" in record["exc_info"]
+
+
+@pytest.mark.parametrize("argv", [["cells"], ["status", "--cell", "*"], ["sessions", "list", "--cell", "*"]])
+@pytest.mark.parametrize("how", ["flag", "environment"])
+def test_a_malformed_cluster_url_is_one_line(argv: list[str], how: str) -> None:
+    """A trailing ';' (as copied from a banner) in a cluster URL: one line, exit 2, no password shown,
+    whether the URL comes from --redis-url or $ROLLOUT_FLEET_REDIS_URL."""
+    url = "redis+cluster://fleet:hunter2@127.0.0.1:7000,127.0.0.1:7001;"
+    env, flag = ({**ENV, "ROLLOUT_FLEET_REDIS_URL": url}, []) if how == "environment" else (ENV, ["--redis-url", url])
+    out = subprocess.run([*CLI, *argv, *flag], env=env, capture_output=True, text=True, timeout=60)
+    _one_line_exit_2(out, "bad node '127.0.0.1:7001;'")
+    assert "hunter2" not in out.stderr
+
+
+@pytest.mark.parametrize("by", ["flag", "variable"])
+def test_redis_on_a_taken_port_fails_in_one_line_and_never_says_listening(redis_server: RedisServer,
+                                                                          by: str) -> None:
+    """A system Redis on 6379 answered as if it were the verb's own: the fleet then used it."""
+    port = str(redis_server.port)  # another Redis listens there
+    argv, env = (["--port", port], ENV) if by == "flag" else ([], {**ENV, "ROLLOUT_FLEET_REDIS_PORT": port})
+    out = subprocess.run([*CLI, "redis", *argv], env=env, capture_output=True, text=True, timeout=60)
+    _one_line_exit_2(out, f"rollout-fleet redis: error: port {port} is taken")
+    assert "listening" not in out.stdout and out.stdout == ""
+    assert redis.Redis(port=redis_server.port).ping()  # the other Redis is left alone
+
+
+def test_redis_whose_server_dies_exits_non_zero() -> None:
+    port = free_port()
+    proc = subprocess.Popen([*CLI, "redis", "--port", str(port)], env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().startswith(f"redis listening at redis://127.0.0.1:{port}/0")
+        client = redis.Redis(port=port)
+        server_pid = int(client.info("server")["process_id"])
+        client.close()
+        os.kill(server_pid, signal.SIGKILL)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 1 and err.strip() == "rollout-fleet redis: error: redis-server exited by itself with -9"

@@ -11,7 +11,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from broker.redis.connect import URL_SCHEMES
+from broker.redis.connect import URL_SCHEMES, RedisURLError, is_cluster_url, parse_cluster_url, redacted
 from broker.redis.keys import ANY_CELL, CellKeys, DeploymentKeys
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
@@ -46,7 +46,12 @@ class CellConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.redis_url, str) or not self.redis_url.startswith(URL_SCHEMES):
-            raise ConfigError("redis_url", f"expected a {', '.join(URL_SCHEMES)} URL, got {self.redis_url!r}")
+            raise ConfigError("redis_url", f"expected a {', '.join(URL_SCHEMES)} URL, got {_shown(self.redis_url)!r}")
+        if is_cluster_url(self.redis_url):
+            try:  # its node list and settings, checked before anything connects
+                parse_cluster_url(self.redis_url)
+            except RedisURLError as exc:
+                raise ConfigError("redis_url", str(exc)) from None
         for setting in ("prefix", "cell"):
             if setting == "cell" and self.cell == ANY_CELL:
                 continue
@@ -95,7 +100,13 @@ class CellConfig:
             return cls().with_overrides(redis_url=raw["redis_url"], prefix=raw["prefix"], cell=raw["cell"],
                                         lease_ms=None if lease is None else _lease_ms(lease))
         except ConfigError as exc:
-            raise ConfigError(ENV_VARS[exc.setting], f"{raw[exc.setting]!r} refused ({exc})") from None
+            shown = redacted(str(raw[exc.setting])) if exc.setting == "redis_url" else raw[exc.setting]
+            raise ConfigError(ENV_VARS[exc.setting], f"{shown!r} refused ({exc})") from None
+
+def _shown(url: object) -> object:
+    """A URL as an error message may show it: without its password."""
+    return redacted(url) if isinstance(url, str) else url
+
 
 def _lease_ms(raw: str) -> int:
     try:

@@ -131,7 +131,7 @@ def open_pool(url: str, **options: Any) -> ConnectionPool:
     if not isinstance(url, str) or not url.startswith(URL_SCHEMES):
         raise RedisURLError(f"expected a {', '.join(URL_SCHEMES)} URL, got {url!r}")
     if is_cluster_url(url):
-        raise RedisURLError(f"a connection pool needs a single-node URL, got {_redacted(url)}")
+        raise RedisURLError(f"a connection pool needs a single-node URL, got {redacted(url)}")
     return ConnectionPool.from_url(url, **options)
 
 
@@ -190,7 +190,7 @@ def parse_cluster_url(url: str) -> tuple[list[tuple[str, int]], dict[str, Any]]:
     nodes = [_node(part, url) for part in hosts.split(",")]
     path = urlsplit(url).path.strip("/")
     if path not in ("", "0"):
-        raise RedisURLError(f"a Redis Cluster has only database 0, got /{path} in {_redacted(url)}")
+        raise RedisURLError(f"a Redis Cluster has only database 0, got /{path} in {redacted(url)}")
     # redis-py's own parser reads credentials and query settings, so they mean what they mean in
     # a single-node URL; it needs one host, so it is shown the first.
     first = f"{'rediss' if tls else 'redis'}://{userinfo + '@' if userinfo else ''}{hosts.split(',')[0]}"
@@ -199,7 +199,7 @@ def parse_cluster_url(url: str) -> tuple[list[tuple[str, int]], dict[str, Any]]:
     unknown = sorted(set(parsed) - {"host", "port", "db", "username", "password", "connection_class",
                                     *_CLUSTER_QUERY})
     if unknown:
-        raise RedisURLError(f"{', '.join(unknown)} cannot be set on a cluster URL ({_redacted(url)})")
+        raise RedisURLError(f"{', '.join(unknown)} cannot be set on a cluster URL ({redacted(url)})")
     settings = {k: v for k, v in parsed.items() if k not in ("host", "port", "db", "connection_class")}
     if tls:
         settings["ssl"] = True
@@ -240,11 +240,11 @@ def _node(part: str, url: str) -> tuple[str, int]:
         host, port = part.strip(), str(DEFAULT_CLUSTER_PORT)
     host = host.strip("[]")  # an IPv6 literal
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise RedisURLError(f"bad node {part!r} in {_redacted(url)}: expected HOST:PORT")
+        raise RedisURLError(f"bad node {part!r} in {redacted(url)}: expected HOST:PORT")
     return host, int(port)
 
 
-def _redacted(url: str) -> str:
+def redacted(url: str) -> str:
     """The URL without its password, for error messages."""
     scheme, sep, rest = url.partition("://")
     userinfo, at, hosts = rest.rpartition("@")

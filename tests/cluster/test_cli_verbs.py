@@ -121,3 +121,30 @@ def test_redis_cluster_command_serves_until_sigterm() -> None:
         if proc.stdout is not None:
             proc.stdout.close()
     assert proc.returncode == 0
+
+
+async def test_every_cell_verbs_on_the_cluster(cluster_url: str, prefix: str, fleet: FleetClient,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """`status --cell '*'`, `sessions list --cell '*'` and `cells` take the cluster URL (they built
+    their own single-node clients before, and a redis+cluster:// URL was a traceback)."""
+    procs = Fleet(cluster_url, prefix)
+    try:
+        procs.worker()
+        [worker_id] = await procs.wait_active(1)
+        s = await fleet.create_session(model="null-world", mode="world_model_env")
+        assert (await s.step(0, **world_step(0))).committed_step_id == 0
+        every = ["--redis-url", cluster_url, "--prefix", prefix, "--cell", "*"]
+
+        code, out, err = await _cli(capsys, "status", *every, "--json")
+        assert code == 0, err
+        report = json.loads(out)
+        assert worker_id in json.dumps(report), out
+        code, out, err = await _cli(capsys, "sessions", "list", *every, "--json")
+        assert code == 0, err
+        assert [json.loads(line)["session_id"] for line in out.splitlines()] == [s.session_id]
+        code, out, err = await _cli(capsys, "cells", "--redis-url", cluster_url, "--prefix", prefix, "--json")
+        assert code == 0, err
+        rows = json.loads(out)["cells"]
+        assert [r["cell"] for r in rows] == [CellKeys().cell] and rows[0]["live"] and rows[0]["master"], out
+    finally:
+        procs.close()
