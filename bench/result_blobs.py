@@ -33,7 +33,7 @@ from broker import FleetClient
 from broker.redis.connect import open_redis
 from broker.redis.embedded import RedisServer
 from broker.redis.keys import CellKeys
-from broker.redis.scripts import Scripts
+from broker.redis.scripts import CommitCall, Scripts
 
 NAME = "result_blobs"
 RESULT_SIZES = (4096, 16384, 32768, 65536, 262144, 450560, 1802240)
@@ -61,8 +61,9 @@ async def commit_row(scripts: Scripts, nbytes: int, path: str, commits: int) -> 
     result = bytes(nbytes)
     await scripts.redis.config_resetstat()
     for step in range(commits):
-        await scripts.commit(session_id=sid, worker_id="w", epoch=1, step_id=step, entry_id="0-1", result=result,
-                             context_length=step, job_id=f"j{step}", reply_to="c", reply_ttl_ms=60_000)
+        await scripts.commit(CommitCall(session_id=sid, worker_id="w", epoch=1, step_id=step, entry_id="0-1",
+                                        result=result, context_length=step, job_id=f"j{step}", reply_to="c",
+                                        reply_ttl_ms=60_000))
         await scripts.redis.delete(scripts.keys.reply("c"), scripts.keys.reply_blob("c", f"j{step}"))
     stats: Any = await scripts.redis.info("commandstats")
     total = sum(float(stats[f"cmdstat_{name}"]["usec"]) for name in ("evalsha", "set") if f"cmdstat_{name}" in stats)

@@ -13,7 +13,7 @@ import pytest
 from broker import FleetClient
 from broker.ops.replay import list_dead, replay_ids, show
 from broker.redis.script_replies import Committed, Created, Queued, Refused, Stored
-from broker.redis.scripts import Scripts
+from broker.redis.scripts import CommitCall, Scripts
 from schemas.codec import encode
 from schemas.errors import ErrorCode, InvalidRequestError
 from schemas.limits import LUA_EXACT_STEPS, MAX_STEP_ID, Limits
@@ -254,10 +254,10 @@ async def test_large_contextual_step_ids_keep_exact_log_fields(scripts: Scripts)
             assert isinstance(queued, Queued)
             entry = await scripts.redis.xrange(scripts.keys.inbox("w1"), queued.entry_id, queued.entry_id)
             assert entry[0][1][b"step_id"] == str(step).encode()
-            committed = await scripts.commit(session_id="s1", worker_id="w1", epoch=1, step_id=step,
+            committed = await scripts.commit(CommitCall(session_id="s1", worker_id="w1", epoch=1, step_id=step,
                                              entry_id=queued.entry_id, result=f"r{step}".encode(), context_length=3,
                                              job_id=f"j{step}", reply_to="c", reply_ttl_ms=60000,
-                                             record=b"in", keep_records=1)
+                                             record=b"in", keep_records=1))
             assert committed == Committed()
         fields = sorted(await scripts.redis.hkeys(scripts.keys.log("s1")))
         assert fields == sorted(f"{kind}:{step}".encode() for kind in ("result", "input")

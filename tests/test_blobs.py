@@ -29,7 +29,7 @@ from broker.redis.script_replies import (
     StaleOwner,
     Stored,
 )
-from broker.redis.scripts import Scripts, lua_source
+from broker.redis.scripts import CommitCall, Scripts, lua_source
 from schemas.codec import decode
 from schemas.errors import ErrorCode
 from schemas.messages import StepResult
@@ -56,9 +56,9 @@ async def _session(scripts: Scripts, window: int = 2) -> str:
 
 async def _commit(scripts: Scripts, step: int, *, worker: str = "w1", epoch: int = 1, job: str = "j",
                   result: bytes | None = None) -> CommitReply:
-    return await scripts.commit(session_id="s1", worker_id=worker, epoch=epoch, step_id=step, entry_id="0-1",
+    return await scripts.commit(CommitCall(session_id="s1", worker_id=worker, epoch=epoch, step_id=step, entry_id="0-1",
                                 result=big(step) if result is None else result, context_length=step + 1,
-                                job_id=f"{job}{step}", reply_to="c", reply_ttl_ms=60000)
+                                job_id=f"{job}{step}", reply_to="c", reply_ttl_ms=60000))
 
 
 async def _blob_keys(scripts: Scripts) -> set[bytes]:
@@ -154,9 +154,10 @@ async def test_a_branch_owns_copies_of_the_blobs_it_forks(scripts: Scripts) -> N
 async def test_a_replicated_commit_publishes_its_blob_only_on_the_second_call(scripts: Scripts) -> None:
     redis, k = scripts.redis, scripts.keys
     await _session(scripts)
-    reply, acked = await scripts.commit_and_wait(
-        wait=ReplicaWait(replicas=1, wait_ms=10), session_id="s1", worker_id="w1", epoch=1, step_id=0,
-        entry_id="0-1", result=big(0), context_length=1, job_id="j0", reply_to="c", reply_ttl_ms=60000)
+    reply, acked = await scripts.commit_and_wait(CommitCall(
+        session_id="s1", worker_id="w1", epoch=1, step_id=0,
+        entry_id="0-1", result=big(0), context_length=1, job_id="j0", reply_to="c", reply_ttl_ms=60000),
+        ReplicaWait(replicas=1, wait_ms=10))
     assert reply == Committed() and acked == 0  # no replica here: written, not published
     assert await redis.xlen(k.reply("c")) == 0 and await redis.get(k.result_blob("s1", 0)) == big(0)
     assert await _commit(scripts, 0, result=b"") == Duplicate()  # the publish once a replica has it
@@ -188,9 +189,9 @@ async def test_the_reply_stream_budget_bounds_its_blobs(scripts: Scripts) -> Non
     await _session(scripts, window=1)
     bounds = ReplyBounds(stream_bytes=3 * (len(big(9)) + 128))  # about 3 latents
     for step in range(8):
-        assert await scripts.commit(session_id="s1", worker_id="w1", epoch=1, step_id=step, entry_id="0-1",
+        assert await scripts.commit(CommitCall(session_id="s1", worker_id="w1", epoch=1, step_id=step, entry_id="0-1",
                                     result=big(step), context_length=step + 1, job_id=f"j{step}", reply_to="c",
-                                    reply_ttl_ms=60000, reply_bounds=bounds) == Committed()
+                                    reply_ttl_ms=60000, reply_bounds=bounds)) == Committed()
     blobs = [key async for key in redis.scan_iter(match=k.reply("c") + ":blob:*")]
     assert sorted(blobs) == [k.reply_blob("c", f"j{step}").encode() for step in range(5, 8)]
 

@@ -14,7 +14,7 @@ from broker.client.session import Session
 from broker.redis.embedded import RedisServer
 from broker.redis.inbox import InboxEntry, parse_inbox_entry
 from broker.redis.script_replies import Cancelled, CancelledCommit, Committed, Created, Duplicate, Queued
-from broker.redis.scripts import Scripts
+from broker.redis.scripts import CommitCall, Scripts
 from schemas.errors import (
     CapacityExhaustedError,
     ErrorCode,
@@ -261,9 +261,9 @@ async def test_commit_lua_alone_refuses_every_step_enqueued_before_a_cancel(scri
         return job
 
     async def commit(job: InboxEntry, result: bytes = b"r") -> object:
-        return await scripts.commit(session_id="s1", worker_id="w1", epoch=1, step_id=job.step_id,
+        return await scripts.commit(CommitCall(session_id="s1", worker_id="w1", epoch=1, step_id=job.step_id,
                                     entry_id=job.entry_id, result=result, context_length=3, job_id=job.job_id,
-                                    reply_to="c", reply_ttl_ms=60000, cancels=job.cancels if result else None)
+                                    reply_to="c", reply_ttl_ms=60000, cancels=job.cancels if result else None))
 
     step0 = await enqueue(0)
     assert await commit(step0) == Committed()

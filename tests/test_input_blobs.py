@@ -26,7 +26,7 @@ from broker.redis.script_replies import (
     Refused,
     StaleOwner,
 )
-from broker.redis.scripts import Scripts, lua_source
+from broker.redis.scripts import CommitCall, Scripts, lua_source
 from schemas.errors import ErrorCode
 from tests.support import FAST, WorkerPool, image, reap_until_moved, world_step
 from tests.test_replay import BreakableEngine
@@ -67,9 +67,9 @@ async def _entry_payload(scripts: Scripts, worker: str = "w1") -> bytes:
 
 async def _commit(scripts: Scripts, step: int, *, keep: int = -1, worker: str = "w1", epoch: int = 1,
                   job: str | None = None, record: bytes = b"record") -> object:
-    return await scripts.commit(session_id="s1", worker_id=worker, epoch=epoch, step_id=step, entry_id="0-1",
+    return await scripts.commit(CommitCall(session_id="s1", worker_id=worker, epoch=epoch, step_id=step, entry_id="0-1",
                                 result=b"r", context_length=step + 1, job_id=job or f"j{step}", reply_to="c",
-                                reply_ttl_ms=60000, record=record, keep_records=keep, input_staged=True)
+                                reply_ttl_ms=60000, record=record, keep_records=keep, input_staged=True))
 
 
 async def _session_blobs(scripts: Scripts, sid: str = "s1") -> set[str]:

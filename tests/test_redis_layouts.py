@@ -19,7 +19,7 @@ from broker.redis.layouts import (
     log_result_field,
 )
 from broker.redis.script_replies import Committed, Queued, Retired
-from broker.redis.scripts import PRELUDE_MARK, Scripts, lua_file, lua_source
+from broker.redis.scripts import PRELUDE_MARK, CommitCall, Scripts, lua_file, lua_source
 from schemas.messages import Mode
 
 
@@ -57,9 +57,9 @@ async def test_an_inbox_entry_enqueue_writes_reads_back(scripts: Scripts) -> Non
 
 async def test_commit_writes_a_reply_entry_and_the_log_fields_named_here(scripts: Scripts) -> None:
     entry = await _queued_step(scripts)
-    reply = await scripts.commit(session_id="s1", worker_id="w1", epoch=1, step_id=0, entry_id=entry.entry_id,
-                                 result=b"r", context_length=3, job_id="j0", reply_to="c", reply_ttl_ms=60000,
-                                 record=b"rec")
+    reply = await scripts.commit(CommitCall(session_id="s1", worker_id="w1", epoch=1, step_id=0,
+                                            entry_id=entry.entry_id, result=b"r", context_length=3, job_id="j0",
+                                            reply_to="c", reply_ttl_ms=60000, record=b"rec"))
     assert reply == Committed()
     published = await scripts.redis.xrange(scripts.keys.reply("c"))
     assert ReplyEntry.from_fields(published[0][1]) == ReplyEntry("step", "j0", 0, b"r")

@@ -18,7 +18,7 @@ from broker.redis.script_replies import (
     Refused,
     StaleOwner,
 )
-from broker.redis.scripts import Scripts
+from broker.redis.scripts import CommitCall, Scripts
 from schemas.errors import ErrorCode
 
 pytestmark = pytest.mark.asyncio
@@ -41,8 +41,8 @@ async def _session_with_job(scripts: Scripts, wid: str = "w1") -> tuple[str, str
 
 
 async def _commit(scripts: Scripts, *, worker: str, epoch: int, step: int, entry: str) -> CommitReply:
-    return await scripts.commit(session_id="s1", worker_id=worker, epoch=epoch, step_id=step, entry_id=entry,
-                                result=b"r", context_length=3, job_id="j", reply_to="c", reply_ttl_ms=60000)
+    return await scripts.commit(CommitCall(session_id="s1", worker_id=worker, epoch=epoch, step_id=step, entry_id=entry,
+                                result=b"r", context_length=3, job_id="j", reply_to="c", reply_ttl_ms=60000))
 
 
 async def test_commit_with_a_stale_epoch_or_foreign_owner_is_refused(scripts: Scripts) -> None:

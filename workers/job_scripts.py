@@ -36,7 +36,7 @@ from broker.redis.script_replies import (
     StaleOwner,
     Unrequested,
 )
-from broker.redis.scripts import Scripts
+from broker.redis.scripts import CommitCall, Scripts
 from schemas.codec import encode
 from schemas.errors import ErrorCode, Fenced, FleetError
 from schemas.messages import StepResult
@@ -140,7 +140,7 @@ class JobScripts:
         """Commit ``result`` as the job's step (``result`` empty: only re-publish a stored one), and
         how many replicas have it. With durability async the result goes out with the commit (the
         count is 0: nobody waited); replicated defers it to :meth:`publish_committed`."""
-        args: dict[str, Any] = dict(
+        call = CommitCall(
             session_id=job.session_id, worker_id=self.worker_id, epoch=job.epoch, step_id=job.step_id,
             entry_id=job.entry_id, result=result, context_length=context_length, job_id=job.job_id,
             reply_to=job.reply_to, reply_ttl_ms=self.settings.reply_ttl_ms, record=record,
@@ -149,9 +149,9 @@ class JobScripts:
             input_staged=job.input_staged,
         )
         if self.replica_wait is None:
-            reply, acked = await self.scripts.commit(**args), 0
+            reply, acked = await self.scripts.commit(call), 0
         else:
-            reply, acked = await self.scripts.commit_and_wait(wait=self.replica_wait, **args)
+            reply, acked = await self.scripts.commit_and_wait(call, self.replica_wait)
         if isinstance(reply, StaleOwner):
             raise Fenced(job.session_id)
         return reply, acked
@@ -159,11 +159,11 @@ class JobScripts:
     async def publish_committed(self, job: InboxEntry) -> None:
         """Publish the stored result of the job's committed step and acknowledge the job (after a
         replica confirmed a deferred commit)."""
-        reply = await self.scripts.commit(
+        reply = await self.scripts.commit(CommitCall(
             session_id=job.session_id, worker_id=self.worker_id, epoch=job.epoch, step_id=job.step_id,
             entry_id=job.entry_id, result=b"", context_length=0, job_id=job.job_id, reply_to=job.reply_to,
             reply_ttl_ms=self.settings.reply_ttl_ms, reply_bounds=self.reply_bounds,
-        )
+        ))
         if isinstance(reply, StaleOwner):
             raise Fenced(job.session_id)
         if not isinstance(reply, Duplicate):  # confirmed on this master a moment ago: only a failover gets here
@@ -238,7 +238,7 @@ class JobScripts:
 # trainer is never told "committed" about a commit no replica has, and a re-send of the step is
 # queued for the owner (enqueue.lua), which answers it the same way once a replica is back.
 
-CommitCall = Callable[[], Coroutine[Any, Any, tuple[CommitAnswer, int]]]
+CommitAgain = Callable[[], Coroutine[Any, Any, tuple[CommitAnswer, int]]]
 
 
 class ReplicaConfirmation:
@@ -250,7 +250,7 @@ class ReplicaConfirmation:
         self.timeout_s = settings.durability_timeout_s
         self._warnings = WarningLimiter(log)  # a replica down for a while: one warning per step otherwise
 
-    async def confirm(self, job: InboxEntry, acked: int, commit_again: CommitCall) -> None:
+    async def confirm(self, job: InboxEntry, acked: int, commit_again: CommitAgain) -> None:
         """Publish the job's committed result once enough replicas acknowledged it; ``acked``: how
         many did after the commit, ``commit_again``: the same commit (deferred, with its WAIT)."""
         if self.wait is None:

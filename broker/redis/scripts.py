@@ -7,6 +7,8 @@ script touches is passed in KEYS and built by :mod:`broker.redis.keys`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 from redis.asyncio import Redis
@@ -59,6 +61,40 @@ from broker.redis.script_replies import (
 )
 
 _Pending = tuple[str, list[str], list[Any], "asyncio.Future[Any]", list[Any] | None]  # before: a staging SET
+
+
+@dataclass(frozen=True)
+class CommitCall:
+    """One call of commit.lua: commit step ``step_id`` of ``session_id`` for the job ``job_id``
+    (inbox entry ``entry_id``) that ``worker_id`` ran under lease ``epoch``, and publish ``result``
+    to ``reply_to`` (kept ``reply_ttl_ms``; an empty ``result`` only re-publishes a stored one).
+
+    ``record`` (kept per ``keep_records``: -1 all, N the last N, 0 none) is what a new owner replays
+    to rebuild the session's context. ``deferred``: commit without publishing (see
+    :meth:`Scripts.commit_and_wait`); a later call with an empty result publishes. ``version``: the
+    policy version the step ran on (a session with max_staleness records its first one).
+    ``cancels``: the job's cancel count; a step of a session cancelled since then does not commit
+    (None: unchecked). A result of ``Scripts.stage_bytes`` or more is staged
+    (broker/redis/blobs.py). ``input_staged``: the job's payload was staged
+    (broker/redis/inputs.py); its blob becomes the record's or goes."""
+
+    session_id: str
+    worker_id: str
+    epoch: int
+    step_id: int
+    entry_id: str
+    result: bytes
+    context_length: int
+    job_id: str
+    reply_to: str
+    reply_ttl_ms: int
+    record: bytes = b""
+    keep_records: int = -1
+    reply_bounds: ReplyBounds = DEFAULT_REPLY_BOUNDS
+    deferred: bool = False
+    version: int | None = None
+    cancels: int | None = None
+    input_staged: bool = False
 
 
 class Scripts:
@@ -228,37 +264,16 @@ class Scripts:
 
     # ------------------------------------------------------------------ worker side
 
-    async def commit(self, *, session_id: str, worker_id: str, epoch: int, step_id: int, entry_id: str,
-                     result: bytes, context_length: int, job_id: str, reply_to: str, reply_ttl_ms: int,
-                     record: bytes = b"", keep_records: int = -1,
-                     reply_bounds: ReplyBounds = DEFAULT_REPLY_BOUNDS, deferred: bool = False,
-                     version: int | None = None, cancels: int | None = None,
-                     input_staged: bool = False) -> CommitReply:
-        """Commit a step; ``record`` (kept per ``keep_records``: -1 all, N last N, 0 none) is what a
-        new owner replays to rebuild the session's context. ``deferred``: commit without publishing
-        (see :meth:`commit_and_wait`); a later call with an empty result publishes. ``version``:
-        the policy version the step ran on (a session with max_staleness records its first one).
-        ``cancels``: the job's cancel count; a step of a session cancelled since then does not
-        commit (None: unchecked). A result of STAGE_BYTES or more is staged (broker/redis/blobs.py).
-        ``input_staged``: the job's payload was staged (broker/redis/inputs.py); its blob becomes the
-        record's or goes."""
-        keys, args, before = self._commit_call(
-            session_id, worker_id, epoch, step_id, entry_id, result, context_length, job_id, reply_to, reply_ttl_ms,
-            record, keep_records, reply_bounds, deferred, version, cancels, input_staged)
+    async def commit(self, call: CommitCall) -> CommitReply:
+        """Commit a step (what each field means: :class:`CommitCall`)."""
+        keys, args, before = self._commit_call(call)
         return decode_commit(unless_unstaged(await self._call("commit", keys, args, before)))
 
-    async def commit_and_wait(self, *, wait: ReplicaWait, session_id: str, worker_id: str, epoch: int,
-                              step_id: int, entry_id: str, result: bytes, context_length: int, job_id: str,
-                              reply_to: str, reply_ttl_ms: int, record: bytes = b"", keep_records: int = -1,
-                              reply_bounds: ReplyBounds = DEFAULT_REPLY_BOUNDS,
-                              version: int | None = None, cancels: int | None = None,
-                              input_staged: bool = False) -> tuple[CommitReply, int]:
-        """A deferred commit (an empty ``result``: a deferred duplicate) followed by ``WAIT`` on the
+    async def commit_and_wait(self, call: CommitCall, wait: ReplicaWait) -> tuple[CommitReply, int]:
+        """``call`` deferred (an empty ``result``: a deferred duplicate) followed by ``WAIT`` on the
         same connection, never coalesced with other calls: the reply and how many replicas have the
         commit. Nothing is published until :meth:`commit` with ``result=b""`` runs after it."""
-        keys, args, before = self._commit_call(
-            session_id, worker_id, epoch, step_id, entry_id, result, context_length, job_id, reply_to, reply_ttl_ms,
-            record, keep_records, reply_bounds, True, version, cancels, input_staged)
+        keys, args, before = self._commit_call(dataclasses.replace(call, deferred=True))
         command = ["EVALSHA", self._scripts["commit"].sha, len(keys), *keys, *args]
         raw, acked = await call_then_wait(self.redis, keys[0], command, wait, before)
         if isinstance(raw, NoScriptError):  # a master that never ran it (a promoted replica): load, again
@@ -266,20 +281,21 @@ class Scripts:
             raw, acked = await call_then_wait(self.redis, keys[0], command, wait, before)
         return decode_commit(unless_unstaged(raw)), acked
 
-    def _commit_call(self, session_id: str, worker_id: str, epoch: int, step_id: int, entry_id: str, result: bytes,
-                     context_length: int, job_id: str, reply_to: str, reply_ttl_ms: int, record: bytes,
-                     keep_records: int, reply_bounds: ReplyBounds, deferred: bool, version: int | None,
-                     cancels: int | None, input_staged: bool) -> tuple[list[str], list[Any], list[Any] | None]:
+    def _commit_call(self, c: CommitCall) -> tuple[list[str], list[Any], list[Any] | None]:
+        """commit.lua's KEYS and ARGV (in the order its header names them), and the staging SET of a
+        large result to pipeline before it."""
         k = self.keys
-        stage = k.staged_result(session_id, step_id, worker_id, epoch)
-        before = stage_command(stage, result) if len(result) >= self.stage_bytes else None
-        inputs = [k.input_blob(session_id, job_id), k.record_blob(session_id, step_id)] if input_staged else []
+        stage = k.staged_result(c.session_id, c.step_id, c.worker_id, c.epoch)
+        before = stage_command(stage, c.result) if len(c.result) >= self.stage_bytes else None
+        inputs = ([k.input_blob(c.session_id, c.job_id), k.record_blob(c.session_id, c.step_id)]
+                  if c.input_staged else [])
         return (
-            [k.session(session_id), k.log(session_id), k.inbox(worker_id), k.reply(reply_to), stage,
-             k.result_blob(session_id, step_id), k.reply_blob(reply_to, job_id), *inputs],
-            [worker_id, epoch, step_id, entry_id, b"" if before else result, context_length, job_id, reply_ttl_ms,
-             INBOX_GROUP, record, keep_records, *reply_bounds.args(), "1" if deferred else "0",
-             "" if version is None else version, "" if cancels is None else cancels, "1" if before else ""],
+            [k.session(c.session_id), k.log(c.session_id), k.inbox(c.worker_id), k.reply(c.reply_to), stage,
+             k.result_blob(c.session_id, c.step_id), k.reply_blob(c.reply_to, c.job_id), *inputs],
+            [c.worker_id, c.epoch, c.step_id, c.entry_id, b"" if before else c.result, c.context_length, c.job_id,
+             c.reply_ttl_ms, INBOX_GROUP, c.record, c.keep_records, *c.reply_bounds.args(),
+             "1" if c.deferred else "0", "" if c.version is None else c.version,
+             "" if c.cancels is None else c.cancels, "1" if before else ""],
             before,
         )
 
