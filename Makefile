@@ -7,10 +7,12 @@ STAMP := $(VENV)/.installed
 .PHONY: venv demo test test-cluster test-engines test-verl test-rlinf test-areal lint docs clean
 
 $(STAMP): pyproject.toml
+	@echo "make: creating $(VENV) and installing rollout-fleet[reference,dev] (CPU torch; a few minutes the first time)"
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch==2.13.0 resolves to the CPU wheel on this project's machines; never a CUDA build.
-	$(PY) -m pip install --quiet -e ".[reference,dev]"
+	$(PY) -m pip install --progress-bar on -e ".[reference,dev]"
+	@echo "make: $(VENV) is ready"
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -14,7 +14,7 @@ import redis
 
 from broker import FleetClient, SyncFleetClient
 from broker.client import Admission
-from broker.client.admission import admission_state
+from broker.client.admission_wait import admission_state
 from broker.ops.weights import CONTROL_MAXLEN, WeightUpdate, update_weights, workers_at_version
 from broker.redis.embedded import RedisServer
 from broker.redis.keys import CellKeys

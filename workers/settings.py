@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from broker.redis.config import CellConfig
-from broker.redis.durability import DURABILITY_MODES, ReplicaWait
+from broker.redis.durability import DURABILITY_MODES, Durability, ReplicaWait
 from broker.redis.layouts import ReplyBounds
 from schemas.limits import DEFAULT_LIMITS, Limits
 
@@ -53,7 +53,7 @@ class WorkerSettings:
     # "async": a step's reply goes out with its commit (Redis replicates afterwards); "replicated":
     # only once durability_replicas replicas have the commit (broker/redis/durability.py), waiting
     # up to durability_timeout_s before the step answers `timeout` instead of "committed".
-    durability: str = "async"
+    durability: Durability = Durability.ASYNC
     durability_replicas: int = 1
     durability_timeout_s: float = 30.0
     snapshot_every: int = 16  # snapshot a session's engine context every N committed steps; 0: never
@@ -73,6 +73,7 @@ class WorkerSettings:
             raise ValueError("a worker joins one cell: give it a cell name (--cell NAME), not '*'")
         if self.durability not in DURABILITY_MODES:
             raise ValueError(f"durability must be one of {', '.join(DURABILITY_MODES)}, got {self.durability!r}")
+        object.__setattr__(self, "durability", Durability(self.durability))  # from a flag: the enum
         if self.durability_replicas < 1 or self.durability_timeout_s <= 0:
             raise ValueError("durability_replicas and durability_timeout_s must be positive")
         if self.snapshot_every < 0:
@@ -82,7 +83,7 @@ class WorkerSettings:
 
     def replica_wait(self) -> ReplicaWait | None:
         """What a commit waits for before its reply goes out; None: nothing (durability async)."""
-        return ReplicaWait(self.durability_replicas) if self.durability == "replicated" else None
+        return ReplicaWait(self.durability_replicas) if self.durability is Durability.REPLICATED else None
 
     def reply_bounds(self) -> ReplyBounds:
         return ReplyBounds(self.reply_stream_bytes, self.large_reply_bytes, self.large_reply_ttl_ms)

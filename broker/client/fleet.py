@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from redis.asyncio import Redis
 
-from broker.client.admission import admitted
+from broker.client.admission_wait import admitted
 from broker.client.cells import placement_order
 from broker.client.link import Bounds, CellLink, decode_result, session_status
 from broker.client.replies import ReplyReader

@@ -13,7 +13,8 @@ to every primary, and its redirection retries can move a command to another conn
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, cast
+from enum import StrEnum
+from typing import Any, cast
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import ClusterNode, PipelineCommand, RedisCluster
@@ -22,8 +23,16 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from broker.redis.connect import is_cluster
 
-Durability = Literal["async", "replicated"]
-DURABILITY_MODES: tuple[Durability, ...] = ("async", "replicated")
+
+class Durability(StrEnum):
+    """When a committed step's reply goes out: with its commit (``async``), or once a replica has the
+    commit (``replicated``: Redis ``WAIT``)."""
+
+    ASYNC = "async"
+    REPLICATED = "replicated"
+
+
+DURABILITY_MODES: tuple[Durability, ...] = tuple(Durability)
 # What a cluster answers while a slot's master fails over or moves: retried like a lost connection.
 _FAILOVER_ERRORS = (MovedError, AskError, TryAgainError, ClusterDownError)
 

@@ -1,6 +1,6 @@
-"""A producer's side of admission (broker/redis/admission.py, docs/async_rl.md): a create that
-create.lua refuses with ``admission_closed`` waits, at most ``Admission.wait_s``, for a later
-policy version to be announced for the model, then tries again."""
+"""Waiting for admission, a producer's side of it (the bound itself: broker/redis/admission.py;
+docs/async_rl.md): a create that create.lua refuses with ``admission_closed`` waits, at most
+``Admission.wait_s``, for a later policy version to be announced for the model, then tries again."""
 
 from __future__ import annotations
 
