@@ -26,7 +26,7 @@ from broker.ops.weights import IN_FLIGHT
 from broker.redis.config import ENV_VARS, CellConfig, ConfigError
 from broker.redis.durability import DURABILITY_MODES
 from cli.demo import DemoConfig
-from cli.env import attach_env
+from cli.env import attach_env, name_variable
 from cli.errors import redact
 from cli.logs import FORMATS, LEVELS
 from workers.engines.registry import ENGINE_HELP, engine_name
@@ -154,7 +154,9 @@ def _demo(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
 
 
 def _redis(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
-    p.add_argument("--port", type=int, default=6379)
+    # Its own variable: $ROLLOUT_FLEET_PORT is the gateway's (cli.env).
+    name_variable(p.add_argument("--port", type=int, default=6379,
+                                 help="port to listen on (default: %(default)s); taken, the verb fails"), "redis_port")
     p.add_argument("--dir", default=None, help="data directory (default: a temporary one)")
     p.add_argument("--appendonly", action="store_true", help="AOF with appendfsync always")
     p.add_argument("--cluster", action="store_true",
@@ -191,11 +193,14 @@ def _positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:
 
 
 def _listen_and_keys(p: argparse.ArgumentParser, environ: Mapping[str, str], *, port: int, what: str,
-                     key_use: str) -> None:
-    """The flags an HTTP verb shares (gateway, dashboard): the cell, where it listens, its API keys."""
+                     key_use: str, port_variable: str | None = None) -> None:
+    """The flags an HTTP verb shares (gateway, dashboard): the cell, where it listens, its API keys.
+    ``port_variable``: the variable of --port when it is not $ROLLOUT_FLEET_PORT (the gateway's)."""
     add_cell_flags(p, environ, lease=True)
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=port)
+    listen = p.add_argument("--port", type=int, default=port, help="port to listen on (default: %(default)s)")
+    if port_variable is not None:
+        name_variable(listen, port_variable)
     # The keys' values never appear in --help (unlike the cell flags' defaults).
     source = f"default: the keys in ${API_KEY_ENV}" if environ.get(API_KEY_ENV) else f"${API_KEY_ENV} sets it"
     p.add_argument("--api-key", dest="api_keys", action="append", default=None, metavar="KEY",
@@ -222,7 +227,7 @@ def _gateway(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
 
 
 def _dashboard(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
-    _listen_and_keys(p, environ, port=8080, what="the page",
+    _listen_and_keys(p, environ, port=8080, what="the page", port_variable="dashboard_port",
                      key_use="the page needs ('Authorization: Bearer KEY', or ?key=KEY once in a browser)")
 
 

@@ -9,6 +9,13 @@ the variables of the verb that runs, after parsing, and only for options not giv
 line (a flag wins; a bad variable of another verb cannot stop this one). Options with their own
 environment handling keep it (:data:`OWN_VARS`: the cell flags of ``broker.redis.config`` and the
 gateway's keys).
+
+One variable means one thing: where verbs share a dest with different meanings, all but one get a
+variable of their own (:func:`name_variable`: ``redis --port`` reads ``ROLLOUT_FLEET_REDIS_PORT``
+and ``dashboard --port`` ``ROLLOUT_FLEET_DASHBOARD_PORT``; the gateway keeps
+``ROLLOUT_FLEET_PORT``). And a filter a verb takes from the environment (``ROLLOUT_FLEET_MODEL``,
+exported for the gateway, is a filter to ``sessions list``) says so on stderr
+(:func:`filters_from_env`), so that a list cut short by it is never a silent surprise.
 """
 
 from __future__ import annotations
@@ -53,9 +60,20 @@ class _FromEnvList(list[str]):
     raw = ""
 
 
+_VARIABLE_ATTR = "rollout_fleet_variable"  # set on an option by name_variable
+
+
 def env_var(action: argparse.Action) -> str:
     """The variable of one option."""
-    return OWN_VARS.get(action.dest) or PREFIX + action.dest.upper()
+    own: str | None = getattr(action, _VARIABLE_ATTR, None)
+    return own or OWN_VARS.get(action.dest) or PREFIX + action.dest.upper()
+
+
+def name_variable(action: argparse.Action, name: str) -> argparse.Action:
+    """Give one option the variable ``ROLLOUT_FLEET_<NAME>`` instead of its dest's: for an option
+    whose dest another verb's option shares with another meaning (``--port``)."""
+    setattr(action, _VARIABLE_ATTR, PREFIX + name.upper())
+    return action
 
 
 def options(parser: argparse.ArgumentParser) -> Iterator[argparse.Action]:
@@ -87,15 +105,30 @@ def attach_env(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> N
         action.required = False  # the variable gives it
 
 
-def apply_env(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Replace every marked default still in ``args`` by its converted value. Raises EnvError."""
+def apply_env(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, str]:
+    """Replace every marked default still in ``args`` by its converted value; returns the dests
+    so set, with their variables. Raises EnvError."""
+    read: dict[str, str] = {}
     for action in options(parser):
         value = getattr(args, action.dest, None)
         if isinstance(value, _FromEnvList):
+            if not value:
+                read[action.dest] = value.var
             setattr(args, action.dest, [_convert(action, value.var, part) for part in shlex.split(value.raw)]
                     if not value else list(value))
         elif isinstance(value, _FromEnv):
+            read[action.dest] = value.var
             setattr(args, action.dest, _convert_one(action, value.var, value.raw))
+    return read
+
+
+def filters_from_env(args: argparse.Namespace, filters: Mapping[str, str]) -> str | None:
+    """``filtered by --model lm (from $ROLLOUT_FLEET_MODEL), ...`` for the filters (dest -> flag)
+    whose value came from the environment (``args.from_env``, set by the CLI's parse), else None."""
+    read: Mapping[str, str] = getattr(args, "from_env", {})
+    said = [f"{flag} {getattr(args, dest)} (from ${read[dest]})" for dest, flag in filters.items()
+            if dest in read and getattr(args, dest, None) is not None]
+    return "filtered by " + ", ".join(said) if said else None
 
 
 def _convert_one(action: argparse.Action, var: str, raw: str) -> Any:

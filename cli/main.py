@@ -84,22 +84,32 @@ def _cmd_demo(run: Invocation) -> int:
 
 
 def _cmd_redis(run: Invocation) -> int:
-    from broker.redis.embedded import RedisServer
+    """One redis-server in the foreground until Ctrl-C / SIGTERM. A port something else listens on
+    (a system Redis on 6379) is one line and exit 2, never "listening": the fleet would quietly
+    share somebody else's Redis."""
+    from broker.redis.embedded import PortTaken, RedisServer, RedisStartError
 
     args = run.args
     if args.cluster:
         return _run_cluster()
-    server = RedisServer(port=args.port, directory=args.dir, appendonly=args.appendonly).start()
+    try:
+        server = RedisServer(port=args.port, directory=args.dir, appendonly=args.appendonly).start()
+    except PortTaken as exc:
+        raise UsageError(f"{exc}; choose another --port, or point the fleet at that Redis with --redis-url") from None
+    except (RedisStartError, TimeoutError) as exc:
+        raise UsageError(str(exc)) from None
     print(f"redis listening at {server.url} (data in {server.directory}); Ctrl-C to stop", flush=True)
+    assert server.process is not None
+    process = server.process
     try:
         signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-        assert server.process is not None
-        server.process.wait()
+        code = process.wait()
     except KeyboardInterrupt:
-        pass
+        return 0
     finally:
         server.cleanup()
-    return 0
+    print(f"rollout-fleet redis: error: redis-server exited by itself with {code}", file=sys.stderr)
+    return 1
 
 
 def _run_cluster() -> int:
@@ -240,8 +250,8 @@ def parse_invocation(argv: Sequence[str] | None, environ: Mapping[str, str]) -> 
     args.passthrough = extra
     verb_parser = subparsers(parser)[args.command]
     try:
-        apply_env(parser, args)
-        apply_env(verb_parser, args)
+        # Which options the environment set: a filter taken from there says so (cli.env).
+        args.from_env = {**apply_env(parser, args), **apply_env(verb_parser, args)}
         run = resolve(args, environ)
         check_invocation(run)
     except (ConfigError, EnvError, UsageError) as exc:

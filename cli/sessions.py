@@ -10,9 +10,13 @@ from broker.ops.sessions import SessionDetail, SessionRow, close_session, list_s
 from broker.redis.cells import cells_of, routed_cell
 from broker.redis.config import CellConfig
 from broker.redis.connect import open_redis
+from cli.env import filters_from_env
 from schemas.errors import FleetError
 
 REDIS_TIMEOUT_S = 5.0  # every Redis call of these commands waits at most this long
+# list's filters: one taken from the environment says so on stderr ($ROLLOUT_FLEET_MODEL, say,
+# exported for the gateway, would otherwise hide the other models' sessions without a word).
+FILTERS = {"model": "--model", "owner": "--owner", "state": "--state", "limit": "--limit"}
 
 
 def _print_rows(rows: list[SessionRow], as_json: bool) -> None:
@@ -65,6 +69,9 @@ async def _run(config: CellConfig, args: argparse.Namespace) -> int:
                 if len(rows) >= args.limit:
                     break
             _print_rows(rows, args.json)
+            said = filters_from_env(args, FILTERS)  # after the list, where its count is read
+            if said:
+                print(f"sessions list: {said}", file=sys.stderr)
         else:
             keys = config.in_cell(routed_cell(config, args.session_id)).keys
             _print_detail(await show_session(redis, keys, args.session_id), args.json)

@@ -197,3 +197,27 @@ def test_the_bench_verbs_options_read_the_environment_too(capsys: pytest.Capture
         run_all.parse_args([], {"ROLLOUT_FLEET_SIZE": "huge"})
     err = capsys.readouterr().err
     assert exited.value.code == 2 and "ROLLOUT_FLEET_SIZE: 'huge' is not one of" in err
+
+
+def test_each_verbs_port_has_a_variable_of_its_own(capsys: pytest.CaptureFixture[str]) -> None:
+    """$ROLLOUT_FLEET_PORT, exported for the gateway, no longer moves a Redis or a dashboard started
+    beside it: those read $ROLLOUT_FLEET_REDIS_PORT and $ROLLOUT_FLEET_DASHBOARD_PORT."""
+    table = env_map(build_parser({}))
+    assert (table["gateway"]["--port"], table["redis"]["--port"], table["dashboard"]["--port"]) == (
+        "ROLLOUT_FLEET_PORT", "ROLLOUT_FLEET_REDIS_PORT", "ROLLOUT_FLEET_DASHBOARD_PORT")
+    shared = {"ROLLOUT_FLEET_PORT": "8001"}
+    assert parse_invocation(["gateway"], shared).args.port == 8001
+    assert parse_invocation(["redis"], shared).args.port == 6379
+    assert parse_invocation(["dashboard"], shared).args.port == 8080
+    own = {**shared, "ROLLOUT_FLEET_REDIS_PORT": "7003", "ROLLOUT_FLEET_DASHBOARD_PORT": "8083"}
+    assert (parse_invocation(["redis"], own).args.port, parse_invocation(["dashboard"], own).args.port) == (7003, 8083)
+    for verb, var in (("redis", "ROLLOUT_FLEET_REDIS_PORT"), ("dashboard", "ROLLOUT_FLEET_DASHBOARD_PORT")):
+        with pytest.raises(SystemExit):
+            parse_invocation([verb, "--help"], {})
+        assert f"${var}" in "".join(capsys.readouterr().out.split())  # --help names the variable
+
+
+def test_the_parse_records_which_options_the_environment_set() -> None:
+    env = {"ROLLOUT_FLEET_MODEL": "lm", "ROLLOUT_FLEET_LIMIT": "5", "ROLLOUT_FLEET_LOG_LEVEL": "debug"}
+    assert parse_invocation(["sessions", "list", "--limit", "9"], env).args.from_env == {
+        "model": "ROLLOUT_FLEET_MODEL", "log_level": "ROLLOUT_FLEET_LOG_LEVEL"}  # the flag's --limit is not

@@ -17,7 +17,7 @@ from broker.redis.config import CellConfig
 from broker.redis.embedded import RedisServer
 from broker.redis.scripts import Scripts
 from schemas.errors import ErrorCode
-from tests.support import WorkerPool, stop_supervisor, world_step
+from tests.support import WorkerPool, run_cli, stop_supervisor, world_step
 from workers.engines.base import EngineOutput, EngineRequest
 from workers.engines.null import NullEngine
 
@@ -169,3 +169,38 @@ async def test_replay_requested_as_an_arq_job(
         assert await list_dead(scripts) == []
     finally:
         await stop_supervisor(supervisor, task)
+
+
+async def test_replay_cli_prints_a_missing_field_as_a_dash_and_an_unknown_id_as_sessions_show_does(
+        redis_server: RedisServer, prefix: str, fleet: FleetClient, capsys: pytest.CaptureFixture[str]) -> None:
+    # A worker's letter for an inbox entry it could not parse: no session, no step.
+    entry_id = (await fleet.redis.xadd(fleet.keys.dead, {"reason": "malformed_job: no kind", "attempts": "1",
+                                                         "inbox_entry_id": "1-1"})).decode()
+    cell = ["--redis-url", redis_server.url, "--prefix", prefix]
+    code, out, _ = await run_cli(capsys, "replay", "list", *cell)
+    row = next(line for line in out.splitlines() if line.startswith(entry_id))
+    assert code == 0 and "None" not in out
+    assert row.split()[1:4] == ["-", "-", "1"], row  # session, step, attempts
+    code, out, _ = await run_cli(capsys, "replay", "run", entry_id, "--dry-run", *cell)
+    assert code == 0 and "None" not in out and "not_replayable" in out
+    code, out, _ = await run_cli(capsys, "replay", "list", "--json", *cell)
+    assert '"step_id": null' in out  # JSON keeps its null
+    for argv, says in (([entry_id[:-1] + "9"], f"replay show: not_found: dead letter '{entry_id[:-1]}9'"),
+                       (["not-an-id"], "replay show: invalid_request: not a dead-letter entry id: 'not-an-id'"),
+                       ([], "replay show: an ENTRY_ID is required")):
+        done = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "cli.main", "replay", "show", *argv,
+                                                        *cell], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and done.stdout == "", (argv, done.stdout)
+        assert done.stderr.startswith(says) and len(done.stderr.strip().splitlines()) == 1, (argv, done.stderr)
+
+
+async def test_a_replay_filter_from_the_environment_says_so(redis_server: RedisServer, prefix: str,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    from cli.main import main
+
+    env = {"ROLLOUT_FLEET_REDIS_URL": redis_server.url, "ROLLOUT_FLEET_PREFIX": prefix,
+           "ROLLOUT_FLEET_CODE": "timeout", "ROLLOUT_FLEET_LIMIT": "5"}
+    capsys.readouterr()
+    assert await asyncio.to_thread(main, ["replay", "list", "--limit", "9"], env) == 0
+    err = capsys.readouterr().err
+    assert err == "replay list: filtered by --code timeout (from $ROLLOUT_FLEET_CODE)\n"

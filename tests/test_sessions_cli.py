@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -113,3 +114,29 @@ def test_sessions_without_redis_is_one_line_without_the_password() -> None:
         assert out.returncode == 2, out.stderr
         assert out.stderr.startswith("rollout-fleet sessions: error: Redis at redis://fleet:***@127.0.0.1:1/0")
         assert "hunter2" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.asyncio
+async def test_a_filter_from_the_environment_says_so(
+        fleet: FleetClient, workers: WorkerPool, redis_server: RedisServer, prefix: str,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """$ROLLOUT_FLEET_MODEL exported for the gateway filters `sessions list` too: it must say so."""
+    from cli.main import main
+
+    await workers.add(NullEngine(), capacity=4)
+    world = await fleet.create_session(model="null-world", mode="world_model_env")
+    await fleet.create_session(model="null-lm", mode="tokens")
+    env = {"ROLLOUT_FLEET_REDIS_URL": redis_server.url, "ROLLOUT_FLEET_PREFIX": prefix,
+           "ROLLOUT_FLEET_MODEL": "null-world"}
+
+    async def listed(*flags: str) -> tuple[list[str], str]:
+        capsys.readouterr()
+        assert await asyncio.to_thread(main, ["sessions", "list", *flags], env) == 0
+        captured = capsys.readouterr()
+        return captured.out.splitlines(), captured.err
+
+    out, err = await listed()
+    assert out[-1] == "1 sessions" and world.session_id in out[1]
+    assert err == "sessions list: filtered by --model null-world (from $ROLLOUT_FLEET_MODEL)\n"
+    out, err = await listed("--model", "null-lm")  # the flag: said on the command line already
+    assert out[-1] == "1 sessions" and err == ""
