@@ -375,5 +375,6 @@ def resolve(args: argparse.Namespace, environ: Mapping[str, str]) -> Invocation:
         cell = base.with_overrides(**given)
     except ConfigError as exc:
         flag = "--" + exc.setting.replace("_", "-")
-        raise ConfigError(flag, f"{given[exc.setting]!r} refused ({exc})") from None
+        shown = redact(given[exc.setting]) if exc.setting == "redis_url" else given[exc.setting]
+        raise ConfigError(flag, f"{shown!r} refused ({exc})") from None
     return Invocation(args, cell, redis_url_given="redis_url" in given or ENV_VARS["redis_url"] in env)
