@@ -4,8 +4,14 @@
 -- KEYS: 1 results stream, 2 handled hash of the group
 -- ARGV: 1 group, 2 entry id, 3 handled field "session_id:step_id" (layouts.handled_field), 4 handled ttl ms
 -- Returns 1 | 0
-local first = redis.call('HSETNX', KEYS[2], ARGV[3], 1)
-redis.call('PEXPIRE', KEYS[2], ARGV[4])
-redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
-redis.call('XDEL', KEYS[1], ARGV[2])
+local results_key = KEYS[1]
+local handled_key = KEYS[2]
+local group = ARGV[1]
+local entry_id = ARGV[2]
+local handled_field = ARGV[3]
+local handled_ttl_ms = ARGV[4]
+local first = redis.call('HSETNX', handled_key, handled_field, 1)
+redis.call('PEXPIRE', handled_key, handled_ttl_ms)
+redis.call('XACK', results_key, group, entry_id)
+redis.call('XDEL', results_key, entry_id)
 return first

@@ -6,9 +6,15 @@
 -- ARGV: 1 model, 2 version, 3 stream maxlen (approximate), 4.. the entry's field/value pairs
 --       (broker/ops/weights.py WeightUpdate.fields)
 -- Returns the control entry's id
-local id = redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[3], '*', unpack(ARGV, 4))
-local current = tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '0') or 0
-if tonumber(ARGV[2]) > current then
-  redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+local control_key = KEYS[1]
+local announced_key = KEYS[2]
+local model = ARGV[1]
+local version = ARGV[2]
+local maxlen = ARGV[3]
+local first_field = 4
+local id = redis.call('XADD', control_key, 'MAXLEN', '~', maxlen, '*', unpack(ARGV, first_field))
+local current = tonumber(redis.call('HGET', announced_key, model) or '0') or 0
+if tonumber(version) > current then
+  redis.call('HSET', announced_key, model, version)
 end
 return id

@@ -7,23 +7,37 @@
 -- Fields: writes the worker hash anew: registered_ms, heartbeat_ms and the given fields; the
 --       capacity hash's worker@pool fields (the per-model split); owned 0 (a new incarnation)
 -- Returns now (ms, Redis clock)
+local workers_key = KEYS[1]
+local capacity_key = KEYS[2]
+local worker_key = KEYS[3]
+local inbox_key = KEYS[4]
+local pool_index_key = KEYS[5]
+local owned_key = KEYS[6]
+local first_pool = 7
+local worker_id = ARGV[1]
+local capacity = ARGV[2]
+local worker_ttl_ms = ARGV[3]
+local inbox_group = ARGV[4]
+local first_cap = 5
+local pools = #KEYS - first_pool + 1
+local first_field = first_cap + pools
 local now = now_ms()
-redis.call('ZADD', KEYS[1], now, ARGV[1])
-redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
-redis.call('HSET', KEYS[6], ARGV[1], 0)
-local pools = #KEYS - 6
-redis.call('DEL', KEYS[3])
-redis.call('HSET', KEYS[3], 'registered_ms', now, 'heartbeat_ms', now, unpack(ARGV, 5 + pools))
-redis.call('PEXPIRE', KEYS[3], ARGV[3])
-pcall(redis.call, 'XGROUP', 'CREATE', KEYS[4], ARGV[4], '0', 'MKSTREAM')
-for i = 7, #KEYS do
-  redis.call('ZADD', KEYS[i], 'NX', 0, ARGV[1])
-  redis.call('SADD', KEYS[5], KEYS[i])
-  local split = ARGV[i - 2]
+redis.call('ZADD', workers_key, now, worker_id)
+redis.call('HSET', capacity_key, worker_id, capacity)
+redis.call('HSET', owned_key, worker_id, 0)
+redis.call('DEL', worker_key)
+redis.call('HSET', worker_key, 'registered_ms', now, 'heartbeat_ms', now, unpack(ARGV, first_field))
+redis.call('PEXPIRE', worker_key, worker_ttl_ms)
+pcall(redis.call, 'XGROUP', 'CREATE', inbox_key, inbox_group, '0', 'MKSTREAM')
+for i = first_pool, #KEYS do
+  local pool_key = KEYS[i]
+  redis.call('ZADD', pool_key, 'NX', 0, worker_id)
+  redis.call('SADD', pool_index_key, pool_key)
+  local split = ARGV[first_cap + i - first_pool]
   if split ~= '' then
-    redis.call('HSET', KEYS[2], ARGV[1] .. '@' .. KEYS[i], split)
+    redis.call('HSET', capacity_key, worker_id .. '@' .. pool_key, split)
   else
-    redis.call('HDEL', KEYS[2], ARGV[1] .. '@' .. KEYS[i])
+    redis.call('HDEL', capacity_key, worker_id .. '@' .. pool_key)
   end
 end
 return now

@@ -4,11 +4,16 @@
 -- ARGV: 1 worker id, 2 capacity, 3.. field/value pairs for the worker hash (why: engine_ready, ...)
 -- Fields: writes the given fields of the worker hash with the capacity, so the two never disagree
 -- Returns 1 when set, 0 when the worker is not registered (retired: a capacity would outlive it)
-if redis.call('EXISTS', KEYS[2]) == 0 then
+local capacity_key = KEYS[1]
+local worker_key = KEYS[2]
+local worker_id = ARGV[1]
+local capacity = ARGV[2]
+local first_field = 3
+if redis.call('EXISTS', worker_key) == 0 then
   return 0
 end
-redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
-if #ARGV > 2 then
-  redis.call('HSET', KEYS[2], unpack(ARGV, 3))
+redis.call('HSET', capacity_key, worker_id, capacity)
+if #ARGV >= first_field then
+  redis.call('HSET', worker_key, unpack(ARGV, first_field))
 end
 return 1

@@ -9,15 +9,22 @@
 -- Fields (broker/redis/layouts.py): reads session owner, epoch, committed_step_id, gen, closed;
 --       writes log snapshot (LOG_SNAPSHOT_FIELD)
 -- Returns 1 when written, 0 when refused (fenced, stale gen, closed, step not committed)
-local s = redis.call('HMGET', KEYS[1], 'owner', 'epoch', 'committed_step_id', 'gen', 'closed')
-if fenced(s[1], s[2], ARGV[1], ARGV[2]) then
+local session_key = KEYS[1]
+local log_key = KEYS[2]
+local worker_id = ARGV[1]
+local job_epoch = ARGV[2]
+local step = tonumber(ARGV[3])
+local job_gen = ARGV[4]
+local snapshot = ARGV[5]
+local s = redis.call('HMGET', session_key, 'owner', 'epoch', 'committed_step_id', 'gen', 'closed')
+if fenced(s[1], s[2], worker_id, job_epoch) then
   return 0
 end
-if s[5] == '1' or s[4] ~= ARGV[4] or tonumber(s[3] or '-1') < tonumber(ARGV[3]) then
+if s[5] == '1' or s[4] ~= job_gen or tonumber(s[3] or '-1') < step then
   return 0
 end
-if redis.call('EXISTS', KEYS[2]) == 0 then  -- no committed record: nothing to snapshot against
+if redis.call('EXISTS', log_key) == 0 then  -- no committed record: nothing to snapshot against
   return 0
 end
-redis.call('HSET', KEYS[2], 'snapshot', ARGV[5])
+redis.call('HSET', log_key, 'snapshot', snapshot)
 return 1

@@ -6,9 +6,11 @@
 -- ARGV: 1 the owner being failed over (or draining)
 -- Fields (broker/redis/layouts.py SessionHash): reads owner; writes unplaced_ms
 -- Returns 1 when marked, 0 when the session is gone or has another owner by now
-local owner = redis.call('HGET', KEYS[1], 'owner')
-if owner ~= ARGV[1] then
+local session_key = KEYS[1]
+local failing_owner = ARGV[1]
+local owner = redis.call('HGET', session_key, 'owner')
+if owner ~= failing_owner then
   return 0
 end
-redis.call('HSET', KEYS[1], 'unplaced_ms', now_ms())
+redis.call('HSET', session_key, 'unplaced_ms', now_ms())
 return 1
