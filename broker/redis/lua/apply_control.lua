@@ -18,54 +18,75 @@
 -- like a fenced job: applied, it would move committed to -1 while next_step_id stays put. A retry
 -- of a call that went through (the entry is no longer in the inbox) changes nothing.
 -- Returns {'applied', committed} | {'fenced', owner, epoch} | {'unrequested', committed}
-local s = redis.call('HMGET', KEYS[1], 'owner', 'epoch', 'committed_step_id', 'reset_pending', 'trainer')
-if s[1] and fenced(s[1], s[2], ARGV[1], ARGV[2]) then
+local session_key = KEYS[1]
+local log_key = KEYS[2]
+local inbox_key = KEYS[3]
+local reply_key = KEYS[4]
+local pool_key = KEYS[5]
+local sessions_key = KEYS[6]
+local owned_key = KEYS[7]
+local trainer_open_key = KEYS[8]
+local worker_id = ARGV[1]
+local job_epoch = ARGV[2]
+local entry_id = ARGV[3]
+local job_id = ARGV[4]
+local kind = ARGV[5]
+local grace_ttl_ms = ARGV[6]
+local reply_ttl_ms = ARGV[7]
+local inbox_group = ARGV[8]
+local session_id = ARGV[9]
+local stream_bytes = ARGV[10]
+local large_bytes = ARGV[11]
+local large_ttl_ms = ARGV[12]
+local closed_retention_ms = ARGV[13]
+local s = redis.call('HMGET', session_key, 'owner', 'epoch', 'committed_step_id', 'reset_pending', 'trainer')
+if s[1] and fenced(s[1], s[2], worker_id, job_epoch) then
   return {'fenced', s[1], s[2]}
 end
 local committed = tonumber(s[3] or '-1')
-if #redis.call('XRANGE', KEYS[3], ARGV[3], ARGV[3]) == 0 then
+if #redis.call('XRANGE', inbox_key, entry_id, entry_id) == 0 then
   -- The entry is gone: this is the retry of a call that went through (its reply was lost).
   -- Applying again would count the reset or the close twice.
   return {'applied', committed}
 end
-if s[1] and ARGV[5] == 'reset' and s[4] == '0' then
+if s[1] and kind == 'reset' and s[4] == '0' then
   return {'unrequested', committed}
 end
 if s[1] then
-  if ARGV[5] == 'reset' then
+  if kind == 'reset' then
     committed = -1
-    for _, blob in ipairs(log_blobs(KEYS[2])) do
+    for _, blob in ipairs(log_blobs(log_key)) do
       redis.call('DEL', blob)
     end
-    redis.call('DEL', KEYS[2])
+    redis.call('DEL', log_key)
     local pending = tonumber(s[4] or '1') - 1
     if pending < 0 then pending = 0 end
-    redis.call('HSET', KEYS[1], 'committed_step_id', -1, 'context_length', 0, 'reset_pending', pending)
-    redis.call('HDEL', KEYS[1], 'first_version')
+    redis.call('HSET', session_key, 'committed_step_id', -1, 'context_length', 0, 'reset_pending', pending)
+    redis.call('HDEL', session_key, 'first_version')
   else
     -- Only while the worker is in the pool: a draining or not-ready worker left it, and ZINCRBY
     -- would add it back at -1, the least-loaded place of all.
-    if redis.call('ZSCORE', KEYS[5], ARGV[1]) then
-      redis.call('ZINCRBY', KEYS[5], -1, ARGV[1])
+    if redis.call('ZSCORE', pool_key, worker_id) then
+      redis.call('ZINCRBY', pool_key, -1, worker_id)
     end
-    if tonumber(redis.call('HGET', KEYS[7], ARGV[1]) or '0') > 0 then  -- never below 0, never revived
-      redis.call('HINCRBY', KEYS[7], ARGV[1], -1)
+    if tonumber(redis.call('HGET', owned_key, worker_id) or '0') > 0 then  -- never below 0, never revived
+      redis.call('HINCRBY', owned_key, worker_id, -1)
     end
     -- A session created before trainers were counted has no trainer: nothing to count down.
-    if s[5] and KEYS[8] and redis.call('HINCRBY', KEYS[8], s[5], -1) <= 0 then
-      redis.call('HDEL', KEYS[8], s[5])  -- never below 0, and no field left per trainer gone
+    if s[5] and trainer_open_key and redis.call('HINCRBY', trainer_open_key, s[5], -1) <= 0 then
+      redis.call('HDEL', trainer_open_key, s[5])  -- never below 0, and no field left per trainer gone
     end
-    redis.call('HDEL', KEYS[6], ARGV[9])
-    redis.call('PEXPIRE', KEYS[1], ARGV[13] or ARGV[6])
-    for _, blob in ipairs(log_blobs(KEYS[2])) do
-      redis.call('PEXPIRE', blob, ARGV[6])
+    redis.call('HDEL', sessions_key, session_id)
+    redis.call('PEXPIRE', session_key, closed_retention_ms or grace_ttl_ms)
+    for _, blob in ipairs(log_blobs(log_key)) do
+      redis.call('PEXPIRE', blob, grace_ttl_ms)
     end
-    redis.call('PEXPIRE', KEYS[2], ARGV[6])
+    redis.call('PEXPIRE', log_key, grace_ttl_ms)
   end
 end
-redis.call('XACK', KEYS[3], ARGV[8], ARGV[3])
-redis.call('XDEL', KEYS[3], ARGV[3])
-if ARGV[4] ~= '' then  -- an idle close (close_idle.lua) asks no reply
-  add_reply(KEYS[4], ARGV[7], ARGV[10], ARGV[11], ARGV[12], ARGV[5], ARGV[4], committed, '')
+redis.call('XACK', inbox_key, inbox_group, entry_id)
+redis.call('XDEL', inbox_key, entry_id)
+if job_id ~= '' then  -- an idle close (close_idle.lua) asks no reply
+  add_reply(reply_key, reply_ttl_ms, stream_bytes, large_bytes, large_ttl_ms, kind, job_id, committed, '')
 end
 return {'applied', committed}

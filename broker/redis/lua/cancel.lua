@@ -14,10 +14,14 @@
 --       enqueue.lua's, kind 'cancel', step_id -1, job_id and reply_to '', payload '')
 -- Returns {'cancelled', committed, next_step_id before, next_step_id after}
 --       | {'error', code, message, committed, context_length} | {'moved', owner}
-local s = redis.call('HMGET', KEYS[1], 'owner', 'epoch', 'committed_step_id', 'next_step_id', 'context_length',
+local session_key = KEYS[1]
+local inbox_key = KEYS[2]
+local believed_owner = ARGV[1]
+local session_id = ARGV[2]
+local s = redis.call('HMGET', session_key, 'owner', 'epoch', 'committed_step_id', 'next_step_id', 'context_length',
   'closed', 'gen', 'reset_pending', 'cancels', 'mode', 'model')
 local committed = tonumber(s[3])
-local refusal = session_refusal(s[1], s[6], committed, s[5], ARGV[1], ARGV[2])
+local refusal = session_refusal(s[1], s[6], committed, s[5], believed_owner, session_id)
 if refusal then
   return refusal
 end
@@ -28,9 +32,9 @@ end
 local cancels = tonumber(s[9] or '0') + 1
 local gen = tonumber(s[7]) + 1
 local now = now_ms()
-redis.call('HSET', KEYS[1], 'cancels', cancels, 'gen', gen, 'next_step_id', nxt, 'updated_ms', now)
-redis.call('XADD', KEYS[2], '*',
-  'kind', 'cancel', 'job_id', '', 'session_id', ARGV[2], 'step_id', -1, 'contextual', '1',
+redis.call('HSET', session_key, 'cancels', cancels, 'gen', gen, 'next_step_id', nxt, 'updated_ms', now)
+redis.call('XADD', inbox_key, '*',
+  'kind', 'cancel', 'job_id', '', 'session_id', session_id, 'step_id', -1, 'contextual', '1',
   'epoch', s[2], 'gen', gen, 'mode', s[10], 'model', s[11], 'reply_to', '',
   'enqueued_ms', now, 'attempt', 0, 'cancels', cancels, 'payload', '')
 return {'cancelled', committed, tonumber(s[4]), nxt}

@@ -10,10 +10,14 @@
 --       next_step_id, closed, gen, mode, model, reset_pending, updated_ms, idle_timeout_ms; writes
 --       closed, idle_closed, updated_ms; adds an inbox entry (control.lua's close entry, job_id '')
 -- Returns {'closed', idle ms} | {'kept'}
-local s = redis.call('HMGET', KEYS[1], 'owner', 'epoch', 'committed_step_id', 'next_step_id', 'closed', 'gen',
+local session_key = KEYS[1]
+local inbox_key = KEYS[2]
+local worker_id = ARGV[1]
+local session_id = ARGV[2]
+local s = redis.call('HMGET', session_key, 'owner', 'epoch', 'committed_step_id', 'next_step_id', 'closed', 'gen',
   'mode', 'model', 'reset_pending', 'updated_ms', 'idle_timeout_ms')
 local timeout = tonumber(s[11] or '0') or 0
-if s[1] ~= ARGV[1] or s[5] == '1' or timeout <= 0 then
+if s[1] ~= worker_id or s[5] == '1' or timeout <= 0 then
   return {'kept'}
 end
 local now = now_ms()
@@ -22,9 +26,9 @@ local queued = tonumber(s[4]) ~= tonumber(s[3]) + 1 or (s[9] or '0') ~= '0'
 if idle < timeout or queued then
   return {'kept'}
 end
-redis.call('HSET', KEYS[1], 'closed', 1, 'idle_closed', 1, 'updated_ms', now)
-redis.call('XADD', KEYS[2], '*',
-  'kind', 'close', 'job_id', '', 'session_id', ARGV[2], 'step_id', -1, 'contextual', '1',
+redis.call('HSET', session_key, 'closed', 1, 'idle_closed', 1, 'updated_ms', now)
+redis.call('XADD', inbox_key, '*',
+  'kind', 'close', 'job_id', '', 'session_id', session_id, 'step_id', -1, 'contextual', '1',
   'epoch', s[2], 'gen', s[6], 'mode', s[7], 'model', s[8], 'reply_to', '',
   'enqueued_ms', now, 'attempt', 0, 'payload', '')
 return {'closed', idle}

@@ -12,25 +12,32 @@
 --       enqueue.lua's, step_id -1, payload '')
 -- Returns {'queued', entry_id, committed} | {'already_closed', committed}
 --       | {'error', code, message, committed, context_length} | {'moved', owner}
-local s = redis.call('HMGET', KEYS[1], 'owner', 'epoch', 'committed_step_id', 'context_length',
+local session_key = KEYS[1]
+local inbox_key = KEYS[2]
+local believed_owner = ARGV[1]
+local kind = ARGV[2]
+local job_id = ARGV[3]
+local reply_to = ARGV[4]
+local session_id = ARGV[5]
+local s = redis.call('HMGET', session_key, 'owner', 'epoch', 'committed_step_id', 'context_length',
   'closed', 'gen', 'mode', 'model')
 local owner, committed = s[1], tonumber(s[3])
-if owner and s[5] == '1' and ARGV[2] == 'close' then
+if owner and s[5] == '1' and kind == 'close' then
   return {'already_closed', committed}
 end
-local refusal = session_refusal(owner, s[5], committed, s[4], ARGV[1], ARGV[5])
+local refusal = session_refusal(owner, s[5], committed, s[4], believed_owner, session_id)
 if refusal then
   return refusal
 end
 local now = now_ms()
-if ARGV[2] == 'reset' then
-  redis.call('HSET', KEYS[1], 'next_step_id', 0, 'gen', tonumber(s[6]) + 1, 'updated_ms', now)
-  redis.call('HINCRBY', KEYS[1], 'reset_pending', 1)
+if kind == 'reset' then
+  redis.call('HSET', session_key, 'next_step_id', 0, 'gen', tonumber(s[6]) + 1, 'updated_ms', now)
+  redis.call('HINCRBY', session_key, 'reset_pending', 1)
 else
-  redis.call('HSET', KEYS[1], 'closed', 1, 'updated_ms', now)
+  redis.call('HSET', session_key, 'closed', 1, 'updated_ms', now)
 end
-local id = redis.call('XADD', KEYS[2], '*',
-  'kind', ARGV[2], 'job_id', ARGV[3], 'session_id', ARGV[5], 'step_id', -1, 'contextual', '1',
-  'epoch', s[2], 'gen', s[6], 'mode', s[7], 'model', s[8], 'reply_to', ARGV[4],
+local id = redis.call('XADD', inbox_key, '*',
+  'kind', kind, 'job_id', job_id, 'session_id', session_id, 'step_id', -1, 'contextual', '1',
+  'epoch', s[2], 'gen', s[6], 'mode', s[7], 'model', s[8], 'reply_to', reply_to,
   'enqueued_ms', now, 'attempt', 0, 'payload', '')
 return {'queued', id, committed}

@@ -23,27 +23,49 @@
 --       updated_ms, priority, trainer, max_staleness (only when set); reads announced <model>; reads
 --       and moves admission <model>
 -- Returns {'created', owner} | {'error', code, message}
-local now = now_ms()
+local workers_key = KEYS[1]
+local capacity_key = KEYS[2]
+local pool_key = KEYS[3]
+local session_key = KEYS[4]
+local sessions_key = KEYS[5]
+local owned_key = KEYS[6]
+local pressure_key = KEYS[7]
+local announced_key = KEYS[8]
+local trainer_caps_key = KEYS[9]
+local trainer_open_key = KEYS[10]
+local admission_key = KEYS[11]
+local session_id = ARGV[1]
+local mode = ARGV[2]
+local model = ARGV[3]
 local lease = tonumber(ARGV[4])
-if redis.call('EXISTS', KEYS[4]) == 1 then
-  return {'error', 'invalid_request', 'session ' .. ARGV[1] .. ' already exists'}
-end
+local retention = ARGV[5]
+local result_window = ARGV[6]
+local idle_timeout_ms = ARGV[7]
+local max_staleness = ARGV[8]
+local priority = ARGV[9]
 local trainer = ARGV[10]
-local cap = redis.call('HGET', KEYS[9], trainer) or redis.call('HGET', KEYS[9], '*')
-local open = tonumber(redis.call('HGET', KEYS[10], trainer) or '0') or 0
+local admission_batch = ARGV[11]
+local admission_offpolicyness = ARGV[12]
+local admission_name = ARGV[13]
+local now = now_ms()
+if redis.call('EXISTS', session_key) == 1 then
+  return {'error', 'invalid_request', 'session ' .. session_id .. ' already exists'}
+end
+local cap = redis.call('HGET', trainer_caps_key, trainer) or redis.call('HGET', trainer_caps_key, '*')
+local open = tonumber(redis.call('HGET', trainer_open_key, trainer) or '0') or 0
 if cap and open >= (tonumber(cap) or 0) then
   return {'error', 'trainer_cap_reached', 'trainer ' .. trainer .. ' has ' .. open .. ' open sessions in this cell, '
           .. 'its cap is ' .. cap .. ': close one first, or ask the operator for a higher cap'}
 end
-local members = redis.call('ZRANGE', KEYS[3], 0, -1, 'WITHSCORES')
+local members = redis.call('ZRANGE', pool_key, 0, -1, 'WITHSCORES')
 local chosen, best = nil, nil
 for i = 1, #members, 2 do
   local wid = members[i]
-  local hb = redis.call('ZSCORE', KEYS[1], wid)
+  local hb = redis.call('ZSCORE', workers_key, wid)
   if hb and now - tonumber(hb) <= lease then
-    local share = share_with_room(KEYS[2], KEYS[6], KEYS[3], wid, members[i + 1])
+    local share = share_with_room(capacity_key, owned_key, pool_key, wid, members[i + 1])
     if share then
-      local score = share + (tonumber(redis.call('HGET', KEYS[7], wid) or '0') or 0)
+      local score = share + (tonumber(redis.call('HGET', pressure_key, wid) or '0') or 0)
       if not best or score < best then
         chosen, best = wid, score
       end
@@ -52,35 +74,35 @@ for i = 1, #members, 2 do
 end
 if #members == 0 then
   return {'error', 'invalid_request',
-          'unknown model or mode: no worker serves model ' .. ARGV[3] .. ' in mode ' .. ARGV[2]}
+          'unknown model or mode: no worker serves model ' .. model .. ' in mode ' .. mode}
 end
 if not chosen then
   return {'error', 'capacity_exhausted',
-          'no live worker with free capacity serves model ' .. ARGV[3] .. ' in mode ' .. ARGV[2]}
+          'no live worker with free capacity serves model ' .. model .. ' in mode ' .. mode}
 end
-if ARGV[11] and ARGV[11] ~= '' then
-  local version = tonumber(redis.call('HGET', KEYS[8], ARGV[3]) or '0') or 0
-  local count = tonumber(redis.call('HGET', KEYS[11], ARGV[3]) or '0') or 0
-  local bound = (version + tonumber(ARGV[12]) + 1) * tonumber(ARGV[11])
+if admission_batch and admission_batch ~= '' then
+  local version = tonumber(redis.call('HGET', announced_key, model) or '0') or 0
+  local count = tonumber(redis.call('HGET', admission_key, model) or '0') or 0
+  local bound = (version + tonumber(admission_offpolicyness) + 1) * tonumber(admission_batch)
   if count >= bound then
-    return {'error', 'admission_closed', 'admission ' .. ARGV[13] .. ' of model ' .. ARGV[3] .. ' is closed: '
+    return {'error', 'admission_closed', 'admission ' .. admission_name .. ' of model ' .. model .. ' is closed: '
       .. step_text(count) .. ' trajectories admitted, the bound at policy version ' .. step_text(version)
-      .. ' is (version + ' .. ARGV[12] .. ' + 1) x ' .. ARGV[11] .. ' = ' .. step_text(bound)
+      .. ' is (version + ' .. admission_offpolicyness .. ' + 1) x ' .. admission_batch .. ' = ' .. step_text(bound)
       .. '; it opens when a later version is announced'}
   end
-  redis.call('HINCRBY', KEYS[11], ARGV[3], 1)
+  redis.call('HINCRBY', admission_key, model, 1)
 end
-redis.call('ZINCRBY', KEYS[3], 1, chosen)
-redis.call('HINCRBY', KEYS[6], chosen, 1)
-redis.call('HINCRBY', KEYS[10], trainer, 1)
-redis.call('HSET', KEYS[4],
-  'mode', ARGV[2], 'model', ARGV[3], 'owner', chosen, 'epoch', 1,
+redis.call('ZINCRBY', pool_key, 1, chosen)
+redis.call('HINCRBY', owned_key, chosen, 1)
+redis.call('HINCRBY', trainer_open_key, trainer, 1)
+redis.call('HSET', session_key,
+  'mode', mode, 'model', model, 'owner', chosen, 'epoch', 1,
   'committed_step_id', -1, 'next_step_id', 0, 'context_length', 0, 'closed', 0,
-  'gen', 0, 'reset_pending', 0, 'retention', ARGV[5], 'result_window', ARGV[6],
-  'idle_timeout_ms', ARGV[7] or 0, 'idle_closed', 0, 'cancels', 0, 'forked_from', '',
-  'created_ms', now, 'updated_ms', now, 'priority', ARGV[9], 'trainer', trainer)
-if ARGV[8] and ARGV[8] ~= '' then
-  redis.call('HSET', KEYS[4], 'max_staleness', ARGV[8])
+  'gen', 0, 'reset_pending', 0, 'retention', retention, 'result_window', result_window,
+  'idle_timeout_ms', idle_timeout_ms or 0, 'idle_closed', 0, 'cancels', 0, 'forked_from', '',
+  'created_ms', now, 'updated_ms', now, 'priority', priority, 'trainer', trainer)
+if max_staleness and max_staleness ~= '' then
+  redis.call('HSET', session_key, 'max_staleness', max_staleness)
 end
-redis.call('HSET', KEYS[5], ARGV[1], chosen)
+redis.call('HSET', sessions_key, session_id, chosen)
 return {'created', chosen}

@@ -14,37 +14,50 @@
 --       epoch re-stamped); moves one session of the owned hash from the old owner to the new
 -- Returns {'moved', new_epoch, jobs_moved} | {'skip', owner} | {'gone'} | {'alive'}
 --       | {'retry', why}
-local s = redis.call('HMGET', KEYS[4], 'owner', 'epoch')
+local workers_key = KEYS[1]
+local capacity_key = KEYS[2]
+local pool_key = KEYS[3]
+local session_key = KEYS[4]
+local old_inbox_key = KEYS[5]
+local new_inbox_key = KEYS[6]
+local sessions_key = KEYS[7]
+local owned_key = KEYS[8]
+local old_owner = ARGV[1]
+local new_owner = ARGV[2]
+local lease = tonumber(ARGV[3])
+local session_id = ARGV[4]
+local reason = ARGV[5]
+local inbox_group = ARGV[6]
+local s = redis.call('HMGET', session_key, 'owner', 'epoch')
 if not s[1] then
   return {'gone'}
 end
-if s[1] ~= ARGV[1] then
+if s[1] ~= old_owner then
   return {'skip', s[1]}
 end
 local now = now_ms()
-local lease = tonumber(ARGV[3])
-if ARGV[5] == 'expired' then
-  local hb = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if reason == 'expired' then
+  local hb = redis.call('ZSCORE', workers_key, old_owner)
   if hb and now - tonumber(hb) <= lease then
     return {'alive'}
   end
 end
-local nhb = redis.call('ZSCORE', KEYS[1], ARGV[2])
+local nhb = redis.call('ZSCORE', workers_key, new_owner)
 if not nhb or now - tonumber(nhb) > lease then
-  return {'retry', 'new owner ' .. ARGV[2] .. ' is not live'}
+  return {'retry', 'new owner ' .. new_owner .. ' is not live'}
 end
-local load = redis.call('ZSCORE', KEYS[3], ARGV[2])
-if not load or not share_with_room(KEYS[2], KEYS[8], KEYS[3], ARGV[2], load) then
-  return {'retry', 'new owner ' .. ARGV[2] .. ' has no free capacity for this model'}
+local load = redis.call('ZSCORE', pool_key, new_owner)
+if not load or not share_with_room(capacity_key, owned_key, pool_key, new_owner, load) then
+  return {'retry', 'new owner ' .. new_owner .. ' has no free capacity for this model'}
 end
 local epoch = tonumber(s[2]) + 1
 local moved = 0
-local entries = redis.call('XRANGE', KEYS[5], '-', '+')
+local entries = redis.call('XRANGE', old_inbox_key, '-', '+')
 for _, entry in ipairs(entries) do
   local id, fields = entry[1], entry[2]
   local mine = false
   for i = 1, #fields, 2 do
-    if fields[i] == 'session_id' and fields[i + 1] == ARGV[4] then
+    if fields[i] == 'session_id' and fields[i + 1] == session_id then
       mine = true
     end
   end
@@ -54,21 +67,21 @@ for _, entry in ipairs(entries) do
         fields[i + 1] = epoch
       end
     end
-    redis.call('XADD', KEYS[6], '*', unpack(fields))
-    redis.call('XACK', KEYS[5], ARGV[6], id)
-    redis.call('XDEL', KEYS[5], id)
+    redis.call('XADD', new_inbox_key, '*', unpack(fields))
+    redis.call('XACK', old_inbox_key, inbox_group, id)
+    redis.call('XDEL', old_inbox_key, id)
     moved = moved + 1
   end
 end
-redis.call('HSET', KEYS[4], 'owner', ARGV[2], 'epoch', epoch, 'updated_ms', now)
-redis.call('HDEL', KEYS[4], 'unplaced_ms')
-if redis.call('ZSCORE', KEYS[3], ARGV[1]) then
-  redis.call('ZINCRBY', KEYS[3], -1, ARGV[1])
+redis.call('HSET', session_key, 'owner', new_owner, 'epoch', epoch, 'updated_ms', now)
+redis.call('HDEL', session_key, 'unplaced_ms')
+if redis.call('ZSCORE', pool_key, old_owner) then
+  redis.call('ZINCRBY', pool_key, -1, old_owner)
 end
-redis.call('ZINCRBY', KEYS[3], 1, ARGV[2])
-if tonumber(redis.call('HGET', KEYS[8], ARGV[1]) or '0') > 0 then  -- a retired owner's count is gone
-  redis.call('HINCRBY', KEYS[8], ARGV[1], -1)
+redis.call('ZINCRBY', pool_key, 1, new_owner)
+if tonumber(redis.call('HGET', owned_key, old_owner) or '0') > 0 then  -- a retired owner's count is gone
+  redis.call('HINCRBY', owned_key, old_owner, -1)
 end
-redis.call('HINCRBY', KEYS[8], ARGV[2], 1)
-redis.call('HSET', KEYS[7], ARGV[4], ARGV[2])
+redis.call('HINCRBY', owned_key, new_owner, 1)
+redis.call('HSET', sessions_key, session_id, new_owner)
 return {'moved', epoch, moved}

@@ -17,31 +17,52 @@
 --       and a reply entry (kind, job_id, committed, result)
 -- Returns {'published', committed} | {'fenced', owner, epoch}
 --       | {'unstaged', committed} (KEYS[6] given and missing: nothing changed, call again)
-local s = redis.call('HMGET', KEYS[1], 'owner', 'epoch', 'committed_step_id', 'gen')
+local session_key = KEYS[1]
+local inbox_key = KEYS[2]
+local reply_key = KEYS[3]
+local dead_key = KEYS[4]
+local input_blob_key = KEYS[5]
+local staged_key = KEYS[6]
+local reply_blob_key = KEYS[7]
+local worker_id = ARGV[1]
+local job_epoch = ARGV[2]
+local entry_id = ARGV[3]
+local job_id = ARGV[4]
+local result_arg = ARGV[5]
+local fallback_gen = ARGV[6]
+local reply_ttl_ms = ARGV[7]
+local inbox_group = ARGV[8]
+local dead_maxlen = ARGV[9]
+local stream_bytes = ARGV[10]
+local large_bytes = ARGV[11]
+local large_ttl_ms = ARGV[12]
+local first_dead_field = 13
+local s = redis.call('HMGET', session_key, 'owner', 'epoch', 'committed_step_id', 'gen')
 local staged = #KEYS >= 7
-if s[1] and fenced(s[1], s[2], ARGV[1], ARGV[2]) then
+if s[1] and fenced(s[1], s[2], worker_id, job_epoch) then
   if staged then
-    redis.call('DEL', KEYS[6])
+    redis.call('DEL', staged_key)
   end
   return {'fenced', s[1], s[2]}
 end
 local committed = tonumber(s[3] or '-1')
-local result, size, blob = ARGV[5], nil, nil
+local result, size, blob = result_arg, nil, nil
 if staged then
-  if redis.call('EXISTS', KEYS[6]) == 0 then
+  if redis.call('EXISTS', staged_key) == 0 then
     return {'unstaged', committed}
   end
-  redis.call('RENAME', KEYS[6], KEYS[7])  -- its TTL is add_reply's: the stream's
-  result, size, blob = BLOB_MARK .. KEYS[7], redis.call('STRLEN', KEYS[7]), KEYS[7]
+  redis.call('RENAME', staged_key, reply_blob_key)  -- its TTL is add_reply's: the stream's
+  result, size, blob = BLOB_MARK .. reply_blob_key, redis.call('STRLEN', reply_blob_key), reply_blob_key
 end
-if s[1] and ARGV[6] ~= '' and s[4] == ARGV[6] then
-  redis.call('HSET', KEYS[1], 'next_step_id', committed + 1, 'gen', tonumber(s[4]) + 1)
+if s[1] and fallback_gen ~= '' and s[4] == fallback_gen then
+  redis.call('HSET', session_key, 'next_step_id', committed + 1, 'gen', tonumber(s[4]) + 1)
 end
-if #ARGV > 12 then
-  redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[9], '*', unpack(ARGV, 13))
+if #ARGV >= first_dead_field then
+  redis.call('XADD', dead_key, 'MAXLEN', '~', dead_maxlen, '*', unpack(ARGV, first_dead_field))
 end
-redis.call('XACK', KEYS[2], ARGV[8], ARGV[3])
-redis.call('XDEL', KEYS[2], ARGV[3])
-redis.call('DEL', KEYS[5])
-add_reply(KEYS[3], ARGV[7], ARGV[10], ARGV[11], ARGV[12], 'step', ARGV[4], committed, result, size, blob)
+redis.call('XACK', inbox_key, inbox_group, entry_id)
+redis.call('XDEL', inbox_key, entry_id)
+redis.call('DEL', input_blob_key)
+add_reply(reply_key, reply_ttl_ms, stream_bytes, large_bytes, large_ttl_ms, 'step', job_id, committed, result,
+  size, blob)
 return {'published', committed}
