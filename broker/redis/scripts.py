@@ -17,7 +17,7 @@ from redis.exceptions import NoScriptError
 
 from broker.redis.admission import Admission
 from broker.redis.aio import settle
-from broker.redis.blobs import STAGE_BYTES, after_command, stage_command, stored_resolved, unless_unstaged
+from broker.redis.blobs import BLOB_MARK, STAGE_BYTES, after_command, stage_command, stored_resolved, unless_unstaged
 from broker.redis.cells import touch_cell
 from broker.redis.connect import cluster_client_errors
 from broker.redis.durability import ReplicaWait, call_then_wait
@@ -59,6 +59,13 @@ from broker.redis.script_replies import (
     decode_report,
     decode_retire,
 )
+
+RETIRE_TRIES = 5  # retire.lua calls while entries keep reaching the inbox between the read and the call
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
 
 _Pending = tuple[str, list[str], list[Any], "asyncio.Future[Any]", list[Any] | None]  # before: a staging SET
 
@@ -291,7 +298,8 @@ class Scripts:
                   if c.input_staged else [])
         return (
             [k.session(c.session_id), k.log(c.session_id), k.inbox(c.worker_id), k.reply(c.reply_to), stage,
-             k.result_blob(c.session_id, c.step_id), k.reply_blob(c.reply_to, c.job_id), *inputs],
+             k.result_blob(c.session_id, c.step_id), k.reply_blob(c.reply_to, c.job_id),
+             k.record_blob(c.session_id, c.step_id - c.keep_records), *inputs],
             [c.worker_id, c.epoch, c.step_id, c.entry_id, b"" if before else c.result, c.context_length, c.job_id,
              c.reply_ttl_ms, INBOX_GROUP, c.record, c.keep_records, *c.reply_bounds.args(),
              "1" if c.deferred else "0", "" if c.version is None else c.version,
@@ -329,13 +337,32 @@ class Scripts:
         return decode_failover(raw)
 
     async def retire(self, worker_id: str, *, pools: list[str], lease_ms: int, reason: str) -> RetireReply:
+        """Retire ``worker_id`` (retire.lua). The script is given every key it touches: the input
+        blobs of the inbox's staged entries are read here first, and an entry staged since (the
+        script answers 'unlisted' before any write) sends the call round again."""
         k = self.keys
-        raw = await self._call(
-            "retire",
-            [k.workers, k.capacity, k.worker(worker_id), k.inbox(worker_id), k.dead, k.owned, k.pressure, *pools],
-            [worker_id, lease_ms, reason, DEAD_LETTER_MAXLEN, DEAD_LETTER_PAYLOAD_BYTES, k.log("")],
-        )
-        return decode_retire(raw)
+        raw: Any = None
+        for _ in range(RETIRE_TRIES):
+            staged = await self._staged_entries(worker_id)
+            raw = await self._call(
+                "retire",
+                [k.workers, k.capacity, k.worker(worker_id), k.inbox(worker_id), k.dead, k.owned, k.pressure, *pools,
+                 *staged.values()],
+                [worker_id, lease_ms, reason, DEAD_LETTER_MAXLEN, DEAD_LETTER_PAYLOAD_BYTES, len(pools), *staged],
+            )
+            if not (isinstance(raw, list) and raw and raw[0] in (b"unlisted", "unlisted")):
+                break
+        return decode_retire(raw)  # after RETIRE_TRIES 'unlisted' answers: a ScriptError that says so
+
+    async def _staged_entries(self, worker_id: str) -> dict[str, str]:
+        """The inbox entries of ``worker_id`` whose payload was staged: entry id -> its input blob."""
+        k = self.keys
+        staged: dict[str, str] = {}
+        for entry_id, fields in await self.redis.xrange(k.inbox(worker_id)):
+            if fields.get(b"payload") == BLOB_MARK:
+                session_id, job_id = (_text(fields.get(name, b"")) for name in (b"session_id", b"job_id"))
+                staged[_text(entry_id)] = k.input_blob(session_id, job_id)
+        return staged
 
     async def apply_control(self, *, session_id: str, worker_id: str, epoch: int, entry_id: str,
                             job_id: str, kind: str, mode: str, model: str, reply_to: str,

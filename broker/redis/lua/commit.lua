@@ -1,8 +1,13 @@
 -- Commit step k of a session: the exactly-once point. Fenced by owner and lease epoch.
--- Uses: prelude.lua (now_ms, fenced, add_reply, step_text, result_blob, record_blob, reply_value)
+-- Uses: prelude.lua (now_ms, fenced, add_reply, step_text, result_blob, reply_value)
 -- KEYS: 1 session hash, 2 log hash, 3 inbox, 4 reply stream, 5 staged result (CellKeys.staged_result),
---       6 this step's result blob, 7 this job's reply blob (broker/redis/blobs.py), and for a job
---       whose payload was staged (broker/redis/inputs.py) 8 its input blob, 9 this step's record blob
+--       6 this step's result blob, 7 this job's reply blob (broker/redis/blobs.py), 8 the record blob
+--       that falls out of the records kept (CellKeys.record_blob of step_id - ARGV 11; touched only
+--       when ARGV 11 > 0), and for a job whose payload was staged (broker/redis/inputs.py) 9 its
+--       input blob, 10 this step's record blob
+-- Derived key (docs/architecture.md, "Keys"): the result blob that falls out of the result window,
+--       result_blob(KEYS[2], committed + 1 - result_window), both read from the session hash, so
+--       the caller cannot name it; it is the log key's name plus a suffix, in its hash tag and slot.
 -- ARGV: 1 worker id, 2 job epoch, 3 step_id, 4 inbox entry id, 5 result, 6 context_length,
 --       7 job_id, 8 reply ttl ms, 9 inbox group, 10 step record for context rebuild ('' = none),
 --       11 records kept (-1 = all, N = the last N), 12-14 reply stream bounds (bytes, large result
@@ -14,7 +19,7 @@
 --       KEYS[5] (ARGV 5 is then ''), otherwise ''
 -- Staged (large) results: the commit RENAMEs KEYS[5] to KEYS[6] and stores a reference to it; every
 --       other outcome DELetes KEYS[5]. Neither path, nor a re-publish, reads blob bytes into Lua.
--- Staged inputs: the commit RENAMEs KEYS[8] to KEYS[9] when the step record is kept (the record's
+-- Staged inputs: the commit RENAMEs KEYS[9] to KEYS[10] when the step record is kept (the record's
 --       payload then says so) and DELetes it otherwise, as does a duplicate (the step never runs
 --       again); a fenced, cancelled or out-of-order call leaves it to whoever ends the entry.
 -- Cancel (cancel.lua): a step enqueued before the session's last cancel never commits; a step
@@ -34,45 +39,71 @@
 -- Returns {'committed'} | {'duplicate'} | {'duplicate_unstored', committed}
 --       | {'fenced', owner, epoch} | {'out_of_order', committed} | {'cancelled', committed}
 --       | {'unstaged', committed} (ARGV 18 '1' and KEYS[5] missing: nothing changed, call again)
-local s = redis.call('HMGET', KEYS[1], 'owner', 'epoch', 'committed_step_id', 'result_window', 'unconfirmed_step',
-  'max_staleness', 'first_version', 'cancels')
+local session_key = KEYS[1]
+local log_key = KEYS[2]
+local inbox_key = KEYS[3]
+local reply_key = KEYS[4]
+local staged_key = KEYS[5]
+local result_blob_key = KEYS[6]
+local reply_blob_key = KEYS[7]
+local evicted_record_key = KEYS[8]
+local input_key = KEYS[9]  -- nil unless the job's payload was staged
+local record_key = KEYS[10]
+local worker_id = ARGV[1]
+local job_epoch = ARGV[2]
+local step = tonumber(ARGV[3])
+local entry_id = ARGV[4]
+local result_arg = ARGV[5]
+local context_length = ARGV[6]
+local job_id = ARGV[7]
+local reply_ttl_ms = ARGV[8]
+local inbox_group = ARGV[9]
+local record = ARGV[10]
+local keep = tonumber(ARGV[11])
+local stream_bytes = ARGV[12]
+local large_bytes = ARGV[13]
+local large_ttl_ms = ARGV[14]
+local deferred = ARGV[15] == '1'
+local version = ARGV[16]
+local job_cancels = ARGV[17]
 local staged = ARGV[18] == '1'
+local s = redis.call('HMGET', session_key, 'owner', 'epoch', 'committed_step_id', 'result_window', 'unconfirmed_step',
+  'max_staleness', 'first_version', 'cancels')
 local function unstage()
   if staged then
-    redis.call('DEL', KEYS[5])
+    redis.call('DEL', staged_key)
   end
 end
-if fenced(s[1], s[2], ARGV[1], ARGV[2]) then
+if fenced(s[1], s[2], worker_id, job_epoch) then
   unstage()
   return {'fenced', s[1] or '', s[2] or ''}
 end
-local step = tonumber(ARGV[3])
 local committed = tonumber(s[3])
-local deferred = ARGV[15] == '1'
 local function publish(stored, current)
-  local result, size, blob = reply_value(stored, KEYS[7])
+  local result, size, blob = reply_value(stored, reply_blob_key)
   if not result then
     return false
   end
   if s[5] then  -- published after a replica confirmed every earlier write of this master
-    redis.call('HDEL', KEYS[1], 'unconfirmed_step')
+    redis.call('HDEL', session_key, 'unconfirmed_step')
   end
-  redis.call('XACK', KEYS[3], ARGV[9], ARGV[4])
-  redis.call('XDEL', KEYS[3], ARGV[4])
-  add_reply(KEYS[4], ARGV[8], ARGV[12], ARGV[13], ARGV[14], 'step', ARGV[7], current, result, size, blob)
+  redis.call('XACK', inbox_key, inbox_group, entry_id)
+  redis.call('XDEL', inbox_key, entry_id)
+  add_reply(reply_key, reply_ttl_ms, stream_bytes, large_bytes, large_ttl_ms, 'step', job_id, current, result, size,
+    blob)
   return true
 end
 if committed >= step then
   unstage()
-  if KEYS[8] then
-    redis.call('DEL', KEYS[8])
+  if input_key then
+    redis.call('DEL', input_key)
   end
-  local stored = redis.call('HGET', KEYS[2], 'result:' .. step_text(step))
+  local stored = redis.call('HGET', log_key, 'result:' .. step_text(step))
   if not stored then
     return {'duplicate_unstored', committed}
   end
   if deferred then
-    redis.call('HSET', KEYS[2], 'result:' .. step_text(step), stored)
+    redis.call('HSET', log_key, 'result:' .. step_text(step), stored)
     return {'duplicate'}
   end
   if not publish(stored, committed) then  -- the reference outlived its blob: not stored either
@@ -80,50 +111,49 @@ if committed >= step then
   end
   return {'duplicate'}
 end
-if ARGV[17] and ARGV[17] ~= '' and ARGV[17] ~= (s[8] or '0') then
+if job_cancels and job_cancels ~= '' and job_cancels ~= (s[8] or '0') then
   unstage()
   return {'cancelled', committed}
 end
-if committed ~= step - 1 or (ARGV[5] == '' and not staged) then  -- an empty result only re-publishes
+if committed ~= step - 1 or (result_arg == '' and not staged) then  -- an empty result only re-publishes
   unstage()
   return {'out_of_order', committed}
 end
-local result = ARGV[5]
+local result = result_arg
 if staged then
-  if redis.call('EXISTS', KEYS[5]) == 0 then
+  if redis.call('EXISTS', staged_key) == 0 then
     return {'unstaged', committed}
   end
-  redis.call('RENAME', KEYS[5], KEYS[6])
-  redis.call('PERSIST', KEYS[6])  -- RENAME keeps the staging TTL: the blob lives as its log field does
-  result = BLOB_MARK .. KEYS[6]
+  redis.call('RENAME', staged_key, result_blob_key)
+  redis.call('PERSIST', result_blob_key)  -- RENAME keeps the staging TTL: the blob lives as its log field does
+  result = BLOB_MARK .. result_blob_key
 end
-redis.call('HSET', KEYS[1], 'committed_step_id', step, 'context_length', ARGV[6], 'updated_ms', now_ms())
-if s[6] and not s[7] and ARGV[16] and ARGV[16] ~= '' then
-  redis.call('HSET', KEYS[1], 'first_version', ARGV[16])
+redis.call('HSET', session_key, 'committed_step_id', step, 'context_length', context_length, 'updated_ms', now_ms())
+if s[6] and not s[7] and version and version ~= '' then
+  redis.call('HSET', session_key, 'first_version', version)
 end
-redis.call('HSET', KEYS[2], 'result:' .. step_text(step), result)
+redis.call('HSET', log_key, 'result:' .. step_text(step), result)
 local window = tonumber(s[4] or '1')
 if step - window >= 0 then
-  redis.call('HDEL', KEYS[2], 'result:' .. step_text(step - window))
-  redis.call('DEL', result_blob(KEYS[2], step - window))
+  redis.call('HDEL', log_key, 'result:' .. step_text(step - window))
+  redis.call('DEL', result_blob(log_key, committed + 1 - window))  -- committed is step - 1 here
 end
-local keep = tonumber(ARGV[11])
-if ARGV[10] ~= '' and keep ~= 0 then
-  redis.call('HSET', KEYS[2], 'input:' .. step_text(step), ARGV[10])
-  if KEYS[8] and redis.call('EXISTS', KEYS[8]) == 1 then
-    redis.call('RENAME', KEYS[8], KEYS[9])
+if record ~= '' and keep ~= 0 then
+  redis.call('HSET', log_key, 'input:' .. step_text(step), record)
+  if input_key and redis.call('EXISTS', input_key) == 1 then
+    redis.call('RENAME', input_key, record_key)
   end
   if keep > 0 and step - keep >= 0 then
-    redis.call('HDEL', KEYS[2], 'input:' .. step_text(step - keep))
-    redis.call('DEL', record_blob(KEYS[2], step - keep))
+    redis.call('HDEL', log_key, 'input:' .. step_text(step - keep))
+    redis.call('DEL', evicted_record_key)
   end
-elseif KEYS[8] then
-  redis.call('DEL', KEYS[8])
+elseif input_key then
+  redis.call('DEL', input_key)
 end
 if deferred then
   local unconfirmed = tonumber(s[5])
   if not unconfirmed or step < unconfirmed then
-    redis.call('HSET', KEYS[1], 'unconfirmed_step', step)
+    redis.call('HSET', session_key, 'unconfirmed_step', step)
   end
   return {'committed'}
 end

@@ -24,51 +24,65 @@
 --       kind 'fork', step_id = the fork point, job_id and reply_to '', payload = the branch ids
 --       separated by spaces)
 -- Returns {'forked', committed} | {'error', code, message, committed, context_length} | {'moved', owner}
-local s = redis.call('HMGET', KEYS[1], 'owner', 'epoch', 'committed_step_id', 'next_step_id', 'context_length',
+local session_key = KEYS[1]
+local log_key = KEYS[2]
+local sessions_key = KEYS[3]
+local owned_key = KEYS[4]
+local capacity_key = KEYS[5]
+local pool_key = KEYS[6]
+local inbox_key = KEYS[7]
+local trainer_caps_key = KEYS[8]
+local trainer_open_key = KEYS[9]
+local believed_owner = ARGV[1]
+local session_id = ARGV[2]
+local first_branch_key = 10
+local first_branch_id = 3
+local s = redis.call('HMGET', session_key, 'owner', 'epoch', 'committed_step_id', 'next_step_id', 'context_length',
   'closed', 'gen', 'reset_pending', 'mode', 'model', 'retention', 'result_window', 'idle_timeout_ms',
   'priority', 'trainer', 'max_staleness', 'first_version')
 local owner, committed, ctx = s[1], tonumber(s[3]), s[5]
-local refusal = session_refusal(owner, s[6], committed, ctx, ARGV[1], ARGV[2])
+local refusal = session_refusal(owner, s[6], committed, ctx, believed_owner, session_id)
 if refusal then
   return refusal
 end
 if s[8] ~= '0' or tonumber(s[4]) ~= committed + 1 then
-  return {'error', 'step_out_of_order', 'session ' .. ARGV[2] .. ' has steps queued or a reset pending; '
+  return {'error', 'step_out_of_order', 'session ' .. session_id .. ' has steps queued or a reset pending; '
     .. 'fork it once they are answered (or cancel them)', committed, ctx}
 end
-local n = #ARGV - 2
+local n = #ARGV - first_branch_id + 1
 if n < 1 then
   return {'error', 'invalid_request', 'fork needs at least one branch', committed, ctx}
 end
 for i = 1, n do
-  if redis.call('EXISTS', KEYS[8 + 2 * i]) == 1 then
-    return {'error', 'invalid_request', 'session ' .. ARGV[2 + i] .. ' already exists', committed, ctx}
+  if redis.call('EXISTS', KEYS[first_branch_key + 2 * (i - 1)]) == 1 then
+    return {'error', 'invalid_request', 'session ' .. ARGV[first_branch_id + i - 1] .. ' already exists', committed,
+      ctx}
   end
 end
-local cap = tonumber(redis.call('HGET', KEYS[5], owner) or '0') or 0
-local owned = tonumber(redis.call('HGET', KEYS[4], owner) or '0') or 0
-local load = redis.call('ZSCORE', KEYS[6], owner)
-local split = tonumber(redis.call('HGET', KEYS[5], owner .. '@' .. KEYS[6]) or '')
+local cap = tonumber(redis.call('HGET', capacity_key, owner) or '0') or 0
+local owned = tonumber(redis.call('HGET', owned_key, owner) or '0') or 0
+local load = redis.call('ZSCORE', pool_key, owner)
+local split = tonumber(redis.call('HGET', capacity_key, owner .. '@' .. pool_key) or '')
 if not load or owned + n > cap or (split and tonumber(load) + n > split) then
-  return {'error', 'capacity_exhausted', 'worker ' .. owner .. ' of session ' .. ARGV[2] .. ' has no room for '
+  return {'error', 'capacity_exhausted', 'worker ' .. owner .. ' of session ' .. session_id .. ' has no room for '
     .. n .. ' more sessions', committed, ctx}
 end
 local trainer = s[15] or ''
-local trainer_cap = redis.call('HGET', KEYS[8], trainer) or redis.call('HGET', KEYS[8], '*')
-local trainer_open = tonumber(redis.call('HGET', KEYS[9], trainer) or '0') or 0
+local trainer_cap = redis.call('HGET', trainer_caps_key, trainer) or redis.call('HGET', trainer_caps_key, '*')
+local trainer_open = tonumber(redis.call('HGET', trainer_open_key, trainer) or '0') or 0
 if trainer ~= '' and trainer_cap and trainer_open + n > (tonumber(trainer_cap) or 0) then
   return {'error', 'trainer_cap_reached', 'trainer ' .. trainer .. ' has ' .. trainer_open .. ' open sessions in this '
     .. 'cell, its cap is ' .. trainer_cap .. ': no room for ' .. n .. ' branches', committed, ctx}
 end
 local now = now_ms()
-local log = redis.call('HGETALL', KEYS[2])
+local log = redis.call('HGETALL', log_key)
 for i = 1, n do
-  local child, child_log = KEYS[8 + 2 * i], KEYS[9 + 2 * i]
+  local child, child_log = KEYS[first_branch_key + 2 * (i - 1)], KEYS[first_branch_key + 2 * (i - 1) + 1]
   redis.call('HSET', child,
     'mode', s[9], 'model', s[10], 'owner', owner, 'epoch', 1,
     'committed_step_id', committed, 'next_step_id', committed + 1, 'context_length', ctx, 'closed', 0,
     'gen', 0, 'reset_pending', 0, 'retention', s[11] or 'full', 'result_window', s[12] or 1,
-    'idle_timeout_ms', s[13] or 0, 'idle_closed', 0, 'cancels', 0, 'forked_from', ARGV[2],
+    'idle_timeout_ms', s[13] or 0, 'idle_closed', 0, 'cancels', 0, 'forked_from', session_id,
     'created_ms', now, 'updated_ms', now, 'priority', s[14] or 'bulk', 'trainer', trainer)
   if s[16] then
     redis.call('HSET', child, 'max_staleness', s[16])
@@ -80,24 +94,24 @@ for i = 1, n do
     local kind, step = string.match(log[j], '^(%a+):(%-?%d+)$')
     if kind == 'result' and is_blob(log[j + 1]) then
       local blob = result_blob(child_log, step)
-      redis.call('COPY', result_blob(KEYS[2], step), blob, 'REPLACE')
+      redis.call('COPY', result_blob(log_key, step), blob, 'REPLACE')
       log[j + 1] = BLOB_MARK .. blob
     elseif kind == 'input' then  -- a record whose input is in its record blob (COPY: 0 when none)
-      redis.call('COPY', record_blob(KEYS[2], step), record_blob(child_log, step), 'REPLACE')
+      redis.call('COPY', record_blob(log_key, step), record_blob(child_log, step), 'REPLACE')
     end
   end
   for j = 1, #log, 1000 do  -- in slices: unpack of a whole long log would overflow Lua's stack
     redis.call('HSET', child_log, unpack(log, j, math.min(j + 999, #log)))
   end
-  redis.call('HSET', KEYS[3], ARGV[2 + i], owner)
+  redis.call('HSET', sessions_key, ARGV[first_branch_id + i - 1], owner)
 end
-redis.call('HINCRBY', KEYS[4], owner, n)
-redis.call('ZINCRBY', KEYS[6], n, owner)
+redis.call('HINCRBY', owned_key, owner, n)
+redis.call('ZINCRBY', pool_key, n, owner)
 if trainer ~= '' then
-  redis.call('HINCRBY', KEYS[9], trainer, n)
+  redis.call('HINCRBY', trainer_open_key, trainer, n)
 end
-redis.call('XADD', KEYS[7], '*',
-  'kind', 'fork', 'job_id', '', 'session_id', ARGV[2], 'step_id', committed, 'contextual', '1',
+redis.call('XADD', inbox_key, '*',
+  'kind', 'fork', 'job_id', '', 'session_id', session_id, 'step_id', committed, 'contextual', '1',
   'epoch', s[2], 'gen', s[7], 'mode', s[9], 'model', s[10], 'reply_to', '',
-  'enqueued_ms', now, 'attempt', 0, 'payload', table.concat(ARGV, ' ', 3))
+  'enqueued_ms', now, 'attempt', 0, 'payload', table.concat(ARGV, ' ', first_branch_id))
 return {'forked', committed}
