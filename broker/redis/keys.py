@@ -187,7 +187,7 @@ class CellKeys:
 
     def input_blob(self, session_id: str, job_id: str) -> str:
         """STRING: the staged payload of one queued step job; lives as long as its inbox entry.
-        prelude.lua's input_blob builds the same name from the log key (retire)."""
+        Every script gets it in KEYS (retire.lua too: Scripts.retire reads the inbox first)."""
         return f"{self.log(session_id)}:in:{job_id}"
 
     def record_blob(self, session_id: str, step_id: int) -> str:

@@ -41,12 +41,6 @@ local function record_blob(log_key, step)
   return log_step_key(log_key, 'inrec', step)
 end
 
--- The input blob of a queued step job whose entry's payload is BLOB_MARK alone
--- (CellKeys.input_blob): it lives as long as the entry.
-local function input_blob(log_key, job_id)
-  return log_key .. ':in:' .. job_id
-end
-
 -- The blob keys a log hash may refer to: one per result:<step> field and one per input:<step>
 -- field (a key that does not exist, for a result or an input stored inline, costs a DEL or
 -- PEXPIRE nothing).
