@@ -5,6 +5,10 @@
 
 Results go to ``bench/results/latest.json`` (gitignored). Nothing here asserts a speed: the
 ``targets`` rows say met or missed.
+
+Interrupted (SIGINT or SIGTERM), the benchmark running is cancelled, so that its worker processes
+and its Redis are stopped on the way out (``bench.common.Children``: SIGTERM, SIGKILL after 15 s);
+the results measured so far are written and the exit status is 128 + the signal.
 """
 
 from __future__ import annotations
@@ -14,8 +18,10 @@ import asyncio
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Mapping, Sequence
@@ -126,6 +132,23 @@ def _load1() -> float | None:
         return None
 
 
+def _interruptible(received: list[int]) -> dict[int, Any]:
+    """SIGINT raises KeyboardInterrupt, even where it was ignored (a shell's background job): then
+    asyncio.run cancels the benchmark running, whose blocks stop its children. SIGTERM is handled
+    the same way (Python's default for it ends the process at once, children left running); each
+    SIGTERM is appended to ``received``. Returns the handlers replaced ({} off the main thread)."""
+
+    def on_term(signum: int, _frame: object) -> None:
+        received.append(signum)
+        signal.raise_signal(signal.SIGINT)
+
+    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+        return {}
+    # asyncio.run installs its cancelling handler only over Python's default one.
+    return {signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler),
+            signal.SIGTERM: signal.signal(signal.SIGTERM, on_term)}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv, os.environ)
@@ -136,6 +159,26 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {"size": args.size, "only": names, "malloc_tuned": args.malloc_tuned,
                               "machine": machine(), "started": time.time(), "wall_s": {}, "failed": [],
                               "loadavg": {"start": _load1()}, "command": report_md.command_line(argv)}
+    received: list[int] = []
+    previous = _interruptible(received)
+    try:
+        _run_benchmarks(args, names, rows, report)
+    except KeyboardInterrupt:  # the benchmark running was cancelled: its children are stopped
+        name = signal.Signals(received[0] if received else signal.SIGINT).name
+        report["interrupted"] = name
+        _write(args, report, rows)
+        print(f"bench: interrupted by {name}; results so far: {args.results}", file=sys.stderr, flush=True)
+        return 128 + (received[0] if received else signal.SIGINT)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    print(format_table(rows + evaluate(rows)), flush=True)
+    plotted = plot(rows, args.plot)
+    print(f"results: {args.results}" + (f"; plot: {args.plot}" if plotted else ""), flush=True)
+    return 1 if report["failed"] else 0
+
+
+def _run_benchmarks(args: argparse.Namespace, names: list[str], rows: list[Row], report: dict[str, Any]) -> None:
     for name in tqdm(names, desc=f"bench ({args.size})", unit="bench", disable=args.no_progress):
         t0 = time.monotonic()
         try:
@@ -146,10 +189,6 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(Row(name, "-", "FAILED", {}, "", f"{type(exc).__name__}: {exc}"[:300]))
         report["wall_s"][name] = time.monotonic() - t0
         _write(args, report, rows)  # after each benchmark: a run cut short keeps what it measured
-    print(format_table(rows + evaluate(rows)), flush=True)
-    plotted = plot(rows, args.plot)
-    print(f"results: {args.results}" + (f"; plot: {args.plot}" if plotted else ""), flush=True)
-    return 1 if report["failed"] else 0
 
 
 def _write(args: argparse.Namespace, report: dict[str, Any], rows: list[Row]) -> None:

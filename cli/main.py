@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
 import os
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -224,12 +226,48 @@ def _cmd_dashboard(run: Invocation) -> int:
     return 0
 
 
+BENCH_STOP_S = 60.0  # after a forwarded signal: the bench stops its workers (15 s grace) and writes its results
+
+
 def _cmd_bench(run: Invocation) -> int:
     # bench/ sits above workers/ (it drives worker processes): run it as its own program rather
     # than import it, so that imports between the packages run one way.
-    import subprocess
+    # Its own process group: a Ctrl-C at the terminal reaches this process only, which passes it
+    # on once (two SIGINTs would cut the bench's clean-up short); the group is what a kill ends.
+    bench = subprocess.Popen([sys.executable, "-m", "bench.run_all", *run.args.passthrough], start_new_session=True)
+    return _wait_forwarding(bench, BENCH_STOP_S)
 
-    return subprocess.call([sys.executable, "-m", "bench.run_all", *run.args.passthrough])
+
+def _wait_forwarding(child: subprocess.Popen[bytes], stop_s: float) -> int:
+    """``child``'s exit status. The first SIGINT / SIGTERM here is passed on to it; when it has not
+    exited ``stop_s`` later, or at a second signal, its process group (its workers and its Redis
+    with it) is killed."""
+    got: list[float] = []
+
+    def kill_group() -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.pid, signal.SIGKILL)
+
+    def forward(signum: int, _frame: object) -> None:
+        if got:
+            kill_group()  # a second signal: now
+            return
+        got.append(time.monotonic())
+        with contextlib.suppress(ProcessLookupError):
+            child.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while True:
+            try:
+                return child.wait(timeout=0.5)
+            except subprocess.TimeoutExpired:
+                if got and time.monotonic() - got[0] > stop_s:
+                    print(f"rollout-fleet bench: still running {stop_s:g} s after the signal: killed", file=sys.stderr)
+                    kill_group()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 COMMANDS: dict[str, Callable[[Invocation], int]] = {
