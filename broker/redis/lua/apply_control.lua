@@ -6,6 +6,10 @@
 -- Uses: prelude.lua (fenced, add_reply, log_blobs)
 -- KEYS: 1 session hash, 2 log hash, 3 inbox, 4 reply stream, 5 pool zset, 6 sessions hash, 7 owned hash,
 --       8 trainer open hash (a close counts the session's trainer down, as it counts the owner down)
+-- Derived keys (docs/architecture.md, "Keys in Lua scripts"): the blobs the log hash refers to,
+--       one per result:<step> and input:<step> field its HKEYS lists (prelude.lua log_blobs): the
+--       caller cannot know the steps the log holds; each is the log key's name plus a suffix, in
+--       its hash tag and slot.
 -- ARGV: 1 worker id, 2 job epoch, 3 inbox entry id, 4 job_id, 5 kind, 6 grace ttl ms,
 --       7 reply ttl ms, 8 inbox group, 9 session_id, 10-12 reply stream bounds (ReplyBounds),
 --       13 closed retention ms (the session hash's TTL after a close; the grace TTL when absent)

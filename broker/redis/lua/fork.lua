@@ -13,6 +13,10 @@
 -- KEYS: 1 parent session hash, 2 parent log hash, 3 sessions hash, 4 owned hash, 5 capacity hash,
 --       6 pool zset (mode, model), 7 owner's inbox, 8 trainer caps hash, 9 trainer open hash, then
 --       per branch: its session hash, its log hash
+-- Derived keys (docs/architecture.md, "Keys in Lua scripts"): the result and record blobs of the
+--       steps the parent's log holds (read here with HGETALL) and each branch's copies of them, built
+--       from the parent's and the branch's log keys (prelude.lua result_blob, record_blob), in
+--       their hash tag and slot.
 -- ARGV: 1 believed owner, 2 parent session_id, 3.. branch session ids (n of them)
 -- Fields (broker/redis/layouts.py SessionHash, inbox.py): reads the parent's owner, epoch,
 --       committed_step_id, next_step_id, context_length, closed, gen, reset_pending, mode, model,

@@ -25,9 +25,11 @@ local function is_blob(value)
 end
 
 -- A key of one step (a number or decimal text) of the session whose log hash is `log_key`, built
--- from a key the caller passed, so it shares that key's hash tag and slot: `kind` 'blob' is the
--- step's large result (CellKeys.result_blob), 'inrec' the staged input of its record
--- (CellKeys.record_blob, broker/redis/inputs.py).
+-- from a key the caller passed in KEYS, so it shares that key's hash tag and slot: `kind` 'blob' is
+-- the step's large result (CellKeys.result_blob), 'inrec' the staged input of its record
+-- (CellKeys.record_blob, broker/redis/inputs.py). Only for a step the caller cannot name before
+-- the call, because the script reads it (docs/architecture.md, "Keys in Lua scripts"); a key the
+-- caller can name comes in KEYS.
 local function log_step_key(log_key, kind, step)
   if type(step) == 'number' then
     step = step_text(step)
@@ -59,7 +61,9 @@ end
 
 -- What a reply entry carries for a stored result, with the result's size and the reply blob to
 -- expire with the stream: a reference is copied to the reply's own blob (a reader then does not
--- depend on the session's result window). nil when the referenced blob is gone.
+-- depend on the session's result window). nil when the referenced blob is gone. The referenced
+-- key is read from the stored value: a reference names a key the storing script had in KEYS
+-- (commit.lua's result blob, fork.lua's copy), in the cell's hash tag and slot.
 local function reply_value(stored, reply_blob)
   if not is_blob(stored) then
     return stored, #stored, nil
@@ -99,6 +103,8 @@ end
 -- (optional): a result held in a reply blob (reply_value) counts its blob's size, and the blob
 -- expires with the stream. The blobs of the oldest entries this one pushes past the budget are
 -- deleted (trimming the stream would not free them): such an entry reads as a result that is gone.
+-- Those reply blobs are named by the entries' references (the reply blobs the publishing scripts
+-- had in KEYS), in the cell's hash tag and slot.
 local function add_reply(key, ttl_ms, stream_bytes, large_bytes, large_ttl_ms, kind, job_id, committed, result,
                          size, blob)
   size = size or #result
