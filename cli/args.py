@@ -353,7 +353,8 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         build(verb_parser, environ)
         _log_flags(verb_parser, after_verb=True)
     # Its options are bench.run_all's own (--size, --only, --plot, ...): passed through untouched.
-    sub.add_parser("bench", help="benchmarks beside their anchors (arq, streaq, HTTP); prints a table",
+    sub.add_parser("bench", help="benchmarks beside their anchors (arq, streaq, HTTP); prints a table "
+                                 "(--size smoke: about 6 minutes on 2 cores)",
                    add_help=False)
     attach_env(parser, environ)
     for verb_parser in sub.choices.values():
