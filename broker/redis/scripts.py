@@ -1,7 +1,9 @@
 """Lua scripts shipped beside this module, each with one small typed wrapper.
 
 Scripts are registered once per client (EVALSHA, reloaded on NOSCRIPT by redis-py). Every key a
-script touches is passed in KEYS and built by :mod:`broker.redis.keys`.
+script can be told before it runs is passed in KEYS and built by :mod:`broker.redis.keys`; the few
+a script derives from a KEYS entry (a step the script reads) are listed in docs/architecture.md,
+"Keys in Lua scripts". No key, nor key prefix, goes in ARGV (tests/test_lua_scripts.py).
 """
 
 from __future__ import annotations
