@@ -1,5 +1,6 @@
 """The layout is part of the design: imports run one way between the rooms, no module is in an
-import cycle, one module builds every Redis client, and rooms stay sized by their concepts.
+import cycle, one module builds every Redis client, every Lua script takes its keys in KEYS, and
+rooms stay sized by their concepts.
 
 docs/architecture.md draws the same picture; this test keeps the code and the picture together.
 """
@@ -192,3 +193,14 @@ def test_one_factory_builds_every_redis_client() -> None:
             if isinstance(node, ast.Attribute) and node.attr == "from_url":
                 wrong.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert not wrong, "build the client with broker.redis.connect instead:\n" + "\n".join(wrong)
+
+
+def test_every_lua_script_takes_its_keys_in_keys() -> None:
+    """No script builds a key from ARGV or reads KEYS/ARGV past its opening block of named locals
+    (the checker and its self-tests: tests/test_lua_scripts.py; the keys a script derives from a
+    declared key of its slot: docs/architecture.md, "Keys in Lua scripts")."""
+    from tests.test_lua_scripts import LUA, check
+
+    wrong = [f"{path.name}: {violation}" for path in sorted(LUA.glob("*.lua"))
+             for violation in check(path.read_text(encoding="utf-8"))]
+    assert not wrong, "\n".join(wrong)
