@@ -168,6 +168,7 @@ def test_workers_probe_ready_on_their_metrics_port_and_outlast_their_drain(kusto
     assert port == args.metrics_port == int(container_env(container)[ENV_PORT])
     grace = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
     assert grace >= args.drain_timeout_s + 15, (grace, args.drain_timeout_s)  # the drain, then the exit
+    assert "replicas" not in deployment["spec"]  # KEDA's, or kubectl scale's: never reset by an apply
     strategy = deployment["spec"]["strategy"]["rollingUpdate"]
     assert strategy["maxUnavailable"] == 0  # a new worker is ready before an old one drains
 
