@@ -52,9 +52,10 @@ def kubectl() -> str:
     return found
 
 
-def render(directory: Path) -> list[Doc]:
+def render(directory: Path, binary: str | None = None) -> list[Doc]:
     """``kubectl kustomize DIR``'s objects; a failure raises with kubectl's message."""
-    done = subprocess.run([kubectl(), "kustomize", str(directory)], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([binary or kubectl(), "kustomize", str(directory)], capture_output=True, text=True,
+                          timeout=120)
     if done.returncode != 0:
         raise RuntimeError(f"kubectl kustomize {directory}: {done.stderr.strip()}")
     return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
@@ -128,6 +129,16 @@ def test_every_kustomization_renders_and_every_object_validates(kustomization: s
     for doc in docs:
         validate(doc)
         assert doc["kind"] == "Namespace" or doc["metadata"]["namespace"] == "rollout-fleet", doc["metadata"]
+
+
+@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+def test_another_kubectl_on_this_machine_renders_the_same(kustomization: str) -> None:
+    """Users run older kubectls (1.32's kustomize 5.5 crashed on a patch file with two deletions):
+    when the machine has a kubectl of its own on PATH, it must render the same objects."""
+    other = shutil.which("kubectl")
+    if other is None or Path(other).resolve() == Path(kubectl()).resolve():
+        pytest.skip("no second kubectl on PATH to compare with")
+    assert render(KUBE / kustomization, other) == list(rendered(kustomization))
 
 
 # ------------------------------------------------------------------ what the fleet needs of them
