@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-cluster test-engines test-verl test-rlinf test-areal lint docs clean
+.PHONY: venv demo test test-cluster test-engines test-verl test-rlinf test-areal test-slurm lint docs clean
 
 $(STAMP): pyproject.toml
 	@echo "make: creating $(VENV) and installing rollout-fleet[reference,dev] (CPU torch; a few minutes the first time)"
@@ -39,6 +39,18 @@ test-rlinf:
 # AReaL's own rollout workflows through the fleet: builds (once, cached outside the repo) the AReaL venv.
 test-areal:
 	bash scripts/run_areal_tests.sh
+
+# docs/deploy/slurm.md's batch script on a real one-node Slurm that the tests start (tests/slurm);
+# installs Debian's slurmd, slurmctld and slurm-client when missing (needs root, as CI runs).
+SLURM_BINARIES := slurmctld slurmd sbatch scancel scontrol sinfo squeue
+test-slurm: $(STAMP)
+	@for b in $(SLURM_BINARIES); do command -v $$b >/dev/null 2>&1 || missing=1; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "make: installing Debian's slurmd, slurmctld and slurm-client"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+	    slurmd slurmctld slurm-client >/dev/null; \
+	fi
+	$(PY) -m pytest -q -m slurm tests/slurm
 
 # Real vLLM / vLLM-Omni on CPU: builds (once, cached outside the repo) the engines venv.
 test-engines:

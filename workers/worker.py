@@ -173,6 +173,7 @@ class Worker:
         self._pools = [self.keys.pool(mode.value, model) for model, mode in engine.models().items()]
         self._pool_caps = pool_caps(engine, self.keys, settings.capacity)  # the engine's per-model split
         self._drain: Drain | None = None
+        self._beat_error = ""  # why the last heartbeat failed ("" once one succeeds)
         self._fork_cancel = ForkCancel(lambda: self.executor, self._sessions)  # cancel and fork entries
 
     # ------------------------------------------------------------------ lifecycle
@@ -190,7 +191,7 @@ class Worker:
         return self._executor
 
     async def start(self) -> None:
-        self.metrics.start()  # first: a taken port fails the start before anything else is open
+        self.metrics.start(self.ready_now)  # first: a taken port fails the start before anything else is open
         self._redis = open_redis(self.settings.cell_config.redis_url, decode_responses=False)
         self._scripts = Scripts(self._redis, self.keys)
         await self.engine.start()
@@ -222,6 +223,18 @@ class Worker:
                                    self.settings.rebalance_threshold, lease_ms, self.metrics.fleet).run(),
                         "rebalance")
         log.info("worker %s serving %s", self.id, ", ".join(self.engine.models()))
+
+    def ready_now(self) -> tuple[bool, str]:
+        """``/ready``'s answer (read in the metrics server's thread): ready once the engine is up,
+        the worker registered and its heartbeats reach Redis, and its engine answers its readiness
+        check; not ready while it starts, drains, or stops. Kubernetes' readiness probe asks it."""
+        if self.state is not WorkerState.ACTIVE:
+            return False, f"worker {self.state}"
+        if not self.readiness.ready:
+            return False, f"engine not ready: {self.readiness.reason}"
+        if self._beat_error:
+            return False, f"heartbeat failed: {self._beat_error}"
+        return True, "ready"
 
     def request_stop(self) -> None:
         """Stop reading new jobs; :meth:`serve` then finishes in-flight jobs and returns."""
@@ -314,9 +327,11 @@ class Worker:
                     pressure=load)
                 if not beat.registered and not self._stop.is_set():
                     await self._reincarnate()
+                self._beat_error = ""
                 await self.executor.stats.tick(self._redis_or_fail(), self.keys, self.id)
             except REDIS_ERRORS as exc:
                 raise_if_cancelling()
+                self._beat_error = str(exc) or type(exc).__name__
                 log.warning("heartbeat failed: %s", exc)
             await asyncio.sleep(self.settings.heartbeat_ms / 1000.0)
 

@@ -1,5 +1,6 @@
 """A worker's metrics: what the step path records, the gauges each heartbeat refreshes, and the
-``/metrics`` server on ``--metrics-port`` (none when the port is not given); and the worker's share
+``/metrics`` server on ``--metrics-port`` (none when the port is not given; it answers ``/ready``
+too, see :meth:`workers.worker.Worker.ready_now`); and the worker's share
 of the cell's stats stream (``StepStats``, below), which the dashboard reads.
 
 The executor calls :meth:`committed`, :meth:`duplicate` and :meth:`failed` once per answered step;
@@ -19,7 +20,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from broker.ops.cell_stats import BUCKETS_MS, StepSummary, bucket_of, publish_summary
-from broker.ops.metrics import FleetMetrics, MetricsServer, serve_metrics
+from broker.ops.metrics import FleetMetrics, MetricsServer, ReadyCheck, serve_metrics
 from broker.redis.keys import CellKeys
 from workers.engines.base import Engine
 from workers.rate_limit import WarningLimiter
@@ -43,9 +44,10 @@ class WorkerMetrics:
         self._server: MetricsServer | None = None
         self._committed: dict[str, _Committed] = {}
 
-    def start(self) -> None:
+    def start(self, ready: ReadyCheck | None = None) -> None:
+        """Serve /metrics (and /ready when ``ready`` is given) on the port, if one was given."""
         if self.port is not None and self._server is None:
-            self._server = serve_metrics(self.port, self.fleet.registry)
+            self._server = serve_metrics(self.port, self.fleet.registry, ready=ready)
             log.info("metrics at http://0.0.0.0:%d/metrics", self._server.port)
 
     @property

@@ -2,7 +2,9 @@
 
 Workers, the gateway and the supervisor each own one :class:`FleetMetrics` (its own
 ``CollectorRegistry``, so two workers in one test process never share a counter) and expose it
-with :func:`serve_metrics` or, in the gateway, a ``/metrics`` route. Labels are bounded: a model
+with :func:`serve_metrics` or, in the gateway, a ``/metrics`` route; a worker's server also answers
+``/ready`` (:data:`ReadyCheck`: 200 or 503 with a one-line reason), its Kubernetes readiness probe.
+Labels are bounded: a model
 name, an outcome (``committed``, ``duplicate`` or an error code) and a phase, never a session or a
 worker id, so a fleet with a million sessions still has a few dozen series.
 """
@@ -10,8 +12,11 @@ worker id, so a fleet with a million sessions still has a few dozen series.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from wsgiref.simple_server import WSGIServer
+from socketserver import ThreadingMixIn
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -20,7 +25,7 @@ from prometheus_client import (
     Gauge,
     Histogram,
     generate_latest,
-    start_http_server,
+    make_wsgi_app,
 )
 
 # Seconds: a step runs in about a millisecond on the reference engine and seconds on a big model.
@@ -30,6 +35,10 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 REBUILD_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 120.0)
 PHASES = ("queue", "engine", "commit", "total")
 ENV_PORT = "ROLLOUT_FLEET_METRICS_PORT"
+READY_PATH = "/ready"
+# Whether the process can do its work now, and why not: (True, "ready") or (False, "one line").
+ReadyCheck = Callable[[], tuple[bool, str]]
+WsgiApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 
 
 class FleetMetrics:
@@ -92,13 +101,42 @@ class MetricsPortError(Exception):
     """The metrics port cannot be listened on (taken, or not allowed): said in one line."""
 
 
-def serve_metrics(port: int, registry: CollectorRegistry, host: str = "0.0.0.0") -> MetricsServer:
-    """Serve ``registry`` at ``http://host:port/metrics`` (port 0: a free port, see ``.port``).
-    The listen address is all interfaces by default, as Prometheus scrapes from another host."""
+class _ThreadingServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True  # a scrape in progress never holds the process's exit
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        """No access log: Prometheus scrapes and probes every few seconds."""
+
+
+def with_ready(app: WsgiApp, ready: ReadyCheck) -> WsgiApp:
+    """``app`` with ``GET /ready`` in front: 200 ``ready``, or 503 and the reason, in one line."""
+    def routed(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        if environ.get("PATH_INFO") != READY_PATH:
+            return app(environ, start_response)
+        ok, reason = ready()
+        body = (" ".join(reason.split()) + "\n").encode()
+        start_response("200 OK" if ok else "503 Service Unavailable",
+                       [("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(body)))])
+        return [body]
+    return routed
+
+
+def serve_metrics(port: int, registry: CollectorRegistry, host: str = "0.0.0.0",
+                  ready: ReadyCheck | None = None) -> MetricsServer:
+    """Serve ``registry`` at ``http://host:port/metrics`` (port 0: a free port, see ``.port``), and
+    ``/ready`` when ``ready`` is given. The listen address is all interfaces by default, as
+    Prometheus scrapes (and Kubernetes probes) from another host."""
+    app: WsgiApp = make_wsgi_app(registry)
+    if ready is not None:
+        app = with_ready(app, ready)
     try:
-        server, thread = start_http_server(port, addr=host, registry=registry)
+        server = make_server(host, port, app, _ThreadingServer, handler_class=_QuietHandler)
     except OSError as exc:
         raise MetricsPortError(f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}") from exc
+    thread = threading.Thread(target=server.serve_forever, name="metrics-server", daemon=True)
+    thread.start()
     return MetricsServer(server, thread)
 
 
