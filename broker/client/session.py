@@ -21,6 +21,7 @@ from broker.client.link import LinkSource
 from broker.redis.backoff import REDIS_ERRORS, Backoff
 from broker.redis.keys import CELL_MARK, cell_named_by, check_stream_name
 from broker.redis.layouts import ReplyEntry
+from broker.redis.refusals import refusal_of
 from broker.redis.script_replies import (
     AlreadyClosed,
     Cancelled,
@@ -39,6 +40,7 @@ from schemas.errors import (
     FleetTimeoutError,
     InvalidRequestError,
     PayloadTooLargeError,
+    RedisUnavailableError,
     error_for,
 )
 from schemas.messages import ErrorInfo, Mode, SessionStatus, StepResult, parse_step_input
@@ -238,8 +240,8 @@ class Session:
                 reply = await call(self.owner)
             except REDIS_ERRORS as exc:
                 if time.monotonic() > deadline:
-                    raise FleetTimeoutError(f"redis unreachable for {self.link.bounds.reconnect_s}s: {exc}") from exc
-                lost = True
+                    raise unavailable(exc, self.link.bounds.reconnect_s) from exc
+                lost = lost or refusal_of(exc) is None  # a refused call wrote nothing
                 await backoff.wait()
                 continue
             if isinstance(reply, Moved) and moves < _MAX_MOVES:
@@ -318,6 +320,16 @@ class Session:
         finally:
             replies.forget(job_id)
         return answer.committed
+
+
+def unavailable(exc: Exception, waited_s: float) -> FleetError:
+    """The answer to a Redis that did not take a call within the reconnect window: ``redis_unavailable``
+    with the reason when it refused writes (broker/redis/refusals.py), else ``timeout``."""
+    reason = refusal_of(exc)
+    if reason is not None:
+        return RedisUnavailableError(f"redis refused writes ({reason.value}) for {waited_s:g}s; nothing was "
+                                     f"written, send it again once Redis writes again: {exc}")
+    return FleetTimeoutError(f"redis unreachable for {waited_s:g}s: {exc}")
 
 
 async def _resolved(result: StepResult) -> StepResult:

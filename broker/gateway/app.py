@@ -70,6 +70,7 @@ from broker.gateway.step_metrics import GatewayMetrics
 from broker.gateway.tenancy import Tenancy
 from broker.gateway.upstream import as_upstream_duplicate, as_upstream_refusal, served_model, with_session_values
 from broker.redis.config import CellConfig
+from broker.redis.memory_policy import warn_if_evicting
 from schemas.codec import encode_plain
 from schemas.errors import (
     CapacityExhaustedError,
@@ -340,6 +341,7 @@ def create_app(redis_url: str | None = None, prefix: str | None = None, cell: st
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with FleetClient(redis_url, prefix=prefix, cell=cell, config=config, limits=limits) as fleet:
             app.state.gateway = Gateway(fleet, model_default=model_default, settings=settings, limits=limits)
+            await warn_if_evicting(fleet.redis, "gateway")  # broker/redis/memory_policy.py
             yield
 
     app = FastAPI(title="Rollout Fleet gateway", version="1", lifespan=lifespan,

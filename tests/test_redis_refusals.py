@@ -1,0 +1,226 @@
+"""A Redis that refuses writes (OOM, MISCONF, READONLY, BUSY) and one that forgot its scripts
+(NOSCRIPT): the trainer API answers instead of raising, nothing is half-written, a re-sent step
+returns its stored result or runs, and the worker keeps its lease and counts the refusals.
+
+Each test has its own redis-server: the refusals are made with its real configuration."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+from redis.asyncio import Redis
+from redis.exceptions import ResponseError
+
+from broker import FleetClient
+from broker.redis.embedded import RedisServer, free_port, running_redis
+from broker.redis.keys import CellKeys
+from broker.redis.refusals import Refusal
+from schemas.errors import ErrorCode
+from tests.support import FAST, WorkerPool, until, worker_pool, world_step
+from workers.engines.null import NullEngine, NullEngineConfig
+
+RECONNECT_S = 1.0  # the client's window: a refusal longer than this answers redis_unavailable
+BUSY_THRESHOLD_MS = 100  # busy-reply-threshold: a script running longer makes every command answer BUSY
+
+
+@pytest.fixture
+def server() -> Iterator[RedisServer]:
+    extra = ["--enable-protected-configs", "yes", "--busy-reply-threshold", str(BUSY_THRESHOLD_MS)]
+    with running_redis(extra_args=extra) as srv:
+        yield srv
+
+
+@pytest.fixture
+async def admin(server: RedisServer) -> AsyncIterator[Redis]:
+    redis = Redis.from_url(server.url)
+    yield redis
+    await redis.aclose()
+
+
+@contextlib.asynccontextmanager
+async def refusing(admin: Redis, server: RedisServer, reason: Refusal) -> AsyncIterator[None]:
+    """Make the real server refuse writes for ``reason`` inside the block, and write again after it."""
+    makers = {Refusal.OOM: _oom, Refusal.MISCONF: _misconf, Refusal.READONLY: _readonly, Refusal.BUSY: _busy}
+    async with makers[reason](admin, server):
+        yield
+
+
+@contextlib.asynccontextmanager
+async def _oom(admin: Redis, server: RedisServer) -> AsyncIterator[None]:
+    await admin.config_set("maxmemory-policy", "noeviction")
+    await admin.config_set("maxmemory", 1)  # any write that can grow memory is refused
+    try:
+        yield
+    finally:
+        await admin.config_set("maxmemory", 0)
+
+
+@contextlib.asynccontextmanager
+async def _misconf(admin: Redis, server: RedisServer) -> AsyncIterator[None]:
+    """An RDB save that fails (its directory cannot take files) with stop-writes-on-bgsave-error
+    (which only stops writes while some save point is configured)."""
+    home, save = (await admin.config_get("dir"))["dir"], (await admin.config_get("save"))["save"]
+    await admin.config_set("save", "3600 1")
+    await admin.config_set("stop-writes-on-bgsave-error", "yes")
+    await admin.config_set("dir", "/proc")
+    await admin.bgsave()
+    await until(lambda: _bgsave_status(admin, "err"), "the failing BGSAVE did not fail", bound_s=30)
+    try:
+        yield
+    finally:
+        await admin.config_set("dir", home)
+        await _bgsave_when_idle(admin)
+        await until(lambda: _bgsave_status(admin, "ok"), "BGSAVE did not succeed again", bound_s=30)
+        await admin.config_set("save", save)
+
+
+async def _bgsave_status(admin: Redis, status: str) -> bool:
+    info = await admin.info("persistence")
+    return bool(info["rdb_last_bgsave_status"] == status and not info["rdb_bgsave_in_progress"])
+
+
+async def _bgsave_when_idle(admin: Redis) -> None:
+    for _ in range(100):
+        with contextlib.suppress(ResponseError):  # a save still in progress
+            await admin.bgsave()
+            return
+        await asyncio.sleep(0.1)
+
+
+@contextlib.asynccontextmanager
+async def _readonly(admin: Redis, server: RedisServer) -> AsyncIterator[None]:
+    """A replica of a master that does not answer: it keeps its data and refuses writes."""
+    await admin.replicaof("127.0.0.1", free_port())
+    try:
+        yield
+    finally:
+        await admin.replicaof("NO", "ONE")
+
+
+@contextlib.asynccontextmanager
+async def _busy(admin: Redis, server: RedisServer) -> AsyncIterator[None]:
+    """A script that loops (writing nothing, so SCRIPT KILL ends it) on a connection of its own."""
+    looping = Redis.from_url(server.url)
+    task = asyncio.create_task(looping.eval("while true do end", 0))
+    await until(lambda: _busy_now(admin), "the looping script did not make Redis busy", bound_s=30)
+    try:
+        yield
+    finally:
+        await until(lambda: _killed(admin), "SCRIPT KILL did not end the script", bound_s=30)
+        with contextlib.suppress(ResponseError):
+            await task
+        await looping.aclose()
+
+
+async def _busy_now(admin: Redis) -> bool:
+    try:
+        await admin.ping()
+    except ResponseError as exc:
+        return "BUSY" in str(exc) or type(exc).__name__ == "BusyScriptError"
+    return False
+
+
+async def _killed(admin: Redis) -> bool:
+    with contextlib.suppress(ResponseError):  # NOTBUSY: it already ended
+        await admin.script_kill()
+    return not await _busy_now(admin)
+
+
+async def _sessions(fleet: FleetClient) -> list[Any]:
+    return [await fleet.create_session(model="null-world", mode="world_model_env"),
+            await fleet.create_session(model="null-lm", mode="tokens")]
+
+
+def _step(session: Any, i: int) -> dict[str, Any]:
+    return world_step(i) if session.mode.value == "world_model_env" else {"token_ids": [1, 2, 3 + i]}
+
+
+async def _epochs(admin: Redis, keys: CellKeys, sessions: list[Any]) -> list[Any]:
+    return [await admin.hmget(keys.session(s.session_id), ["owner", "epoch"]) for s in sessions]
+
+
+def _refusals(pool: WorkerPool, reason: Refusal) -> float:
+    """``rollout_fleet_redis_refusals_total{reason}`` over the pool's workers."""
+    return sum(running.worker.metrics.fleet.registry.get_sample_value(
+        "rollout_fleet_redis_refusals_total", {"reason": reason.value}) or 0.0 for running in pool.running)
+
+
+@pytest.mark.parametrize("reason", [Refusal.OOM, Refusal.MISCONF, Refusal.READONLY, Refusal.BUSY],
+                         ids=lambda r: r.value)
+async def test_a_step_redis_refuses_answers_redis_unavailable_and_runs_once_it_writes_again(
+        server: RedisServer, admin: Redis, prefix: str, reason: Refusal) -> None:
+    lease_s = FAST["lease_ms"] / 1000.0
+    async with worker_pool(server.url, prefix) as pool, \
+            FleetClient(server.url, prefix=prefix, reconnect_s=RECONNECT_S) as fleet:
+        await pool.add(NullEngine(), **FAST)
+        await pool.add(NullEngine(), **FAST)  # somewhere the sessions could move to, were a lease lost
+        sessions = await _sessions(fleet)
+        for i in range(2):
+            assert all(r.ok for r in await asyncio.gather(*(s.step(i, **_step(s, i)) for s in sessions)))
+        before = await _epochs(admin, CellKeys(prefix), sessions)
+        async with refusing(admin, server, reason):
+            refused = await asyncio.gather(*(s.step(2, timeout=10.0, **_step(s, 2)) for s in sessions))
+            await asyncio.sleep(3 * lease_s)  # longer than a lease: heartbeats are refused too
+        for r in refused:
+            assert not r.ok and r.error is not None
+            assert r.error.code == ErrorCode.REDIS_UNAVAILABLE, r.error
+            assert f"({reason.value})" in r.error.message, r.error.message
+        await asyncio.sleep(3 * lease_s)  # a reaper that took the refusal for a dead worker would act now
+        assert await _epochs(admin, CellKeys(prefix), sessions) == before  # every lease was kept
+        for i in (2, 3):  # the step refused runs now, once, and the session goes on
+            results = await asyncio.gather(*(s.step(i, **_step(s, i)) for s in sessions))
+            assert [r.error for r in results if not r.ok] == []
+            assert [r.output["context"] for r in results] == [i, i]
+            assert not any(r.duplicate for r in results)
+        assert _refusals(pool, reason) > 0  # counted (and logged once) by the workers
+
+
+async def test_a_commit_redis_refuses_is_retried_and_a_resent_step_returns_its_stored_result(
+        server: RedisServer, admin: Redis, prefix: str) -> None:
+    """The step was queued before Redis refused writes and ran while it did: its commit waits, the
+    trainer's wait ends in ``timeout``, and once Redis writes again the commit lands exactly once,
+    so a re-sent step returns the stored result (not ``step_out_of_order`` for a job stuck here)."""
+    async with worker_pool(server.url, prefix) as pool, \
+            FleetClient(server.url, prefix=prefix, reconnect_s=RECONNECT_S) as fleet:
+        running = await pool.add(NullEngine(NullEngineConfig(delay_ms=1500)), **FAST)
+        (session, _) = await _sessions(fleet)
+        assert (await session.step(0, **world_step(0))).ok
+        pending = session.submit(1, timeout=3.0, **world_step(1))
+        await until(lambda: _running(running.worker), "step 1 did not reach the engine")
+        async with refusing(admin, server, Refusal.OOM):
+            first = await pending  # its commit is refused until the block ends
+            assert not first.ok and first.error is not None and first.error.code == ErrorCode.TIMEOUT, first.error
+        await until(lambda: _committed(session, 1), "the refused commit never landed")
+        again = await session.step(1, **world_step(1))
+        assert again.ok and again.duplicate and again.output["context"] == 1, again.error
+        nxt = await session.step(2, **world_step(2))
+        assert nxt.ok and nxt.output["context"] == 2, nxt.error
+        assert _refusals(pool, Refusal.OOM) > 0
+
+
+async def _running(worker: Any) -> bool:
+    return bool(worker.engine._running)
+
+
+async def _committed(session: Any, step: int) -> bool:
+    return bool((await session.status()).committed_step_id == step)
+
+
+async def test_scripts_flushed_from_redis_are_loaded_again_without_the_trainer_seeing_it(
+        server: RedisServer, admin: Redis, prefix: str) -> None:
+    """SCRIPT FLUSH (or a restarted Redis) empties the script cache: EVALSHA answers NOSCRIPT, and
+    both the plain call and a coalesced pipeline of calls load the script and run it."""
+    async with worker_pool(server.url, prefix) as pool, FleetClient(server.url, prefix=prefix) as fleet:
+        await pool.add(NullEngine(), **FAST)
+        sessions = [s for _ in range(4) for s in await _sessions(fleet)]
+        for i in range(3):
+            await admin.script_flush()
+            alone = await sessions[0].step(i, **_step(sessions[0], i))  # one call: the plain EVALSHA
+            together = await asyncio.gather(*(s.step(i, **_step(s, i)) for s in sessions[1:]))  # one pipeline
+            assert [r.error for r in (alone, *together) if not r.ok] == []
+            assert {r.output["context"] for r in (alone, *together)} == {i}
+
