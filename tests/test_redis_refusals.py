@@ -8,19 +8,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
 from redis.asyncio import Redis
-from redis.exceptions import ResponseError
+from redis.exceptions import NoPermissionError, ResponseError
 
 from broker import FleetClient
+from broker.redis.connect import open_redis
 from broker.redis.embedded import RedisServer, free_port, running_redis
 from broker.redis.keys import CellKeys
+from broker.redis.memory_policy import eviction_policy
 from broker.redis.refusals import Refusal
 from schemas.errors import ErrorCode
-from tests.support import FAST, WorkerPool, until, worker_pool, world_step
+from tests.support import FAST, WorkerPool, run_cli, until, worker_pool, world_step
 from workers.engines.null import NullEngine, NullEngineConfig
 
 RECONNECT_S = 1.0  # the client's window: a refusal longer than this answers redis_unavailable
@@ -224,3 +227,49 @@ async def test_scripts_flushed_from_redis_are_loaded_again_without_the_trainer_s
             assert [r.error for r in (alone, *together) if not r.ok] == []
             assert {r.output["context"] for r in (alone, *together)} == {i}
 
+
+
+@pytest.mark.parametrize("reason", [Refusal.OOM, Refusal.MISCONF, Refusal.READONLY], ids=lambda r: r.value)
+async def test_status_check_fails_with_the_reason_while_redis_refuses_writes(
+        server: RedisServer, admin: Redis, prefix: str, reason: Refusal, capsys: pytest.CaptureFixture[str]) -> None:
+    check = ["status", "--redis-url", server.url, "--prefix", prefix, "--check"]
+    async with worker_pool(server.url, prefix) as pool:
+        await pool.add(NullEngine(), **FAST)
+        code, out, _ = await run_cli(capsys, *check)
+        assert code == 0, out
+        async with refusing(admin, server, reason):
+            code, out, _ = await run_cli(capsys, *check)
+            assert code == 1 and out.startswith(f"unhealthy: redis refuses writes ({reason.value}: "), out
+            if reason is Refusal.OOM:
+                assert "maxmemory" in out, out  # with the memory figures
+        code, out, _ = await run_cli(capsys, *check)
+        assert code == 0, out
+
+
+@pytest.mark.parametrize("policy", ["allkeys-lru", "volatile-ttl"])
+async def test_an_evicting_policy_is_warned_at_start_up_and_fails_the_check(
+        server: RedisServer, admin: Redis, prefix: str, policy: str, capsys: pytest.CaptureFixture[str],
+        caplog: pytest.LogCaptureFixture) -> None:
+    await admin.config_set("maxmemory-policy", policy)
+    async with worker_pool(server.url, prefix) as pool:
+        with caplog.at_level(logging.WARNING, logger="broker.redis.memory_policy"):
+            await pool.add(NullEngine(), **FAST)
+        assert f"maxmemory-policy is {policy}" in caplog.text
+        code, out, _ = await run_cli(capsys, "status", "--redis-url", server.url, "--prefix", prefix, "--check")
+        assert code == 1 and f"unhealthy: maxmemory-policy is {policy}" in out, out
+        await admin.config_set("maxmemory-policy", "noeviction")
+        code, out, _ = await run_cli(capsys, "status", "--redis-url", server.url, "--prefix", prefix, "--check")
+        assert code == 0, out
+
+
+async def test_the_policy_is_read_from_info_where_the_acl_denies_config(server: RedisServer, admin: Redis) -> None:
+    await admin.config_set("maxmemory-policy", "allkeys-lru")
+    await admin.acl_setuser("fleet", enabled=True, passwords=["+secret"], keys=["*"], commands=["+@all", "-config"])
+    url = server.url.replace("redis://", "redis://fleet:secret@")
+    redis = open_redis(url)
+    try:
+        with pytest.raises(NoPermissionError):
+            await redis.config_get("maxmemory-policy")
+        assert await eviction_policy(redis) == "allkeys-lru"
+    finally:
+        await redis.aclose()
