@@ -185,8 +185,9 @@ async def test_a_step_redis_refuses_answers_redis_unavailable_and_runs_once_it_w
 async def test_a_commit_redis_refuses_is_retried_and_a_resent_step_returns_its_stored_result(
         server: RedisServer, admin: Redis, prefix: str) -> None:
     """The step was queued before Redis refused writes and ran while it did: its commit waits, the
-    trainer's wait ends in ``timeout``, and once Redis writes again the commit lands exactly once,
-    so a re-sent step returns the stored result (not ``step_out_of_order`` for a job stuck here)."""
+    trainer's wait ends in ``timeout``, and once Redis writes again the commit lands exactly once.
+    A re-send while it waits gets that commit's result (not ``step_out_of_order``: the step is
+    the trainer's own, in flight), and a re-send after it the stored result."""
     async with worker_pool(server.url, prefix) as pool, \
             FleetClient(server.url, prefix=prefix, reconnect_s=RECONNECT_S) as fleet:
         running = await pool.add(NullEngine(NullEngineConfig(delay_ms=1500)), **FAST)
@@ -197,7 +198,11 @@ async def test_a_commit_redis_refuses_is_retried_and_a_resent_step_returns_its_s
         async with refusing(admin, server, Refusal.OOM):
             first = await pending  # its commit is refused until the block ends
             assert not first.ok and first.error is not None and first.error.code == ErrorCode.TIMEOUT, first.error
-        await until(lambda: _committed(session, 1), "the refused commit never landed")
+            resent = session.submit(1, timeout=60.0, **world_step(1))
+            await asyncio.sleep(0.5)
+        waited = await resent
+        assert waited.ok and waited.output["context"] == 1, waited.error
+        assert (await session.status()).committed_step_id == 1
         again = await session.step(1, **world_step(1))
         assert again.ok and again.duplicate and again.output["context"] == 1, again.error
         nxt = await session.step(2, **world_step(2))
