@@ -31,6 +31,7 @@ async def _state(server: RedisServer, prefix: str, worker_id: str) -> str | None
     return next((w.fields.get("state") for w in report.workers if w.worker_id == worker_id), None)
 
 
+@pytest.mark.slow  # worker processes
 @pytest.mark.parametrize("second", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 async def test_a_second_signal_ends_a_draining_worker_and_its_sessions_fail_over(
         redis_server: RedisServer, prefix: str, tmp_path: Path, second: signal.Signals) -> None:
