@@ -92,5 +92,8 @@ async def until_redis_answers(call: Callable[[], Awaitable[T]], what: str) -> T:
         except (*REDIS_ERRORS, ResponseError) as exc:
             if not isinstance(exc, REDIS_ERRORS) and refusal_of(exc) is None:
                 raise  # an error reply that is not a refusal (a bug): retrying would not help
-            log.warning("%s: redis unavailable (%s); retrying in %.2fs", what, exc, backoff.delay)
+            # A refusal lasts as long as the operator takes: every waiting call would warn each time;
+            # its cause is logged once a minute by whoever watches Scripts.on_refusal.
+            level = logging.WARNING if refusal_of(exc) is None else logging.DEBUG
+            log.log(level, "%s: redis unavailable (%s); retrying in %.2fs", what, exc, backoff.delay)
             await backoff.wait()
