@@ -21,7 +21,8 @@ from broker.redis.connect import open_redis
 from broker.redis.embedded import RedisServer, free_port, running_redis
 from broker.redis.keys import CellKeys
 from broker.redis.memory_policy import eviction_policy
-from broker.redis.refusals import Refusal
+from broker.redis.refusals import RedisRefused, Refusal
+from broker.redis.scripts import Scripts
 from schemas.errors import ErrorCode
 from tests.support import FAST, WorkerPool, run_cli, until, worker_pool, world_step
 from workers.engines.null import NullEngine, NullEngineConfig
@@ -278,3 +279,33 @@ async def test_the_policy_is_read_from_info_where_the_acl_denies_config(server: 
         assert await eviction_policy(redis) == "allkeys-lru"
     finally:
         await redis.aclose()
+
+
+@pytest.mark.parametrize("reason", [Refusal.OOM, Refusal.MISCONF, Refusal.READONLY], ids=lambda r: r.value)
+async def test_a_refused_script_call_raises_its_reason_and_writes_nothing(
+        server: RedisServer, admin: Redis, prefix: str, reason: Refusal) -> None:
+    """enqueue.lua (the script of the issue's traceback) refused: RedisRefused with the reason,
+    and the session hash, its log and the owner's inbox exactly as before."""
+    keys = CellKeys(prefix)
+    async with worker_pool(server.url, prefix) as pool, FleetClient(server.url, prefix=prefix) as fleet:
+        await pool.add(NullEngine(), **FAST)
+        session = await fleet.create_session(model="null-world", mode="world_model_env")
+        assert (await session.step(0, **world_step(0))).ok
+        scripts = Scripts(open_redis(server.url), keys)
+        seen: list[Refusal] = []
+        scripts.on_refusal = lambda refused: seen.append(refused.reason)
+
+        async def state() -> tuple[Any, ...]:
+            return (await admin.hgetall(keys.session(session.session_id)),
+                    await admin.hgetall(keys.log(session.session_id)), await admin.xlen(keys.inbox(session.owner)))
+
+        before = await state()
+        try:
+            async with refusing(admin, server, reason):
+                with pytest.raises(RedisRefused) as refused:
+                    await scripts.enqueue(session.session_id, session.owner, step_id=1, contextual=True,
+                                          job_id="refused-job", reply_to="nobody", payload=b"\x80")
+                assert refused.value.reason is reason and seen == [reason]
+                assert await state() == before
+        finally:
+            await scripts.redis.aclose()
