@@ -12,6 +12,7 @@ import logging
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+import httpx
 import pytest
 from redis.asyncio import Redis
 from redis.exceptions import NoPermissionError, ResponseError
@@ -25,6 +26,7 @@ from broker.redis.refusals import RedisRefused, Refusal
 from broker.redis.scripts import Scripts
 from schemas.errors import ErrorCode
 from tests.support import FAST, WorkerPool, run_cli, until, worker_pool, world_step
+from tests.test_gateway import SESSIONS, GatewayServer, body, create
 from workers.engines.null import NullEngine, NullEngineConfig
 
 RECONNECT_S = 1.0  # the client's window: a refusal longer than this answers redis_unavailable
@@ -309,3 +311,17 @@ async def test_a_refused_script_call_raises_its_reason_and_writes_nothing(
                 assert await state() == before
         finally:
             await scripts.redis.aclose()
+
+
+async def test_the_gateway_answers_503_with_the_reason_while_redis_refuses_writes(
+        server: RedisServer, admin: Redis, prefix: str) -> None:
+    async with worker_pool(server.url, prefix) as pool, \
+            GatewayServer(server.url, prefix, model_default="null-world") as gateway, \
+            httpx.AsyncClient(base_url=gateway.url, timeout=60.0) as http:
+        await pool.add(NullEngine(), **FAST)
+        sid = await create(http, model="null-world")
+        async with refusing(admin, server, Refusal.OOM):
+            refused = await http.post(SESSIONS, json={"model": "null-world"})
+            assert refused.status_code == 503 and "(oom)" in refused.text, refused.text
+        assert (await http.post(f"{SESSIONS}/{sid}/step", json=body(0))).json()["error"] is None
+        await create(http, model="null-world")
