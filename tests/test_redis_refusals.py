@@ -18,6 +18,7 @@ from redis.asyncio import Redis
 from redis.exceptions import NoPermissionError, ResponseError
 
 from broker import FleetClient
+from broker.ops.failover import reap_exclusively, sessions_of
 from broker.redis.connect import open_redis
 from broker.redis.embedded import RedisServer, free_port, running_redis
 from broker.redis.keys import CellKeys
@@ -325,3 +326,35 @@ async def test_the_gateway_answers_503_with_the_reason_while_redis_refuses_write
             assert refused.status_code == 503 and "(oom)" in refused.text, refused.text
         assert (await http.post(f"{SESSIONS}/{sid}/step", json=body(0))).json()["error"] is None
         await create(http, model="null-world")
+
+
+async def test_no_lease_is_judged_until_a_lease_after_the_last_refusal(
+        server: RedisServer, admin: Redis, prefix: str) -> None:
+    """Heartbeats are writes: while Redis refuses them every lease runs out. A reaping pass that saw
+    a refusal moves nobody's sessions until one lease after it; then a worker still silent (here:
+    killed, its heartbeat long past) is failed over as usual."""
+    lease_ms = 2000
+    keys = CellKeys(prefix)
+    async with worker_pool(server.url, prefix) as pool, FleetClient(server.url, prefix=prefix) as fleet:
+        first = await pool.add(NullEngine(), reap=False, **FAST)
+        session = await fleet.create_session(model="null-world", mode="world_model_env")
+        await pool.add(NullEngine(), reap=False, **FAST)  # where the session can go
+        await pool.kill(first)
+        await admin.zadd(keys.workers, {first.id: 1})  # silent since long before any lease
+        scripts = Scripts(open_redis(server.url), keys)
+        try:
+            async with refusing(admin, server, Refusal.OOM):
+                with pytest.raises(RedisRefused):
+                    await reap_exclusively(scripts, lease_ms=lease_ms)
+            assert await reap_exclusively(scripts, lease_ms=lease_ms) is None  # held: nobody judged
+            assert await sessions_of(scripts, first.id) == [session.session_id]
+            await asyncio.sleep(lease_ms / 1000.0)
+            await until(lambda: _reaped(scripts, lease_ms, first.id), "the silent worker was never failed over")
+            assert await sessions_of(scripts, first.id) == []
+        finally:
+            await scripts.redis.aclose()
+
+
+async def _reaped(scripts: Scripts, lease_ms: int, worker_id: str) -> bool:
+    reports = await reap_exclusively(scripts, lease_ms=lease_ms)
+    return any(r.worker_id == worker_id and r.moved for r in reports or [])
