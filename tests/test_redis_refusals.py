@@ -271,7 +271,7 @@ async def test_an_evicting_policy_is_warned_at_start_up_and_fails_the_check(
         assert code == 0, out
 
 
-async def test_the_policy_is_read_from_info_where_the_acl_denies_config(server: RedisServer, admin: Redis) -> None:
+async def test_the_policy_is_read_where_the_acl_denies_config(server: RedisServer, admin: Redis) -> None:
     await admin.config_set("maxmemory-policy", "allkeys-lru")
     await admin.acl_setuser("fleet", enabled=True, passwords=["+secret"], keys=["*"], commands=["+@all", "-config"])
     url = server.url.replace("redis://", "redis://fleet:secret@")

@@ -7,8 +7,9 @@ a context that cannot be rebuilt, queued jobs gone) with no error anywhere; unde
 Redis refuses the write instead (``OOM``), which the fleet rides out (broker/redis/refusals.py;
 docs/faults.md). Workers, supervisors and gateways read the policy at start-up and warn.
 
-``CONFIG GET`` needs the ``@admin`` category, which an operator's ACL may deny; ``INFO memory``
-(which says ``maxmemory_policy`` too) is tried next. Neither answering: the policy is unknown.
+``INFO memory`` says ``maxmemory_policy`` and the fleet's minimal ACL allows ``INFO``
+(broker/ops/acl.py); ``CONFIG GET`` (``@admin``, which that ACL denies and the ACL log would
+record) is tried only where INFO is denied. Neither answering: the policy is unknown.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ SAFE_POLICY = "noeviction"
 
 
 async def eviction_policy(redis: Redis) -> str | None:
-    """The server's ``maxmemory-policy``, or None when neither CONFIG GET nor INFO tells it."""
-    for read in (_from_config, _from_info):
+    """The server's ``maxmemory-policy``, or None when neither INFO nor CONFIG GET tells it."""
+    for read in (_from_info, _from_config):
         try:
             policy = await read(redis)
         except (RedisError, OSError):  # NOPERM, or a cluster client that answers per node
