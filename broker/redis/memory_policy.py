@@ -18,7 +18,7 @@ import logging
 from typing import Any
 
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
+from redis.exceptions import NoPermissionError, RedisError
 
 log = logging.getLogger(__name__)
 SAFE_POLICY = "noeviction"
@@ -26,31 +26,27 @@ SAFE_POLICY = "noeviction"
 
 async def eviction_policy(redis: Redis) -> str | None:
     """The server's ``maxmemory-policy``, or None when neither INFO nor CONFIG GET tells it."""
-    for read in (_from_info, _from_config):
-        try:
-            policy = await read(redis)
-        except (RedisError, OSError):  # NOPERM, or a cluster client that answers per node
-            continue
-        if policy:
-            return policy
-    return None
+    try:
+        return _field(await redis.info("memory"), "maxmemory_policy")
+    except NoPermissionError:
+        pass  # an ACL without INFO: CONFIG GET may still be allowed
+    except (RedisError, OSError):
+        return None
+    try:
+        return _field(await redis.config_get("maxmemory-policy"), "maxmemory-policy")
+    except (RedisError, OSError):
+        return None
 
 
-async def _from_config(redis: Redis) -> str | None:
-    answer: Any = await redis.config_get("maxmemory-policy")
-    return _text(answer.get("maxmemory-policy") or answer.get(b"maxmemory-policy")) if isinstance(answer, dict) \
-        else None
-
-
-async def _from_info(redis: Redis) -> str | None:
-    answer: Any = await redis.info("memory")
-    return _text(answer.get("maxmemory_policy")) if isinstance(answer, dict) else None
-
-
-def _text(value: Any) -> str | None:
-    if isinstance(value, bytes):
-        return value.decode()
-    return value if isinstance(value, str) else None
+def _field(answer: Any, name: str) -> str | None:
+    """``name`` of an INFO or CONFIG GET answer: a flat dict, or (a cluster client) one per node."""
+    if not isinstance(answer, dict):
+        return None
+    value = answer.get(name, answer.get(name.encode()))
+    if value is None:
+        nested = (_field(node, name) for node in answer.values() if isinstance(node, dict))
+        return next((v for v in nested if v), None)
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def eviction_problem(policy: str | None) -> str | None:
