@@ -271,14 +271,15 @@ async def test_an_evicting_policy_is_warned_at_start_up_and_fails_the_check(
         assert code == 0, out
 
 
-async def test_the_policy_is_read_where_the_acl_denies_config(server: RedisServer, admin: Redis) -> None:
+@pytest.mark.parametrize("denied", ["config", "info"])
+async def test_the_policy_is_read_where_the_acl_denies_config_or_info(
+        server: RedisServer, admin: Redis, denied: str) -> None:
     await admin.config_set("maxmemory-policy", "allkeys-lru")
-    await admin.acl_setuser("fleet", enabled=True, passwords=["+secret"], keys=["*"], commands=["+@all", "-config"])
-    url = server.url.replace("redis://", "redis://fleet:secret@")
-    redis = open_redis(url)
+    await admin.acl_setuser("fleet", enabled=True, passwords=["+secret"], keys=["*"], commands=["+@all", f"-{denied}"])
+    redis = open_redis(server.url.replace("redis://", "redis://fleet:secret@"))
     try:
         with pytest.raises(NoPermissionError):
-            await redis.config_get("maxmemory-policy")
+            await (redis.config_get("maxmemory-policy") if denied == "config" else redis.info("memory"))
         assert await eviction_policy(redis) == "allkeys-lru"
     finally:
         await redis.aclose()
