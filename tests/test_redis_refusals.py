@@ -1,4 +1,4 @@
-"""A Redis that refuses writes (OOM, MISCONF, READONLY, BUSY) and one that forgot its scripts
+"""A Redis that refuses writes (OOM, MISCONF, READONLY, NOREPLICAS, BUSY) and one that forgot its scripts
 (NOSCRIPT): the trainer API answers instead of raising, nothing is half-written, a re-sent step
 returns its stored result or runs, and the worker keeps its lease and counts the refusals.
 
@@ -51,7 +51,8 @@ async def admin(server: RedisServer) -> AsyncIterator[Redis]:
 @contextlib.asynccontextmanager
 async def refusing(admin: Redis, server: RedisServer, reason: Refusal) -> AsyncIterator[None]:
     """Make the real server refuse writes for ``reason`` inside the block, and write again after it."""
-    makers = {Refusal.OOM: _oom, Refusal.MISCONF: _misconf, Refusal.READONLY: _readonly, Refusal.BUSY: _busy}
+    makers = {Refusal.OOM: _oom, Refusal.MISCONF: _misconf, Refusal.READONLY: _readonly,
+              Refusal.NOREPLICAS: _noreplicas, Refusal.BUSY: _busy}
     async with makers[reason](admin, server):
         yield
 
@@ -109,6 +110,16 @@ async def _readonly(admin: Redis, server: RedisServer) -> AsyncIterator[None]:
 
 
 @contextlib.asynccontextmanager
+async def _noreplicas(admin: Redis, server: RedisServer) -> AsyncIterator[None]:
+    """A master that must write to one replica at least, and has none."""
+    await admin.config_set("min-replicas-to-write", 1)
+    try:
+        yield
+    finally:
+        await admin.config_set("min-replicas-to-write", 0)
+
+
+@contextlib.asynccontextmanager
 async def _busy(admin: Redis, server: RedisServer) -> AsyncIterator[None]:
     """A script that loops (writing nothing, so SCRIPT KILL ends it) on a connection of its own."""
     looping = Redis.from_url(server.url)
@@ -156,8 +167,8 @@ def _refusals(pool: WorkerPool, reason: Refusal) -> float:
         "rollout_fleet_redis_refusals_total", {"reason": reason.value}) or 0.0 for running in pool.running)
 
 
-@pytest.mark.parametrize("reason", [Refusal.OOM, Refusal.MISCONF, Refusal.READONLY, Refusal.BUSY],
-                         ids=lambda r: r.value)
+@pytest.mark.parametrize("reason", [Refusal.OOM, Refusal.MISCONF, Refusal.READONLY, Refusal.NOREPLICAS,
+                                    Refusal.BUSY], ids=lambda r: r.value)
 async def test_a_step_redis_refuses_answers_redis_unavailable_and_runs_once_it_writes_again(
         server: RedisServer, admin: Redis, prefix: str, reason: Refusal) -> None:
     lease_s = FAST["lease_ms"] / 1000.0
@@ -238,7 +249,8 @@ async def test_scripts_flushed_from_redis_are_loaded_again_without_the_trainer_s
 
 
 
-@pytest.mark.parametrize("reason", [Refusal.OOM, Refusal.MISCONF, Refusal.READONLY], ids=lambda r: r.value)
+@pytest.mark.parametrize("reason", [Refusal.OOM, Refusal.MISCONF, Refusal.READONLY, Refusal.NOREPLICAS],
+                         ids=lambda r: r.value)
 async def test_status_check_fails_with_the_reason_while_redis_refuses_writes(
         server: RedisServer, admin: Redis, prefix: str, reason: Refusal, capsys: pytest.CaptureFixture[str]) -> None:
     check = ["status", "--redis-url", server.url, "--prefix", prefix, "--check"]
@@ -285,7 +297,8 @@ async def test_the_policy_is_read_where_the_acl_denies_config_or_info(
         await redis.aclose()
 
 
-@pytest.mark.parametrize("reason", [Refusal.OOM, Refusal.MISCONF, Refusal.READONLY], ids=lambda r: r.value)
+@pytest.mark.parametrize("reason", [Refusal.OOM, Refusal.MISCONF, Refusal.READONLY, Refusal.NOREPLICAS],
+                         ids=lambda r: r.value)
 async def test_a_refused_script_call_raises_its_reason_and_writes_nothing(
         server: RedisServer, admin: Redis, prefix: str, reason: Refusal) -> None:
     """enqueue.lua (the script of the issue's traceback) refused: RedisRefused with the reason,
