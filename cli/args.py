@@ -107,7 +107,14 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="engine option (value parsed as JSON when it can be), repeatable")
 
 
+WORKER_SIGNALS = ("SIGTERM or SIGINT drains the worker: it takes no new sessions, finishes its in-flight steps "
+                  "and hands its sessions to live workers (up to --drain-timeout). A second SIGTERM or SIGINT "
+                  "stops it at once: its sessions move by failover once its lease expires, their queued and "
+                  "unacknowledged jobs with them; nothing committed is lost.")
+
+
 def _worker(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
+    p.epilog = WORKER_SIGNALS
     add_cell_flags(p, environ, lease=True)
     p.add_argument("--engine", type=engine_name, default="reference", help=ENGINE_HELP)
     p.add_argument("--device", default=None, help="reference engines: cpu (default) or cuda")
@@ -117,7 +124,9 @@ def _worker(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
     _setting(p, "--heartbeat-ms", WorkerSettings, "heartbeat_ms", "heartbeat interval")
     _setting(p, "--max-attempts", WorkerSettings, "max_attempts", "engine attempts per step (transient errors)")
     _setting(p, "--drain-timeout", WorkerSettings, "drain_timeout_s",
-             "seconds to finish in-flight jobs and, when no live worker has room, to keep serving sessions")
+             "seconds to finish in-flight jobs and, when no live worker has room, to keep serving sessions "
+             "(after the first SIGTERM/SIGINT; a second one stops the worker at once: its sessions move "
+             "by failover after its lease)")
     _setting(p, "--rebalance-interval", WorkerSettings, "rebalance_interval_s",
              "seconds between checks that move sessions to less loaded workers; 0: off")
     _setting(p, "--rebalance-threshold", WorkerSettings, "rebalance_threshold",

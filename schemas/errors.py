@@ -27,6 +27,7 @@ class ErrorCode(StrEnum):
     ADMISSION_CLOSED = "admission_closed"
     TRAINER_CAP_REACHED = "trainer_cap_reached"
     CANCELLED = "cancelled"
+    REDIS_UNAVAILABLE = "redis_unavailable"
 
 
 class FleetError(Exception):
@@ -109,6 +110,14 @@ class FleetTimeoutError(FleetError):
     code = ErrorCode.TIMEOUT
 
 
+class RedisUnavailableError(FleetError):
+    """Redis refused writes (out of memory, persistence failing, a read-only replica, a busy script)
+    for longer than the client's reconnect window; the message names the reason. Nothing was
+    written: send the same step again once Redis writes again."""
+
+    code = ErrorCode.REDIS_UNAVAILABLE
+
+
 class StalePolicyError(FleetError):
     """The session's trajectory started on a policy version more than its ``max_staleness`` behind
     the version announced for its model: the trainer drops or resets the trajectory."""
@@ -166,7 +175,8 @@ _BY_CODE: dict[ErrorCode, type[FleetError]] = {
     for cls in (
         SessionNotFoundError, SessionClosedError, StepAlreadyCommittedError, StepOutOfOrderError,
         InvalidRequestError, InferenceError, CapacityExhaustedError, PayloadTooLargeError, ContextLost,
-        FleetTimeoutError, StalePolicyError, AdmissionClosedError, TrainerCapReachedError, CancelledStepError,
+        FleetTimeoutError, RedisUnavailableError, StalePolicyError, AdmissionClosedError, TrainerCapReachedError,
+        CancelledStepError,
     )
 }
 

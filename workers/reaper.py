@@ -20,6 +20,7 @@ import random
 from broker.ops.failover import FailoverReport, reap_exclusively, redis_now_ms
 from broker.ops.metrics import FleetMetrics
 from broker.redis.backoff import REDIS_ERRORS, raise_if_cancelling
+from broker.redis.refusals import refusal_of
 from broker.redis.scripts import Scripts
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,9 @@ async def reap_loop(scripts: Scripts, *, lease_ms: int, metrics: FleetMetrics | 
             reports = await reap_exclusively(scripts, lease_ms=lease_ms)
         except REDIS_ERRORS as exc:
             raise_if_cancelling()
-            log.warning("reaping pass skipped: redis unavailable (%s)", exc)
+            # A refusal is logged once a minute by the worker (Scripts.on_refusal), not every pass.
+            log.log(logging.WARNING if refusal_of(exc) is None else logging.DEBUG,
+                    "reaping pass skipped: redis unavailable (%s)", exc)
             continue
         except Exception:
             # A bug in one pass must not end reaping for the life of the worker.

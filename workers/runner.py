@@ -1,4 +1,5 @@
-"""Run one worker process until SIGTERM/SIGINT, then drain: finish in-flight jobs and exit."""
+"""Run one worker process until SIGTERM/SIGINT, then drain: finish in-flight jobs and exit; a second
+SIGTERM/SIGINT during the drain exits at once (its sessions then move by failover)."""
 
 from __future__ import annotations
 
@@ -27,11 +28,44 @@ async def serve_worker(engine_name: str, settings: WorkerSettings, engine_option
     engine = build_engine(engine_name, engine_options)
     async with Worker(engine, settings) as worker:
         tune_gc()  # after the engine and the worker are up: what exists now lives as long as the process
+        serving = asyncio.ensure_future(worker.serve())
+        stops = StopSignals(worker, serving)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, worker.request_stop)
-        await worker.serve()
+            loop.add_signal_handler(sig, stops.received, sig)
+        try:
+            await serving
+        except asyncio.CancelledError:
+            if not stops.now:
+                raise
+            log.warning("worker %s stopped without finishing its drain: its sessions move when its lease "
+                        "expires", worker.id)
+            return
         log.info("worker %s drained: %d steps committed", worker.id, worker.executor.committed_steps)
+
+
+class StopSignals:
+    """The first SIGTERM or SIGINT drains the worker; the second (either) stops it now: its serve
+    task is cancelled and the worker shuts down without handing its sessions over. They move by
+    failover once its lease expires, their queued and unacknowledged jobs with them."""
+
+    def __init__(self, worker: Worker, serving: asyncio.Future[None]) -> None:
+        self.worker = worker
+        self.serving = serving
+        self.count = 0
+        self.now = False
+
+    def received(self, sig: signal.Signals) -> None:
+        self.count += 1
+        if self.count == 1:
+            log.info("%s: draining worker %s (a second SIGTERM or SIGINT stops it now)", sig.name, self.worker.id)
+            self.worker.request_stop()
+            return
+        if not self.now:
+            self.now = True
+            log.warning("second signal (%s): stopping worker %s now; its sessions fail over after its lease",
+                        sig.name, self.worker.id)
+            self.serving.cancel()
 
 
 def tune_gc() -> None:

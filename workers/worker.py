@@ -24,6 +24,8 @@ from broker.redis.connect import open_redis
 from broker.redis.inbox import BadEntry, InboxEntry, JobKind, parse_inbox_entry
 from broker.redis.keys import INBOX_GROUP
 from broker.redis.layouts import SessionHash
+from broker.redis.memory_policy import warn_if_evicting
+from broker.redis.refusals import refusal_of
 from broker.redis.scripts import Scripts
 from schemas.errors import Fenced
 from schemas.sharing import Priority
@@ -194,6 +196,8 @@ class Worker:
         self.metrics.start(self.ready_now)  # first: a taken port fails the start before anything else is open
         self._redis = open_redis(self.settings.cell_config.redis_url, decode_responses=False)
         self._scripts = Scripts(self._redis, self.keys)
+        self._scripts.on_refusal = self.metrics.refused  # counted and logged once (rate-limited)
+        await warn_if_evicting(self._redis, f"worker {self.id}")  # broker/redis/memory_policy.py
         await self.engine.start()
         self._batchers = {
             model: Batcher(self.engine, model, max_batch=self.engine.max_batch_size(model), metrics=self.metrics,
@@ -332,7 +336,8 @@ class Worker:
             except REDIS_ERRORS as exc:
                 raise_if_cancelling()
                 self._beat_error = str(exc) or type(exc).__name__
-                log.warning("heartbeat failed: %s", exc)
+                if refusal_of(exc) is None:  # a refusal is logged once by metrics.refused
+                    log.warning("heartbeat failed: %s", exc)
             await asyncio.sleep(self.settings.heartbeat_ms / 1000.0)
 
     async def _reincarnate(self) -> None:

@@ -22,6 +22,7 @@ from redis.exceptions import RedisError
 from broker.ops.cell_stats import BUCKETS_MS, StepSummary, bucket_of, publish_summary
 from broker.ops.metrics import FleetMetrics, MetricsServer, ReadyCheck, serve_metrics
 from broker.redis.keys import CellKeys
+from broker.redis.refusals import RedisRefused
 from workers.engines.base import Engine
 from workers.rate_limit import WarningLimiter
 
@@ -43,6 +44,7 @@ class WorkerMetrics:
         self.models = frozenset(models)
         self._server: MetricsServer | None = None
         self._committed: dict[str, _Committed] = {}
+        self._refusal_logs: dict[str, WarningLimiter] = {}  # one per refusal reason
 
     def start(self, ready: ReadyCheck | None = None) -> None:
         """Serve /metrics (and /ready when ``ready`` is given) on the port, if one was given."""
@@ -94,6 +96,13 @@ class WorkerMetrics:
         self.fleet.steps.labels(self.model(model), code).inc()
         if dead_letter:
             self.fleet.dead_letters.inc()
+
+    def refused(self, refused: RedisRefused) -> None:
+        """Redis refused a call (OOM, MISCONF, ...): counted by reason, logged at most once a minute
+        per reason (the worker retries each call until Redis writes again)."""
+        self.fleet.redis_refusals.labels(refused.reason.value).inc()
+        limiter = self._refusal_logs.setdefault(refused.reason.value, WarningLimiter(log, burst=1))
+        limiter.warning("redis refuses writes; jobs wait and heartbeats retry until it writes again: %s", refused)
 
     def rebuilt(self, seconds: float) -> None:
         self.fleet.context_rebuild_seconds.observe(seconds)

@@ -27,12 +27,14 @@ from broker.redis.layouts import (
     idle_timeout_ms_of,
     max_staleness_of,
 )
+from broker.redis.refusals import RedisRefused
 from broker.redis.script_replies import Created, Refused
 from broker.redis.scripts import Scripts
 from schemas.errors import (
     ErrorCode,
     FleetError,
     InvalidRequestError,
+    RedisUnavailableError,
     error_for,
 )
 from schemas.limits import DEFAULT_LIMITS, Limits
@@ -282,11 +284,14 @@ class FleetClient:
         refused: Refused | None = None
         for cell in cells:
             sid = f"{new_id()}{CELL_MARK}{cell}" if session_id is None else self._chosen_id(session_id, cell)
-            reply = await self.link(cell).scripts.create(
-                sid, mode.value, model, lease_ms=self.lease_ms, retention=options.retention,
-                result_window=options.result_window, idle_timeout_ms=options.idle_timeout_ms,
-                max_staleness=options.max_staleness, admission=options.admission,
-                priority=options.priority, trainer=options.trainer)
+            try:
+                reply = await self.link(cell).scripts.create(
+                    sid, mode.value, model, lease_ms=self.lease_ms, retention=options.retention,
+                    result_window=options.result_window, idle_timeout_ms=options.idle_timeout_ms,
+                    max_staleness=options.max_staleness, admission=options.admission,
+                    priority=options.priority, trainer=options.trainer)
+            except RedisRefused as exc:  # nothing was written: the caller may create again later
+                raise RedisUnavailableError(f"cannot create a session now: {exc}") from exc
             if isinstance(reply, Created):
                 return Session(self, sid, model=model, mode=mode, owner=reply.owner)
             if reply.code not in (ErrorCode.CAPACITY_EXHAUSTED, ErrorCode.TRAINER_CAP_REACHED):

@@ -21,6 +21,7 @@ from broker.client.link import LinkSource
 from broker.redis.backoff import REDIS_ERRORS, Backoff
 from broker.redis.keys import CELL_MARK, cell_named_by, check_stream_name
 from broker.redis.layouts import ReplyEntry
+from broker.redis.refusals import refusal_of
 from broker.redis.script_replies import (
     AlreadyClosed,
     Cancelled,
@@ -39,12 +40,14 @@ from schemas.errors import (
     FleetTimeoutError,
     InvalidRequestError,
     PayloadTooLargeError,
+    RedisUnavailableError,
     error_for,
 )
 from schemas.messages import ErrorInfo, Mode, SessionStatus, StepResult, parse_step_input
 from schemas.wire_fields import as_step_id, or_default
 
 _MAX_MOVES = 8  # owner changes followed in one call before giving up
+_MAX_UNANSWERED = 64  # steps per session whose timed-out send a re-send may wait for
 MAX_BRANCHES = 256  # one fork's branches: every branch is a key pair in one atomic script call
 _Reply = TypeVar("_Reply")
 
@@ -67,6 +70,7 @@ class Session:
         self.owner = owner
         # Enqueues of one session leave in submit order (asyncio.Lock wakes waiters FIFO).
         self._order = asyncio.Lock()
+        self._unanswered: dict[int, str] = {}  # step id -> job id of a send that answered timeout
 
     def __repr__(self) -> str:
         return f"Session({self.session_id!r}, model={self.model!r}, mode={self.mode.value!r})"
@@ -171,6 +175,9 @@ class Session:
         job_id = new_id()
         replies = self.link.replies
         waiter = replies.expect(job_id)
+        earlier = self._unanswered.pop(step_id, None) if contextual else None
+        # Expected before the enqueue is sent: a reply published meanwhile cannot slip by.
+        earlier_waiter = replies.expect(earlier) if earlier is not None else None
         try:
             async with self._order:
                 reply = await self._send_step(
@@ -181,7 +188,15 @@ class Session:
                 )
         except FleetError as exc:
             replies.forget(job_id)
+            self._forget_earlier(earlier)
             return StepResult.failure(self.session_id, step_id, exc.code, exc.message)
+        if earlier is not None and earlier_waiter is not None and isinstance(reply, Refused) and reply.in_flight:
+            # Our own earlier send of this step (it answered timeout) is still queued or running:
+            # its result is this step's result, so wait for it rather than answer step_out_of_order.
+            replies.forget(job_id)
+            job_id, waiter, reply = earlier, earlier_waiter, Queued("", reply.committed_step_id)
+        else:
+            self._forget_earlier(earlier)
         if isinstance(reply, Stored):
             replies.forget(job_id)
             result = self.link.decode_result(ReplyEntry("step", job_id, reply.committed_step_id, reply.result),
@@ -196,6 +211,8 @@ class Session:
             answer = await self.link.wait_for_reply(self.session_id, waiter, timeout)
         except FleetTimeoutError:
             replies.forget(job_id)
+            if contextual:
+                self._remember_unanswered(step_id, job_id)
             return StepResult.failure(
                 self.session_id, step_id, ErrorCode.TIMEOUT,
                 f"no result within {self.link.bounds.wait_s(timeout)}s; the step is still queued and may "
@@ -206,6 +223,17 @@ class Session:
             return StepResult.failure(self.session_id, step_id, exc.code, exc.message,
                                       committed_step_id=reply.committed_step_id)
         return self.link.decode_result(answer, started)
+
+    def _remember_unanswered(self, step_id: int, job_id: str) -> None:
+        """A step that answered timeout: still queued, it may commit later. A re-send finding it in
+        flight waits for its result (bounded: the oldest are forgotten first)."""
+        self._unanswered[step_id] = job_id
+        while len(self._unanswered) > _MAX_UNANSWERED:
+            del self._unanswered[next(iter(self._unanswered))]
+
+    def _forget_earlier(self, earlier: str | None) -> None:
+        if earlier is not None:
+            self.link.replies.forget(earlier)
 
     async def _send_step(self, call: Callable[[str], Awaitable[EnqueueReply]]) -> Queued | Stored | Refused:
         """:meth:`_send` for an enqueue. If a reply was lost in an outage and the retry finds our step
@@ -238,8 +266,8 @@ class Session:
                 reply = await call(self.owner)
             except REDIS_ERRORS as exc:
                 if time.monotonic() > deadline:
-                    raise FleetTimeoutError(f"redis unreachable for {self.link.bounds.reconnect_s}s: {exc}") from exc
-                lost = True
+                    raise unavailable(exc, self.link.bounds.reconnect_s) from exc
+                lost = lost or refusal_of(exc) is None  # a refused call wrote nothing
                 await backoff.wait()
                 continue
             if isinstance(reply, Moved) and moves < _MAX_MOVES:
@@ -318,6 +346,16 @@ class Session:
         finally:
             replies.forget(job_id)
         return answer.committed
+
+
+def unavailable(exc: Exception, waited_s: float) -> FleetError:
+    """The answer to a Redis that did not take a call within the reconnect window: ``redis_unavailable``
+    with the reason when it refused writes (broker/redis/refusals.py), else ``timeout``."""
+    reason = refusal_of(exc)
+    if reason is not None:
+        return RedisUnavailableError(f"redis refused writes ({reason.value}) for {waited_s:g}s; nothing was "
+                                     f"written, send it again once Redis writes again: {exc}")
+    return FleetTimeoutError(f"redis unreachable for {waited_s:g}s: {exc}")
 
 
 async def _resolved(result: StepResult) -> StepResult:

@@ -46,6 +46,7 @@ import uvicorn
 from fastapi import APIRouter, FastAPI, HTTPException, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from redis.exceptions import ResponseError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from broker.client import FleetClient, Session
@@ -70,12 +71,15 @@ from broker.gateway.step_metrics import GatewayMetrics
 from broker.gateway.tenancy import Tenancy
 from broker.gateway.upstream import as_upstream_duplicate, as_upstream_refusal, served_model, with_session_values
 from broker.redis.config import CellConfig
+from broker.redis.memory_policy import warn_if_evicting
+from broker.redis.refusals import RedisRefused, refusal_of
 from schemas.codec import encode_plain
 from schemas.errors import (
     CapacityExhaustedError,
     ErrorCode,
     FleetError,
     InvalidRequestError,
+    RedisUnavailableError,
     SessionClosedError,
     SessionNotFoundError,
     TrainerCapReachedError,
@@ -224,7 +228,7 @@ async def create_rollout_session(body: CreateSessionRequest, request: Request) -
         session = await gateway.tenancy.create(_caller(request), lambda: gateway.fleet.create_session(model, body.mode))
     except InvalidRequestError as exc:
         raise HTTPException(status_code=400, detail=exc.message) from exc
-    except CapacityExhaustedError as exc:
+    except (CapacityExhaustedError, RedisUnavailableError) as exc:  # no room, or Redis refusing writes
         raise HTTPException(status_code=503, detail=exc.message) from exc
     except TrainerCapReachedError as exc:  # the gateway's own trainer is at its cap in the cell
         raise HTTPException(status_code=429, detail=exc.message) from exc
@@ -325,6 +329,15 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
     return error_response(500, f"{type(exc).__name__}: {exc}")
 
 
+async def _redis_error(request: Request, exc: Exception) -> Response:
+    """A Redis that refuses writes (broker/redis/refusals.py) answers 503: nothing was written, try
+    again; any other Redis error reply is a bug (500)."""
+    reason = refusal_of(exc)
+    if reason is None:
+        return await _internal_error(request, exc)
+    return error_response(503, f"redis refuses writes ({reason.value}); nothing was written, try again: {exc}")
+
+
 def create_app(redis_url: str | None = None, prefix: str | None = None, cell: str | None = None,
                model_default: str = DEFAULT_MODEL, *, config: CellConfig | None = None,
                step_timeout: float | None = None, limits: Limits = DEFAULT_LIMITS,
@@ -340,6 +353,7 @@ def create_app(redis_url: str | None = None, prefix: str | None = None, cell: st
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with FleetClient(redis_url, prefix=prefix, cell=cell, config=config, limits=limits) as fleet:
             app.state.gateway = Gateway(fleet, model_default=model_default, settings=settings, limits=limits)
+            await warn_if_evicting(fleet.redis, "gateway")  # broker/redis/memory_policy.py
             yield
 
     app = FastAPI(title="Rollout Fleet gateway", version="1", lifespan=lifespan,
@@ -350,6 +364,8 @@ def create_app(redis_url: str | None = None, prefix: str | None = None, cell: st
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(InvalidRequestError, _invalid_request)
     app.add_exception_handler(Exception, _internal_error)
+    app.add_exception_handler(ResponseError, _redis_error)  # OOM, MISCONF, ... raised by a plain command
+    app.add_exception_handler(RedisRefused, _redis_error)  # ... and by a script call
     # The last added runs first: the key is checked before a byte of the body is read.
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(BearerAuth, api_keys=settings.api_keys)

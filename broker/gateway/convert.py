@@ -34,6 +34,8 @@ _HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.CAPACITY_EXHAUSTED: 503,
     # The trainer already holds as many open sessions as its cap allows: too many requests.
     ErrorCode.TRAINER_CAP_REACHED: 429,
+    # Redis refuses writes (out of memory, persistence failing, ...): nothing was written, try again.
+    ErrorCode.REDIS_UNAVAILABLE: 503,
 }
 
 

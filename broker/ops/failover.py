@@ -12,10 +12,13 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from redis.exceptions import ResponseError
+
 from broker.ops.cell_stats import record_failover
 from broker.redis.aio import resolve
 from broker.redis.connect import server_time_ms
 from broker.redis.layouts import SessionHash
+from broker.redis.refusals import RedisRefused, as_refused
 from broker.redis.script_replies import Alive, FailedOver, Gone, Retired, Skipped
 from broker.redis.scripts import Scripts
 
@@ -184,6 +187,19 @@ async def reap(scripts: Scripts, *, lease_ms: int) -> list[FailoverReport]:
     return reports
 
 
+async def _locked(scripts: Scripts, token: str, lease_ms: int) -> bool:
+    """Take the cell's reap lock; a refused SET (OOM, MISCONF, ...) is noted and raised as
+    :class:`broker.redis.refusals.RedisRefused`."""
+    try:
+        return bool(await scripts.redis.set(scripts.keys.supervisor_lock, token, nx=True, px=lease_ms))
+    except ResponseError as exc:
+        refused = as_refused(exc)
+        if isinstance(refused, RedisRefused):
+            scripts.note_refusal(refused)
+            raise refused from exc
+        raise
+
+
 async def reap_exclusively(scripts: Scripts, *, lease_ms: int) -> list[FailoverReport] | None:
     """One reaping pass under the cell's reap lock; None when another process holds the lock.
 
@@ -193,9 +209,13 @@ async def reap_exclusively(scripts: Scripts, *, lease_ms: int) -> list[FailoverR
     """
     redis, lock = scripts.redis, scripts.keys.supervisor_lock
     token = uuid.uuid4().hex
-    if not await redis.set(lock, token, nx=True, px=lease_ms):
+    if not await _locked(scripts, token, lease_ms):
         return None
     try:
+        if scripts.refused_within(lease_ms / 1000.0):
+            # Redis refused writes a moment ago: no worker could heartbeat meanwhile, so no lease is
+            # judged until one full lease after the last refusal (docs/faults.md).
+            return None
         return await reap(scripts, lease_ms=lease_ms)
     finally:
         if await redis.get(lock) == token.encode():

@@ -71,6 +71,9 @@ class FleetMetrics:
                                     "worker; supervisor: growth of the cell's dead-letter stream)", registry=r)
         self.policy_version = Gauge("rollout_fleet_policy_version", "Weight version serving each model",
                                     ["model"], registry=r)
+        self.redis_refusals = Counter("rollout_fleet_redis_refusals", "Redis calls refused because Redis "
+                                      "would not write (reason: oom, misconf, readonly, noreplicas, busy; "
+                                      "broker/redis/refusals.py)", ["reason"], registry=r)
         self.engine_ready = Gauge("rollout_fleet_engine_ready", "1 when the engine answers its readiness "
                                   "check, 0 when it does not (the worker then takes no new sessions)",
                                   registry=r)

@@ -1,12 +1,13 @@
 """A cell's health from Redis alone: workers, their liveness and load, sessions, dead letters.
 
-``status --check`` (:func:`check_report`) judges the report: unhealthy when no worker is live,
-when a live worker's registry entry says ``engine_ready=0``, or when a dead letter arrived within
-the check window. The window needs no state of its own: a dead-letter stream id starts with the
-Redis time (ms) it was written at, so the newest letter of the last ``window_ms`` is one
-XREVRANGE ... COUNT 1 down to ``now - window_ms``. Run the check at least once per window (a cron
-or a probe every minute with the default five-minute window) and every new dead letter is seen by
-a few checks in a row.
+``status --check`` (:func:`check_report`) judges the report: unhealthy when Redis refuses writes
+(a probe write answers OOM, MISCONF, READONLY or NOREPLICAS), when its ``maxmemory-policy`` may
+evict fleet keys, when no worker is live, when a live worker's registry entry says
+``engine_ready=0``, or when a dead letter arrived within the check window. The window needs no
+state of its own: a dead-letter stream id starts with the Redis time (ms) it was written at, so
+the newest letter of the last ``window_ms`` is one XREVRANGE ... COUNT 1 down to
+``now - window_ms``. Run the check at least once per window (a cron or a probe every minute with
+the default five-minute window) and every new dead letter is seen by a few checks in a row.
 """
 
 from __future__ import annotations
@@ -17,14 +18,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from redis.asyncio import Redis
+from redis.exceptions import NoPermissionError, RedisError, ResponseError
 
 from broker.redis.aio import resolve
 from broker.redis.cells import cells_of
 from broker.redis.config import CellConfig
 from broker.redis.connect import open_redis, server_time_ms
-from broker.redis.keys import INBOX_GROUP
+from broker.redis.keys import INBOX_GROUP, CellKeys
+from broker.redis.memory_policy import eviction_policy, eviction_problem
+from broker.redis.refusals import Refusal, refusal_of
 
 DEFAULT_CHECK_WINDOW_S = 300.0  # dead letters newer than this fail --check
+PROBE_TTL_MS = 1000  # the write probe's key (CellKeys.write_probe) lives this long
 REDIS_TIMEOUT_S = 5.0  # every Redis call of a status report waits at most this long
 
 
@@ -84,13 +89,15 @@ class CellReport:
     dead_letters: int = 0
     newest_dead_letter_age_ms: int | None = None  # None: no dead letter within the window (window_ms)
     window_ms: int = 0
+    write_refusal: str | None = None  # why Redis refuses writes now (a probe write); None: it writes
+    eviction: str | None = None  # what is wrong with maxmemory-policy (broker/redis/memory_policy.py)
 
     def as_json(self, lease_ms: int) -> dict[str, Any]:
         return {"workers": [w.as_json(lease_ms) for w in self.workers],
                 "live_workers": sum(w.live(lease_ms) for w in self.workers),
                 "sessions": self.live_sessions, "dead_letters": self.dead_letters,
                 "newest_dead_letter_age_ms": self.newest_dead_letter_age_ms, "window_s": self.window_ms / 1000.0,
-                "lease_ms": lease_ms}
+                "lease_ms": lease_ms, "write_refusal": self.write_refusal, "eviction": self.eviction}
 
 
 async def _worker_info(redis: Redis, config: CellConfig, wid: str, age_ms: int) -> WorkerInfo:
@@ -126,7 +133,8 @@ async def cell_status(url: str | None = None, *, prefix: str | None = None, cell
         newest_age = now_ms - int(newest[0][0].split(b"-")[0]) if newest else None
         return CellReport(workers=infos, live_sessions=int(await resolve(redis.hlen(keys.sessions))),
                           dead_letters=int(await resolve(redis.xlen(keys.dead))), newest_dead_letter_age_ms=newest_age,
-                          window_ms=window_ms)
+                          window_ms=window_ms, write_refusal=await write_refusal(redis, keys),
+                          eviction=eviction_problem(await eviction_policy(redis)))
     finally:
         await redis.aclose()
 
@@ -143,8 +151,36 @@ async def fleet_status(config: CellConfig, *, window_s: float = DEFAULT_CHECK_WI
     return {cell: await cell_status(config=config.in_cell(cell), window_s=window_s) for cell in cells}
 
 
+async def write_refusal(redis: Redis, keys: CellKeys) -> str | None:
+    """Why Redis refuses writes in the cell's slot now: a probe write (a 1 s key), its refusal
+    (OOM with the memory figures, MISCONF, READONLY, NOREPLICAS) said in one line; None when it
+    writes, or when the ACL does not let this client write (then nothing is known)."""
+    try:
+        await redis.set(keys.write_probe, b"1", px=PROBE_TTL_MS)
+    except NoPermissionError:
+        return None
+    except ResponseError as exc:
+        reason = refusal_of(exc)
+        if reason is None:
+            raise
+        return f"{reason.value}: {exc}{await _memory_figures(redis) if reason is Refusal.OOM else ''}"
+    return None
+
+
+async def _memory_figures(redis: Redis) -> str:
+    try:
+        info: Any = await redis.info("memory")
+    except (RedisError, OSError):
+        return ""
+    return f" (used_memory {info.get('used_memory_human', '?')} of maxmemory {info.get('maxmemory_human', '?')})"
+
+
 def check_report(report: CellReport, lease_ms: int) -> tuple[bool, str]:
     """(healthy, one line saying why) for ``status --check``."""
+    if report.write_refusal is not None:
+        return False, f"redis refuses writes ({report.write_refusal}); see docs/faults.md"
+    if report.eviction is not None:
+        return False, report.eviction
     live = [w for w in report.workers if w.live(lease_ms)]
     if not live:
         return False, f"no live worker ({len(report.workers)} registered, lease {lease_ms} ms)"
@@ -181,6 +217,8 @@ def format_status(report: CellReport, lease_ms: int | None = None) -> str:
                          "serving them until one has room or the drain timeout passes")
     lines.append(f"sessions={report.live_sessions} dead_letters={report.dead_letters} "
                  f"checked_at={time.strftime('%H:%M:%S')}")
+    lines += [f"redis refuses writes: {report.write_refusal}"] if report.write_refusal else []
+    lines += [report.eviction] if report.eviction else []
     return "\n".join(lines)
 
 

@@ -39,6 +39,7 @@ from broker.redis.config import CellConfig
 from broker.redis.connect import is_cluster_url, open_redis
 from broker.redis.keys import CellKeys
 from broker.redis.layouts import DEAD_LETTER_MAXLEN
+from broker.redis.memory_policy import warn_if_evicting
 from broker.redis.scripts import Scripts
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,7 @@ async def _startup(ctx: dict[str, Any]) -> None:
     settings: SupervisorSettings = ctx["settings"]
     ctx["fleet_redis"] = open_redis(settings.cell_config.redis_url)
     ctx.setdefault("metrics", FleetMetrics())
+    await warn_if_evicting(ctx["fleet_redis"], "supervisor")  # broker/redis/memory_policy.py
 
 
 async def cell_scripts(ctx: dict[str, Any]) -> list[Scripts]:

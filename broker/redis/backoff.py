@@ -13,9 +13,19 @@ import random
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-from redis.exceptions import AskError, ClusterError, SlotNotCoveredError, TryAgainError
+from redis.exceptions import (
+    AskError,
+    ClusterError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    ResponseError,
+    SlotNotCoveredError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from broker.redis.refusals import BusyScriptError, MisconfError, NoReplicasError, UnblockedError, refusal_of
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -24,8 +34,12 @@ T = TypeVar("T")
 # MOVED/ASK the client still chased after its own retries (AskError, MovedError's base), "TTL
 # exhausted" (ClusterError) and a slot no known node serves (SlotNotCoveredError). redis-py's
 # cluster client retries these itself a few times first. A CROSSSLOT error is a bug, not listed.
+# A Redis that refuses writes for a while (OOM, MISCONF, READONLY, NOREPLICAS, BUSY, and the
+# UNBLOCKED of a blocked read as a master turns replica: broker/redis/refusals.py) is unavailable
+# the same way.
 REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError, ClusterError, TryAgainError, AskError,
-                SlotNotCoveredError)
+                SlotNotCoveredError, OutOfMemoryError, ReadOnlyError, MisconfError, BusyScriptError, NoReplicasError,
+                UnblockedError)
 START_S = 0.05
 CAP_S = 2.0
 
@@ -75,6 +89,11 @@ async def until_redis_answers(call: Callable[[], Awaitable[T]], what: str) -> T:
     while True:
         try:
             return await call()
-        except REDIS_ERRORS as exc:
-            log.warning("%s: redis unavailable (%s); retrying in %.2fs", what, exc, backoff.delay)
+        except (*REDIS_ERRORS, ResponseError) as exc:
+            if not isinstance(exc, REDIS_ERRORS) and refusal_of(exc) is None:
+                raise  # an error reply that is not a refusal (a bug): retrying would not help
+            # A refusal lasts as long as the operator takes: every waiting call would warn each time;
+            # its cause is logged once a minute by whoever watches Scripts.on_refusal.
+            level = logging.WARNING if refusal_of(exc) is None else logging.DEBUG
+            log.log(level, "%s: redis unavailable (%s); retrying in %.2fs", what, exc, backoff.delay)
             await backoff.wait()

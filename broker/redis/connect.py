@@ -23,9 +23,11 @@ from urllib.parse import urlsplit
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 from redis.asyncio.cluster import ClusterNode, RedisCluster
-from redis.asyncio.connection import AbstractConnection, ConnectionPool, parse_url
+from redis.asyncio.connection import AbstractConnection, ConnectionPool, DefaultParser, parse_url
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException
+
+from broker.redis.refusals import refusing
 
 try:
     import hiredis  # noqa: F401  (redis-py's serializer below calls it)
@@ -34,6 +36,8 @@ try:
     _RESP: Any = HiredisRespSerializer()  # splits "CONFIG GET"-style names as redis-py's packer does
 except ImportError:  # redis-py without its hiredis extra
     _RESP = None
+# MISCONF, BUSY, NOREPLICAS raised as their own classes, as redis-py raises OOM (broker/redis/refusals.py).
+REFUSALS_PARSED = {"parser_class": refusing(DefaultParser)}
 _PACKED: dict[type[AbstractConnection], type[AbstractConnection]] = {}
 _CHUNKED: dict[type[AbstractConnection], type[AbstractConnection]] = {}
 READ_CHUNK = 1 << 20  # bytes a client reads from its socket at a time (redis-py's default: 64 KiB)
@@ -115,7 +119,7 @@ def open_redis(url: str, **options: Any) -> Redis:
     if not isinstance(url, str) or not url.startswith(URL_SCHEMES):
         raise RedisURLError(f"expected a {', '.join(URL_SCHEMES)} URL, got {url!r}")
     if not is_cluster_url(url):
-        single: Redis = Redis.from_url(url, **{"socket_read_size": READ_CHUNK, **options})
+        single: Redis = Redis.from_url(url, **{"socket_read_size": READ_CHUNK, **REFUSALS_PARSED, **options})
         pool = single.connection_pool
         pool.connection_class = reading_in_large_chunks(packing_in_c(pool.connection_class))
         return single
@@ -132,7 +136,7 @@ def open_pool(url: str, **options: Any) -> ConnectionPool:
         raise RedisURLError(f"expected a {', '.join(URL_SCHEMES)} URL, got {url!r}")
     if is_cluster_url(url):
         raise RedisURLError(f"a connection pool needs a single-node URL, got {redacted(url)}")
-    return ConnectionPool.from_url(url, **options)
+    return ConnectionPool.from_url(url, **{**REFUSALS_PARSED, **options})
 
 
 def packing_in_c(base: type[AbstractConnection]) -> type[AbstractConnection]:

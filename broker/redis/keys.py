@@ -242,6 +242,12 @@ class CellKeys:
         """STRING lock so that one supervisor at a time runs a reaping pass."""
         return f"{self.base}:lock:reap"
 
+    @property
+    def write_probe(self) -> str:
+        """STRING (SET PX, 1 s): ``status --check`` writes it to learn whether Redis takes writes
+        in the cell's slot (broker/ops/status.py)."""
+        return f"{self.base}:probe:write"
+
     def pass_claim(self, name: str) -> str:
         """STRING (SET NX PX, one period long): which supervisor runs this period's ``name`` pass
         (reap, trim) where no arq schedules them, on a Redis Cluster (broker/ops/pass_loop.py)."""

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, ResponseError
 
 from broker.redis.admission import Admission
 from broker.redis.aio import settle
@@ -35,6 +37,7 @@ from broker.redis.layouts import (
 from broker.redis.lua_files import PRELUDE_MARK as PRELUDE_MARK
 from broker.redis.lua_files import lua_file as lua_file
 from broker.redis.lua_files import lua_source as lua_source
+from broker.redis.refusals import RedisRefused, as_refused, refusal_of
 from broker.redis.script_replies import (
     ApplyControlReply,
     CancelReply,
@@ -123,8 +126,35 @@ class Scripts:
         self._scripts = {name: redis.register_script(lua_source(name)) for name in self.NAMES}
         self._pending: list[_Pending] = []
         self._flushing: set[asyncio.Task[None]] = set()
+        # Told of every refused call (broker/redis/refusals.py): a worker counts and logs them.
+        self.on_refusal: Callable[[RedisRefused], None] | None = None
+        self.refused_at = float("-inf")  # time.monotonic() of the last refusal seen
 
     async def _call(self, name: str, keys: list[str], args: list[Any], before: list[Any] | None = None) -> Any:
+        """One script call; a refusal (OOM, MISCONF, READONLY, ...) is raised as
+        :class:`RedisRefused`, the connection error callers already ride out."""
+        try:
+            return await self._coalesced(name, keys, args, before)
+        except ResponseError as exc:
+            raise self._refused(exc) from exc
+
+    def _refused(self, exc: ResponseError) -> Exception:
+        refused = as_refused(exc)
+        if isinstance(refused, RedisRefused):
+            self.note_refusal(refused)
+        return refused
+
+    def note_refusal(self, refused: RedisRefused) -> None:
+        """Record a refusal seen on this connection pool (by a script call or a plain command)."""
+        self.refused_at = time.monotonic()
+        if self.on_refusal is not None:
+            self.on_refusal(refused)
+
+    def refused_within(self, seconds: float) -> bool:
+        """Whether Redis refused a write on this pool in the last ``seconds``."""
+        return time.monotonic() - self.refused_at < seconds
+
+    async def _coalesced(self, name: str, keys: list[str], args: list[Any], before: list[Any] | None) -> Any:
         """Script calls made in the same event-loop turn (many lanes committing, many sessions
         enqueueing) leave as one pipeline: one write and one read instead of one per call.
         Calls keep their order; each caller gets its own result or error."""
@@ -288,6 +318,8 @@ class Scripts:
         if isinstance(raw, NoScriptError):  # a master that never ran it (a promoted replica): load, again
             await self.redis.script_load(lua_source("commit"))
             raw, acked = await call_then_wait(self.redis, keys[0], command, wait, before)
+        if isinstance(raw, ResponseError) and refusal_of(raw) is not None:
+            raise self._refused(raw) from raw
         return decode_commit(unless_unstaged(raw)), acked
 
     def _commit_call(self, c: CommitCall) -> tuple[list[str], list[Any], list[Any] | None]:
