@@ -21,6 +21,7 @@ from tqdm import tqdm
 from broker import FleetClient, Session
 from broker.redis.config import CellConfig
 from broker.redis.embedded import RedisServer
+from cli.errors import redact
 from cli.processes import Process, spawn_worker, stop
 from schemas.messages import StepResult
 
@@ -208,7 +209,7 @@ def run_demo(config: DemoConfig) -> int:
     cell = dataclasses.replace(config.cell_config, redis_url=server.url) if server else config.cell_config
     procs: list[Process] = []
     try:
-        print(f"rollout-fleet demo: redis {cell.redis_url}, {config.workers} workers ({config.engine}), "
+        print(f"rollout-fleet demo: redis {redact(cell.redis_url)}, {config.workers} workers ({config.engine}), "
               f"{config.sessions} sessions x {config.steps} steps, mode {config.mode}", flush=True)
         if config.kill_one and config.workers < 2:
             print("demo: --kill-one needs --workers 2 or more (a survivor to take the sessions)", file=sys.stderr)
