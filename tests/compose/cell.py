@@ -16,7 +16,7 @@ from typing import Any
 
 UP_S = 300  # `up --wait`: image start, worker registration, healthchecks (start_period 60 s)
 CALL_S = 120  # any other docker call
-TRAINER_S = 600  # a demo trainer run (the longest steps 18 sessions x 100 steps on 2 loaded cores)
+TRAINER_S = 600  # a demo trainer run (the longest steps 30 sessions x 60 steps on 2 loaded cores)
 
 
 @dataclass(frozen=True)
@@ -37,8 +37,8 @@ class ComposeCell:
         self.compose("up", "-d", "--wait", "--wait-timeout", str(UP_S - 30), *extra, timeout=UP_S)
 
     def down(self) -> subprocess.CompletedProcess[str]:
-        return self.compose("--profile", "trainer", "down", "-v", "--remove-orphans", "--timeout", "60",
-                            timeout=UP_S, check=False)
+        return self.compose("--profile", "trainer", "--profile", "monitoring", "down", "-v", "--remove-orphans",
+                            "--timeout", "60", timeout=UP_S, check=False)
 
     # ---- containers
     def containers(self, *services: str) -> list[dict[str, Any]]:
@@ -69,6 +69,9 @@ class ComposeCell:
     def http(self, service: str, port: int, path: str, index: int = 1) -> tuple[int, str]:
         with urllib.request.urlopen(f"http://{self.published(service, port, index)}{path}", timeout=10) as reply:
             return int(reply.status), reply.read().decode()
+
+    def json_get(self, service: str, port: int, path: str) -> Any:
+        return json.loads(self.http(service, port, path)[1])
 
     def redis_url(self) -> str:
         return f"redis://:{self.password}@{self.published('redis', 6379)}/0"

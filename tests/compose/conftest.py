@@ -46,10 +46,10 @@ def _require_docker(images: list[str]) -> None:
 @pytest.fixture(scope="session")
 def cell(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ComposeCell]:
     images = _images()
-    _require_docker([FLEET_IMAGE, images["REDIS_IMAGE"]])
+    _require_docker([FLEET_IMAGE, images["REDIS_IMAGE"], images["PROMETHEUS_IMAGE"]])
     env_file = tmp_path_factory.mktemp("compose") / "test.env"
     password = secrets.token_hex(24)
-    lines = {"REDIS_PASSWORD": password, "REDIS_PORT": "0", "GATEWAY_PORT": "0",
+    lines = {"REDIS_PASSWORD": password, "REDIS_PORT": "0", "GATEWAY_PORT": "0", "PROMETHEUS_PORT": "0",
              "GRAFANA_ADMIN_PASSWORD": secrets.token_hex(8), **images}
     env_file.write_text("".join(f"{k}={v}\n" for k, v in lines.items()))
     env_file.chmod(0o600)

@@ -1,7 +1,8 @@
 """docker-compose.yml run for real: the default profile up and healthy, every service answering
-through its published ports, the demo trainer of the trainer profile, three workers, a worker
-crashed (its restart policy brings it back), one `docker kill`ed and one stopped (its SIGTERM
-drain) while a trainer steps without losing a step, and `down -v` leaving nothing behind.
+through its published ports, Prometheus of the monitoring profile scraping them, the demo trainer
+of the trainer profile, three workers, a worker crashed (its restart policy brings it back), one
+`docker kill`ed and one stopped (its SIGTERM drain) while a trainer steps without losing a step,
+and `down -v` leaving nothing behind.
 
 The tests run in this order against one project (tests/compose/conftest.py)."""
 
@@ -65,6 +66,24 @@ def test_gateway_health_and_every_metrics_answer_through_published_ports(cell: C
         assert status == 200 and "rollout_fleet_engine_ready 1.0" in body.splitlines(), index
 
 
+def test_prometheus_of_the_monitoring_profile_scrapes_every_replica(cell: ComposeCell) -> None:
+    """Prometheus (the image PROMETHEUS_IMAGE names) finds both worker replicas by DNS, the
+    supervisor and the gateway, and every target is up."""
+    cell.compose("--profile", "monitoring", "up", "-d", "--wait", "prometheus", timeout=UP_S)
+
+    def targets_up() -> dict[str, int] | None:
+        active = cell.json_get("prometheus", 9090, "/api/v1/targets?state=active")["data"]["activeTargets"]
+        up: dict[str, int] = {}
+        for target in active:
+            if target["health"] == "up":
+                up[target["labels"]["job"]] = up.get(target["labels"]["job"], 0) + 1
+        wanted = {"rollout-fleet-workers": 2, "rollout-fleet-supervisor": 1, "rollout-fleet-gateway": 1}
+        return up if up == wanted else None
+
+    until("Prometheus scrapes 2 workers, the supervisor and the gateway", targets_up, 90, interval=2.0)
+    cell.compose("--profile", "monitoring", "stop", "prometheus")
+
+
 def test_trainer_profile_runs_the_demo_trainer_without_a_lost_step(cell: ComposeCell) -> None:
     code, out = finish(cell.trainer())  # the service's own command: demo --workers 0 --sessions 16 --steps 40
     assert code == 0, out
@@ -75,7 +94,7 @@ def test_trainer_profile_runs_the_demo_trainer_without_a_lost_step(cell: Compose
 def test_scaled_to_three_workers_heals_while_a_trainer_steps(cell: ComposeCell) -> None:
     cell.up("--scale", "worker=3")
     until("3 live workers", lambda: len(_live_workers(cell)) == 3, 60)
-    trainer = cell.trainer("demo", "--workers", "0", "--sessions", "18", "--steps", "100", "--no-progress")
+    trainer = cell.trainer("demo", "--workers", "0", "--sessions", "30", "--steps", "60", "--no-progress")
     try:
         owners = until("every worker owns sessions", lambda: _owners(cell, 3), 120)
         crashed, killed, stopped = (_container_of(cell, w["worker_id"]) for w in owners)
