@@ -1,6 +1,7 @@
 """docker-compose.yml, the Dockerfile and deploy/ (Prometheus, Grafana) have the shape the README
 promises: valid against the compose specification, every command parses with the CLI, every
-variable is one the CLI reads. No container runs here (no docker on the test machines)."""
+variable is one the CLI reads. No container runs here: the compose tier (tests/compose/,
+make test-compose) runs the file on a Docker engine."""
 
 from __future__ import annotations
 
