@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-cluster test-engines test-verl test-rlinf test-areal test-slurm lint docs clean
+.PHONY: venv demo test test-cluster test-engines test-verl test-rlinf test-areal test-slurm images test-compose lint docs clean
 
 $(STAMP): pyproject.toml
 	@echo "make: creating $(VENV) and installing rollout-fleet[reference,dev] (CPU torch; a few minutes the first time)"
@@ -55,6 +55,15 @@ test-slurm: $(STAMP)
 # Real vLLM / vLLM-Omni on CPU: builds (once, cached outside the repo) the engines venv.
 test-engines:
 	bash scripts/run_engine_tests.sh
+
+# Every image docker-compose.yml needs, with no registry: rollout-fleet:latest on a base made from
+# Debian packages, and the Redis and Prometheus stand-ins (cached outside the repo; docs/deploy/compose.md).
+images:
+	bash scripts/build_images.sh
+
+# docker-compose.yml run for real: installs Docker if missing, starts dockerd, builds the images.
+test-compose: $(STAMP)
+	bash scripts/run_compose_tests.sh
 
 # The manual (mkdocs.yml, docs/): strict, so a broken link or a page missing from the nav fails.
 docs: $(STAMP)

@@ -21,6 +21,7 @@ from tqdm import tqdm
 from broker import FleetClient, Session
 from broker.redis.config import CellConfig
 from broker.redis.embedded import RedisServer
+from cli.errors import redact
 from cli.processes import Process, spawn_worker, stop
 from schemas.messages import StepResult
 
@@ -50,6 +51,7 @@ class Tally:
     committed: int = 0
     failed: int = 0
     errors: dict[str, int] = field(default_factory=dict)
+    first_messages: dict[str, str] = field(default_factory=dict)  # per error code, what its first failure said
 
     def add(self, result: StepResult) -> None:
         if result.ok:
@@ -59,6 +61,7 @@ class Tally:
             self.failed += 1
             code = result.error.code.value if result.error else "unknown"
             self.errors[code] = self.errors.get(code, 0) + 1
+            self.first_messages.setdefault(code, result.error.message if result.error else "")
 
 
 def _world_inputs(session_index: int, step: int) -> dict[str, Any]:
@@ -208,7 +211,7 @@ def run_demo(config: DemoConfig) -> int:
     cell = dataclasses.replace(config.cell_config, redis_url=server.url) if server else config.cell_config
     procs: list[Process] = []
     try:
-        print(f"rollout-fleet demo: redis {cell.redis_url}, {config.workers} workers ({config.engine}), "
+        print(f"rollout-fleet demo: redis {redact(cell.redis_url)}, {config.workers} workers ({config.engine}), "
               f"{config.sessions} sessions x {config.steps} steps, mode {config.mode}", flush=True)
         if config.kill_one and config.workers < 2:
             print("demo: --kill-one needs --workers 2 or more (a survivor to take the sessions)", file=sys.stderr)
@@ -222,6 +225,7 @@ def run_demo(config: DemoConfig) -> int:
         line, ok = summarize(tally, config.sessions * config.steps, in_redis, elapsed)
         if tally.errors:
             print("errors: " + json.dumps(tally.errors), flush=True)
+            print("first error of each code: " + json.dumps(tally.first_messages), flush=True)
         if config.metrics_port is not None:
             _print_metrics(config, procs)
         print(line, flush=True)
