@@ -56,12 +56,13 @@ DEFAULT_CLUSTER_PORT = 6379
 # USER_TIMEOUT_MS pass with a probe or a command unacknowledged. Every blocked read of the fleet
 # returns within its BLOCK (1 s), so a live connection is never silent that long; a frozen but live
 # Redis (SIGSTOP) still acknowledges at the TCP level and is waited for. A connect to an address
-# that drops packets gives up after CONNECT_TIMEOUT_S instead of riding SYN back-off (1, 3, 7 s ...).
+# that drops packets gives up after CONNECT_TIMEOUT_S (one SYN) instead of riding SYN back-off (1, 3,
+# 7 s ...): after a partition heals the next attempt, at most one backoff (2 s) later, connects.
 KEEPALIVE_IDLE_S = 1
 KEEPALIVE_INTERVAL_S = 1
 KEEPALIVE_PROBES = 3
 USER_TIMEOUT_MS = 3000
-CONNECT_TIMEOUT_S = 2.0
+CONNECT_TIMEOUT_S = 1.0
 # Connection settings a cluster URL may carry in its query (the same names redis-py reads from
 # ``rediss://`` URLs); anything else is refused rather than silently dropped.
 _CLUSTER_QUERY = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs", "ssl_check_hostname",
