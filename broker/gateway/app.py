@@ -69,6 +69,7 @@ from broker.gateway.settings import DEFAULT_MODEL, GatewaySettings
 from broker.gateway.step_metrics import GatewayMetrics
 from broker.gateway.tenancy import Tenancy
 from broker.gateway.upstream import as_upstream_duplicate, as_upstream_refusal, served_model, with_session_values
+from broker.redis.backoff import REDIS_ERRORS
 from broker.redis.config import CellConfig
 from schemas.codec import encode_plain
 from schemas.errors import (
@@ -320,6 +321,14 @@ async def _invalid_request(request: Request, exc: Exception) -> Response:
     return error_response(HTTPStatus.BAD_REQUEST, exc.message)
 
 
+async def _redis_unreachable(request: Request, exc: Exception) -> Response:
+    """Redis did not answer a lookup of this request (a partition, a restart): 503, nothing changed,
+    the request may be sent again (a step re-sent gets its stored result, or runs)."""
+    logger.warning("redis unreachable on %s: %s", request.url.path, exc)
+    return error_response(HTTPStatus.SERVICE_UNAVAILABLE, f"redis unreachable, try again: {type(exc).__name__}: {exc}",
+                          headers={"Retry-After": "1"})
+
+
 async def _internal_error(request: Request, exc: Exception) -> Response:
     logger.exception("unhandled gateway error on %s", request.url.path, exc_info=exc)
     return error_response(500, f"{type(exc).__name__}: {exc}")
@@ -349,6 +358,8 @@ def create_app(redis_url: str | None = None, prefix: str | None = None, cell: st
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(InvalidRequestError, _invalid_request)
+    for error in REDIS_ERRORS:  # before Exception's: an unreachable Redis is no internal error
+        app.add_exception_handler(error, _redis_unreachable)
     app.add_exception_handler(Exception, _internal_error)
     # The last added runs first: the key is checked before a byte of the body is read.
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
