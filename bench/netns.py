@@ -1,10 +1,11 @@
 """Separate hosts on this machine: Linux network namespaces joined by one bridge, and half-open
 partitions made with iptables DROP (no RST, as when a switch or a VM host dies). Needs root.
 
-Every host is a namespace ``rfnet-<name>`` with one veth into a switch namespace (``rfnet-sw``,
-a bridge) and one address of ``SUBNET``; the harness itself (this process, in the root namespace)
-is host ``ROOT_IP``. Nothing else is touched: no address outside ``SUBNET`` is used, no host-wide
-setting changes, and :meth:`Network.close` (or the next start) removes every namespace and link.
+Every host is a namespace ``rfn<site>-<name>`` with one veth into a switch namespace
+(``rfn<site>-sw``, a bridge) and one address of ``10.201.<site>.0/24``; the harness itself (this
+process, in the root namespace) is ``.1`` of it. Nothing else is touched: no other address is used,
+no host-wide setting changes, and :meth:`Network.close` (or the next start of the same site)
+removes every namespace and link. Two networks of different sites can run at once.
 A partition is two DROP rules inside the Redis host's namespace (traffic from and to the cut
 host), so the harness's own connection to Redis keeps working while a host is cut.
 Used by the fault tier (tests/faults/) and bench/partition.py (docs/network-faults.md).
@@ -18,12 +19,8 @@ import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-PREFIX = "rfnet-"
-SUBNET = "10.201.0"  # a /24 of this project's own: .1 the harness, .2 Redis, then one per host
-ROOT_IP = f"{SUBNET}.1"
-SWITCH = f"{PREFIX}sw"
-ROOT_LINK = f"{PREFIX}root"
 COMMAND_TIMEOUT_S = 30.0
+SITES = 8  # 10.201.0.0/24 .. 10.201.7.0/24: .1 the harness, then one address per host
 
 
 class NetworkError(RuntimeError):
@@ -54,10 +51,11 @@ class Host:
 
     name: str
     ip: str
+    ns_prefix: str
 
     @property
     def namespace(self) -> str:
-        return f"{PREFIX}{self.name}"
+        return f"{self.ns_prefix}{self.name}"
 
     def prefix(self) -> list[str]:
         return ["ip", "netns", "exec", self.namespace]
@@ -70,18 +68,36 @@ class Host:
 class Network:
     """``with Network() as net: redis = net.host("redis"); w = net.host("worker"); net.cut(w, redis)``."""
 
+    site: int = 0
     hosts: dict[str, Host] = field(default_factory=dict)
     cuts: set[tuple[str, str]] = field(default_factory=set)
 
+    def __post_init__(self) -> None:
+        if not 0 <= self.site < SITES:
+            raise NetworkError(f"site must be in 0..{SITES - 1}, got {self.site}")
+
+    @property
+    def prefix(self) -> str:
+        return f"rfn{self.site}-"
+
+    @property
+    def root_ip(self) -> str:
+        """The harness's own address (this process, in the root namespace)."""
+        return f"10.201.{self.site}.1"
+
+    @property
+    def switch(self) -> str:
+        return f"{self.prefix}sw"
+
     def __enter__(self) -> Network:
-        remove_all()
+        remove_all(self.prefix)
         try:
-            sh("ip", "netns", "add", SWITCH)
-            sh("ip", "-n", SWITCH, "link", "add", "br0", "type", "bridge")
-            sh("ip", "-n", SWITCH, "link", "set", "br0", "up")
-            self._plug(ROOT_LINK, None, ROOT_IP)
+            sh("ip", "netns", "add", self.switch)
+            sh("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
+            sh("ip", "-n", self.switch, "link", "set", "br0", "up")
+            self._plug(f"{self.prefix}root", None, self.root_ip)
         except BaseException:
-            remove_all()
+            remove_all(self.prefix)
             raise
         return self
 
@@ -89,18 +105,18 @@ class Network:
         self.close()
 
     def close(self) -> None:
-        remove_all()
+        remove_all(self.prefix)
         self.hosts.clear()
         self.cuts.clear()
 
     def host(self, name: str) -> Host:
         """A new host ``name`` (a namespace with loopback up and one address on the switch)."""
-        if name in self.hosts or len(self.hosts) >= 200 or len(PREFIX + name) > 15:
+        if name in self.hosts or len(self.hosts) >= 200 or len(self.prefix + name) > 15:
             raise NetworkError(f"cannot add host {name!r}")
-        host = Host(name, f"{SUBNET}.{len(self.hosts) + 2}")
+        host = Host(name, f"10.201.{self.site}.{len(self.hosts) + 2}", self.prefix)
         sh("ip", "netns", "add", host.namespace)
         sh("ip", "-n", host.namespace, "link", "set", "lo", "up")
-        self._plug(f"{PREFIX}{len(self.hosts)}", host, host.ip)
+        self._plug(f"{self.prefix}{len(self.hosts)}", host, host.ip)
         self.hosts[name] = host
         return host
 
@@ -108,9 +124,9 @@ class Network:
         """A veth from ``host`` (None: the root namespace) into the switch's bridge."""
         port = f"{link}p"
         sh("ip", "link", "add", link, "type", "veth", "peer", "name", port)
-        sh("ip", "link", "set", port, "netns", SWITCH)
-        sh("ip", "-n", SWITCH, "link", "set", port, "master", "br0")
-        sh("ip", "-n", SWITCH, "link", "set", port, "up")
+        sh("ip", "link", "set", port, "netns", self.switch)
+        sh("ip", "-n", self.switch, "link", "set", port, "master", "br0")
+        sh("ip", "-n", self.switch, "link", "set", port, "up")
         where: list[str] = []
         if host is not None:
             sh("ip", "link", "set", link, "netns", host.namespace)
@@ -141,11 +157,11 @@ def _rules(ip: str) -> Sequence[list[str]]:
     return [["INPUT", "-s", ip, "-j", "DROP"], ["OUTPUT", "-d", ip, "-j", "DROP"]]
 
 
-def remove_all() -> None:
-    """Every namespace and root link this module made (a crashed run's included). Processes still
+def remove_all(prefix: str) -> None:
+    """Every namespace and root link of one site (a crashed run's included). Processes still
     running in a namespace keep it alive until they exit; their links go with it."""
     listed = sh("ip", "netns", "list", check=False).stdout.split()
     for name in listed:
-        if name.startswith(PREFIX):
+        if name.startswith(prefix):
             sh("ip", "netns", "delete", name, check=False)
-    sh("ip", "link", "delete", ROOT_LINK, check=False)
+    sh("ip", "link", "delete", f"{prefix}root", check=False)

@@ -34,7 +34,7 @@ import httpx
 import numpy as np
 
 from bench.common import Children
-from bench.netns import ROOT_IP, Host, Network, missing_tools
+from bench.netns import Host, Network, missing_tools
 from broker import FleetClient, Session
 from broker.redis.connect import open_redis
 from broker.redis.embedded import find_redis_server
@@ -146,11 +146,12 @@ class Lab:
 
 
 @contextlib.contextmanager
-def lab() -> Iterator[Lab]:
+def lab(site: int = 0) -> Iterator[Lab]:
+    """A fresh network (bench/netns.py's ``site``) with Redis in its own host."""
     missing = missing_tools()
     if missing:
         raise RuntimeError(f"a partition needs {', '.join(missing)}")
-    with Network() as net, Children() as children:
+    with Network(site) as net, Children() as children:
         redis = net.host("redis")
         children.spawn([*redis.prefix(), find_redis_server(), "--bind", redis.ip, "--port", str(REDIS_PORT),
                         "--save", "", "--appendonly", "no", "--protected-mode", "no"])
@@ -358,7 +359,7 @@ async def trainer_case(lab: Lab, duration_s: float) -> Outcome:
     await lab.workers(1)
 
     async def cut(run: Run) -> float | None:
-        return await answered_after(run, await lab.partition(ROOT_IP, duration_s))
+        return await answered_after(run, await lab.partition(lab.net.root_ip, duration_s))
 
     return await client_case(lab, "trainer", duration_s, cut)
 

@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 
-from bench.netns import ROOT_IP
 from bench.partition import Lab
 from broker.redis.backoff import REDIS_ERRORS
 from broker.redis.connect import open_redis
@@ -54,11 +53,11 @@ async def test_a_blocked_read_and_a_command_on_a_half_open_connection_fail_and_t
         reader = asyncio.ensure_future(redis.xread({stream: "$"}, block=1000))  # blocked on its connection
         pinger = redis.ping()  # a second connection from the pool, sent into the partition
         await asyncio.sleep(0.05)
-        partition_lab.net.cut(ROOT_IP, partition_lab.redis)
+        partition_lab.net.cut(partition_lab.net.root_ip, partition_lab.redis)
         for call in (reader, pinger):
             error = await ends_with(call)
             assert isinstance(error, REDIS_ERRORS), error
-        partition_lab.net.heal(ROOT_IP, partition_lab.redis)
+        partition_lab.net.heal(partition_lab.net.root_ip, partition_lab.redis)
         for _ in range(100):  # the same client: a fresh connection on its next command
             try:
                 assert await redis.xread({stream: "$"}, block=10) == []
@@ -68,13 +67,13 @@ async def test_a_blocked_read_and_a_command_on_a_half_open_connection_fail_and_t
         else:
             pytest.fail("the client did not reconnect after the heal")
     finally:
-        partition_lab.net.heal(ROOT_IP, partition_lab.redis)
+        partition_lab.net.heal(partition_lab.net.root_ip, partition_lab.redis)
         await redis.aclose()
 
 
 async def test_a_connect_into_a_partition_gives_up_and_a_cancelled_connect_finishes(partition_lab: Lab) -> None:
     await (await answers(partition_lab)).aclose()
-    partition_lab.net.cut(ROOT_IP, partition_lab.redis)
+    partition_lab.net.cut(partition_lab.net.root_ip, partition_lab.redis)
     rng = random.Random(5)
     try:
         fresh = open_redis(partition_lab.url)
@@ -90,4 +89,4 @@ async def test_a_connect_into_a_partition_gives_up_and_a_cancelled_connect_finis
             assert done, "a task cancelled while connecting into a partition did not finish"
             await client.aclose()
     finally:
-        partition_lab.net.heal(ROOT_IP, partition_lab.redis)
+        partition_lab.net.heal(partition_lab.net.root_ip, partition_lab.redis)
