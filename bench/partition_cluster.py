@@ -61,6 +61,7 @@ class ClusterOutcome:
     told: int  # steps the trainer was told were committed
     lost: int  # of those, steps the healed cluster no longer has
     answers: collections.Counter[str]
+    sessions: list[str] = dataclasses.field(default_factory=list)  # per session: told, committed, how it ended
 
     def row(self) -> str:
         errors = ", ".join(f"{code} x{n}" for code, n in sorted(self.answers.items())) or "none"
@@ -157,6 +158,7 @@ class Told:
 
     last_ok: int = -1
     answers: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    final: str = ""  # the answer that ended the session, if one did
 
 
 async def drive(session: Session, k: int, told: Told, stop: asyncio.Event) -> None:
@@ -173,6 +175,7 @@ async def drive(session: Session, k: int, told: Told, stop: asyncio.Event) -> No
         code = str(result.error.code) if result.error else "no output"
         told.answers[code] += 1
         if code in FINAL:
+            told.final = f"step {i}: {code} (committed {result.committed_step_id})"
             return
         await asyncio.sleep(RESEND_S)
 
@@ -207,7 +210,9 @@ async def minority_master(durability: str, duration_s: float) -> ClusterOutcome:
     for t in told:
         answers.update(t.answers)
     lost = sum(max(0, t.last_ok - c) for t, c in zip(told, committed, strict=True))
-    return ClusterOutcome(durability, duration_s, sum(t.last_ok + 1 for t in told), lost, answers)
+    return ClusterOutcome(durability, duration_s, sum(t.last_ok + 1 for t in told), lost, answers,
+                          [f"told {t.last_ok}, has {c}; {t.final or 'went on'}" for t, c in zip(told, committed,
+                                                                                               strict=True)])
 
 
 async def _sessions(fleet: FleetClient, lab: ClusterLab) -> list[Session]:
@@ -230,7 +235,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     print(HEADER, flush=True)
     for mode in args.durability.split(","):
-        print(asyncio.run(minority_master(mode.strip(), args.duration)).row(), flush=True)
+        outcome = asyncio.run(minority_master(mode.strip(), args.duration))
+        print(outcome.row(), flush=True)
+        for line in outcome.sessions:
+            print(f"  {line}", flush=True)
 
 
 if __name__ == "__main__":
