@@ -11,7 +11,9 @@ back, and what was lost or doubled; every result is compared with a fault-free r
 
 Recovery after the heal, per case: ``worker`` its first heartbeat (its re-registration once the
 partition outlived its lease); ``trainer`` its first step answered; ``gateway`` the first step
-answered over HTTP; ``supervisor`` its first new connection to Redis. The fault tier
+answered over HTTP; ``supervisor`` its first new connection to Redis. ``redis-paused`` is no
+partition: Redis is stopped (SIGSTOP) for ``duration`` and continued, and recovery is the trainer's
+first step answered after that. The fault tier
 (tests/faults/) runs each case once and asserts the correctness; the figures are in
 docs/network-faults.md.
 """
@@ -24,6 +26,7 @@ import base64
 import collections
 import contextlib
 import dataclasses
+import signal
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
@@ -45,7 +48,7 @@ from workers.engines.base import EngineRequest
 from workers.engines.reference import ReferenceEngine, ReferenceEngineConfig
 
 ROOT = Path(__file__).resolve().parent.parent
-CASES = ("worker", "trainer", "gateway", "supervisor")
+CASES = ("worker", "trainer", "gateway", "supervisor", "redis-paused")
 SHAPE = (1, 4, 2, 8, 10)
 MODEL = "reference-world"
 REDIS_PORT = 6379
@@ -85,7 +88,8 @@ class Outcome:
 
     def row(self) -> str:
         recovery = "not back" if self.recovery_s is None else f"{self.recovery_s:.2f} s"
-        return (f"| {self.case} <-> Redis | {self.duration_s:g} s | {self.saw} | {recovery} | {self.lost} | "
+        fault = "Redis stopped (SIGSTOP)" if self.case == "redis-paused" else f"{self.case} <-> Redis"
+        return (f"| {fault} | {self.duration_s:g} s | {self.saw} | {recovery} | {self.lost} | "
                 f"{self.doubled} |")
 
 
@@ -104,6 +108,7 @@ class Lab:
     redis: Host
     children: Children
     prefix: str
+    redis_process: processes.Process
 
     @property
     def url(self) -> str:
@@ -153,9 +158,9 @@ def lab(site: int = 0) -> Iterator[Lab]:
         raise RuntimeError(f"a partition needs {', '.join(missing)}")
     with Network(site) as net, Children() as children:
         redis = net.host("redis")
-        children.spawn([*redis.prefix(), find_redis_server(), "--bind", redis.ip, "--port", str(REDIS_PORT),
-                        "--save", "", "--appendonly", "no", "--protected-mode", "no"])
-        yield Lab(net, redis, children, f"p{uuid.uuid4().hex[:8]}")
+        server = children.spawn([*redis.prefix(), find_redis_server(), "--bind", redis.ip, "--port", str(REDIS_PORT),
+                                 "--save", "", "--appendonly", "no", "--protected-mode", "no"])
+        yield Lab(net, redis, children, f"p{uuid.uuid4().hex[:8]}", server)
 
 
 # --------------------------------------------------------------------------- the trainer
@@ -364,6 +369,23 @@ async def trainer_case(lab: Lab, duration_s: float) -> Outcome:
     return await client_case(lab, "trainer", duration_s, cut)
 
 
+async def paused_redis_case(lab: Lab, duration_s: float) -> Outcome:
+    """Not a partition: Redis itself stopped (SIGSTOP) and continued. Its kernel still answers TCP,
+    so no connection is dropped as dead; every call waits, then goes on."""
+    lab.worker(lab.net.host("w1"))
+    await lab.workers(1)
+
+    async def cut(run: Run) -> float | None:
+        lab.redis_process.send_signal(signal.SIGSTOP)
+        try:
+            await asyncio.sleep(duration_s)
+        finally:
+            lab.redis_process.send_signal(signal.SIGCONT)
+        return await answered_after(run, time.monotonic())
+
+    return await client_case(lab, "redis-paused", duration_s, cut)
+
+
 async def supervisor_case(lab: Lab, duration_s: float) -> Outcome:
     """The supervisor is cut off while the trainer steps; once healed it connects again."""
     sup = lab.net.host("sup")
@@ -441,7 +463,8 @@ async def fault_free_http(attempt: Attempt, steps: int) -> list[bytes]:
 
 
 RUNNERS: dict[str, Callable[[Lab, float], Awaitable[Outcome]]] = {
-    "worker": worker_case, "trainer": trainer_case, "gateway": gateway_case, "supervisor": supervisor_case}
+    "worker": worker_case, "trainer": trainer_case, "gateway": gateway_case, "supervisor": supervisor_case,
+    "redis-paused": paused_redis_case}
 
 
 async def run_case(case: str, duration_s: float) -> Outcome:
