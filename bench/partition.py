@@ -39,7 +39,7 @@ import numpy as np
 from bench.common import Children
 from bench.netns import Host, Network, missing_tools
 from broker import FleetClient, Session
-from broker.redis.connect import open_redis
+from broker.redis.connect import open_redis, server_time_ms
 from broker.redis.embedded import find_redis_server
 from broker.redis.keys import CellKeys
 from cli import processes
@@ -343,8 +343,12 @@ async def worker_case(lab: Lab, duration_s: float) -> Outcome:
     redis = open_redis(lab.url)
 
     async def cut(run: Run) -> float | None:
-        healed = await lab.partition(cut_host, duration_s)
-        healed_ms = int((await redis.time())[0]) * 1000
+        lab.net.cut(cut_host, lab.redis)
+        await asyncio.sleep(duration_s)
+        # Read before the heal, on the clock heartbeats use: any later score is a heartbeat after it.
+        healed_ms = await server_time_ms(redis, CellKeys(lab.prefix).workers)
+        lab.net.heal(cut_host, lab.redis)
+        healed = time.monotonic()
 
         async def beats() -> bool:
             scores = await redis.zrange(CellKeys(lab.prefix).workers, 0, -1, withscores=True)

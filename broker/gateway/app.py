@@ -7,7 +7,8 @@ a step error comes back as a ``RolloutStepResponse`` with ``error`` — HTTP 404
 step timeout (60 s by default: an HTTP client never waits for ever), 503 ``capacity_exhausted``
 when the session lost its worker and no live worker has room for it, and HTTP 200 for the others
 (``inference_error``, ``context_lost``); control routes answer 404 / 410 as vLLM's
-``{"error": {...}}`` body, and a malformed body is a 400 of the same shape.
+``{"error": {...}}`` body, and a malformed body is a 400 of the same shape. A request Redis does not
+answer is a 503 of that shape with ``Retry-After: 1`` (send it again), never a 500.
 
 The gateway is the boundary for untrusted clients (see :mod:`broker.gateway.guards`): with API keys
 set, every route but ``GET /health`` needs ``Authorization: Bearer <key>`` (401), a session is
