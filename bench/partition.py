@@ -39,6 +39,7 @@ import numpy as np
 from bench.common import Children
 from bench.netns import Host, Network, missing_tools
 from broker import FleetClient, Session
+from broker.redis.aio import resolve
 from broker.redis.connect import open_redis, server_time_ms
 from broker.redis.embedded import find_redis_server
 from broker.redis.keys import CellKeys
@@ -78,7 +79,7 @@ class Outcome:
     answers: collections.Counter[str]  # error codes the trainer got (each re-sent)
     steps: int
     lost: int  # steps without an ok answer, or not committed
-    doubled: int  # steps answered twice as fresh commits, or committed past the last step sent
+    doubled: int  # commits the workers made beyond one per step committed (their own count)
     mismatched: int  # ok answers that differ from the fault-free run
 
     @property
@@ -142,6 +143,22 @@ class Lab:
         finally:
             await redis.aclose()
 
+    async def commits(self) -> int:
+        """The steps the cell's worker processes committed, by their own count (each commit that
+        moved a session's committed step; a duplicate is not one). A worker that came back as a new
+        incarnation carries its count on, so each process counts once: its highest figure."""
+        await asyncio.sleep(2 * HEARTBEAT_MS / 1000)  # the counts travel with the heartbeats
+        redis = open_redis(self.url, decode_responses=True)
+        try:
+            by_process: dict[str, int] = {}
+            async for key in redis.scan_iter(match=CellKeys(self.prefix).worker("*")):
+                count = await resolve(redis.hget(key, "committed_steps"))
+                process = key.rsplit("-", 1)[0]  # w-<host>-<pid>-<random>: one process, any incarnation
+                by_process[process] = max(by_process.get(process, 0), int(count or 0))
+            return sum(by_process.values())
+        finally:
+            await redis.aclose()
+
     async def partition(self, host: Host | str, duration_s: float) -> float:
         """Cut ``host`` off Redis for ``duration_s``; the heal's monotonic time."""
         self.net.cut(host, self.redis)
@@ -182,7 +199,6 @@ class Track:
     done_at: list[float] = dataclasses.field(default_factory=list)
     waits: list[float] = dataclasses.field(default_factory=list)
     answers: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
-    fresh_twice: int = 0
 
 
 Attempt = Callable[[int], Awaitable[tuple[bytes | None, str | None, bool]]]  # latent, error code, duplicate
@@ -193,15 +209,13 @@ async def drive(attempt: Attempt, track: Track, stop: asyncio.Event) -> None:
     while not stop.is_set():
         i = len(track.latents)
         started = time.monotonic()
-        latent, fresh = None, 0
+        latent = None
         while time.monotonic() - started < RETRY_BOUND_S:
-            latent, error, duplicate = await attempt(i)
+            latent, error, _ = await attempt(i)
             if error is None:
-                fresh += 0 if duplicate else 1
                 break
             track.answers[error] += 1
             await asyncio.sleep(RESEND_S)
-        track.fresh_twice += fresh > 1
         track.latents.append(latent)
         track.done_at.append(time.monotonic())
         track.waits.append(track.done_at[-1] - started)
@@ -279,14 +293,17 @@ def fault_free(steps: list[int]) -> list[list[bytes]]:
 
 
 def outcome(case: str, duration_s: float, recovery_s: float | None, run: Run, expected: list[list[bytes]],
-            committed: list[int]) -> Outcome:
+            committed: list[int], commits: int) -> Outcome:
+    """``committed``: each session's committed step id at the end; ``commits``: the fresh commits
+    the workers counted (every session of the cell, a fault-free reference run's included)."""
     answers: collections.Counter[str] = collections.Counter()
-    lost = doubled = mismatched = 0
+    lost = mismatched = 0
+    doubled = max(0, commits - sum(last + 1 for last in committed))
     for track, want, last in zip(run.tracks, expected, committed, strict=True):
         answers.update(track.answers)
         sent = len(track.latents)
         lost += sum(latent is None for latent in track.latents) + max(0, sent - 1 - last)
-        doubled += track.fresh_twice + max(0, last - (sent - 1))
+        doubled += max(0, last - (sent - 1))
         mismatched += sum(got is not None and got != exp for got, exp in zip(track.latents, want, strict=True))
     return Outcome(case, duration_s, recovery_s, max((w for t in run.tracks for w in t.waits), default=0.0),
                    answers, sum(len(t.latents) for t in run.tracks), lost, doubled, mismatched)
@@ -319,7 +336,7 @@ async def client_case(lab: Lab, case: str, duration_s: float, cut: Cut) -> Outco
         await run.finish()
         committed = [(await s.status()).committed_step_id for s in sessions]
     expected = await asyncio.to_thread(fault_free, [len(t.latents) for t in run.tracks])
-    return outcome(case, duration_s, recovery, run, expected, committed)
+    return outcome(case, duration_s, recovery, run, expected, committed, await lab.commits())
 
 
 async def answered_after(run: Run, healed: float) -> float | None:
@@ -436,7 +453,9 @@ async def gateway_case(lab: Lab, duration_s: float) -> Outcome:
         committed = [await http_committed(http, sid) for sid in sids]
         expected = [await fault_free_http(http_attempt(http, await http_session(http), k), len(track.latents))
                     for k, track in enumerate(run.tracks)]
-    return outcome("gateway", duration_s, recovery, run, expected, committed)
+    reference_commits = sum(len(rows) for rows in expected)  # the fault-free run's, in the same cell
+    return outcome("gateway", duration_s, recovery, run, expected, committed,
+                   await lab.commits() - reference_commits)
 
 
 async def healthy(http: httpx.AsyncClient) -> bool:
