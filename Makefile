@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-cluster test-engines test-verl test-rlinf test-areal test-slurm images test-compose lint docs clean
+.PHONY: venv demo test test-cluster test-faults test-engines test-verl test-rlinf test-areal test-slurm images test-compose lint docs clean
 
 $(STAMP): pyproject.toml
 	@echo "make: creating $(VENV) and installing rollout-fleet[reference,dev] (CPU torch; a few minutes the first time)"
@@ -27,6 +27,10 @@ test: $(STAMP)
 # Every component against a local Redis Cluster (tests/cluster; needs redis-server and redis-cli).
 test-cluster: $(STAMP)
 	$(PY) -m pytest -q -m cluster
+
+# Half-open network partitions between namespaces, each component cut off Redis (tests/faults; root).
+test-faults: $(STAMP)
+	PYTHON=$(PY) bash scripts/run_fault_tests.sh
 
 # verl's own agent loops through the fleet: builds (once, cached outside the repo) the verl venv.
 test-verl:

@@ -31,8 +31,9 @@ def root_logging_restored() -> Iterator[None]:
 # Redis Cluster; the verl tier (tests/verl/) needs the verl venv (scripts/run_verl_tests.sh); the
 # RLinf tier (tests/rlinf/) needs the RLinf venv (scripts/run_rlinf_tests.sh).
 # AReaL tier (tests/areal/) needs the AReaL venv (scripts/run_areal_tests.sh). The compose tier
-# (tests/compose/) runs docker-compose.yml on a Docker engine (scripts/run_compose_tests.sh).
-OPT_IN_MARKS = ("cluster", "verl", "rlinf", "areal", "compose")
+# (tests/compose/) runs docker-compose.yml on a Docker engine (scripts/run_compose_tests.sh); the fault
+# tier (tests/faults/) needs root for its network namespaces (scripts/run_fault_tests.sh).
+OPT_IN_MARKS = ("cluster", "verl", "rlinf", "areal", "compose", "faults")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

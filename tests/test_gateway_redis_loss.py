@@ -51,3 +51,18 @@ async def test_a_step_in_flight_when_redis_loses_its_data_ends_clearly_and_the_g
             assert done.status_code == 200 and done.json()["error"] is None, done.text
     finally:
         server.cleanup()
+
+
+async def test_a_request_redis_does_not_answer_is_a_503_to_send_again_never_a_500(prefix: str) -> None:
+    """A lookup the gateway makes before it can answer (the session's status here) meets a Redis
+    that is gone: 503 with the reason and Retry-After, not an internal error."""
+    server = RedisServer(port=free_port()).start()
+    try:
+        async with GatewayServer(server.url, prefix, model_default="null-world") as gateway, \
+                httpx.AsyncClient(base_url=gateway.url, timeout=60.0) as http:
+            server.stop(kill=True)
+            r = await http.get(f"{SESSIONS}/s-1/status")
+            assert r.status_code == 503, r.text
+            assert "redis unreachable" in r.json()["error"]["message"] and r.headers["Retry-After"] == "1"
+    finally:
+        server.cleanup()

@@ -113,3 +113,23 @@ async def test_enqueue_to_a_stale_owner_is_told_where_the_session_moved(scripts:
     moved = await scripts.enqueue(sid, "w1", step_id=1, contextual=True, job_id="j1", reply_to="c", payload=b"p")
     assert moved == Moved("w2")
     assert await scripts.redis.xlen(scripts.keys.inbox("w1")) == 1  # nothing added to the old inbox
+
+
+async def test_a_commit_whose_enqueue_the_master_lost_moves_the_next_step_past_it(scripts: Scripts) -> None:
+    """A promoted replica that never had step 0's enqueue (next_step_id still 0) takes its commit
+    from the worker that ran it: the session then expects step 1, not step 0 for ever."""
+    sid, entry = await _session_with_job(scripts)
+    await scripts.redis.hset(scripts.keys.session(sid), "next_step_id", 0)  # the enqueue the failover lost
+    assert await _commit(scripts, worker="w1", epoch=1, step=0, entry=entry) == Committed()
+    assert await scripts.redis.hget(scripts.keys.session(sid), "next_step_id") == b"1"
+    queued = await scripts.enqueue(sid, "w1", step_id=1, contextual=True, job_id="j1", reply_to="c", payload=b"p")
+    assert isinstance(queued, Queued)
+
+
+async def test_a_commit_leaves_the_steps_queued_behind_it_alone(scripts: Scripts) -> None:
+    sid, entry = await _session_with_job(scripts)
+    for step in (1, 2):
+        assert isinstance(await scripts.enqueue(sid, "w1", step_id=step, contextual=True, job_id=f"j{step}",
+                                                reply_to="c", payload=b"p"), Queued)
+    assert await _commit(scripts, worker="w1", epoch=1, step=0, entry=entry) == Committed()
+    assert await scripts.redis.hget(scripts.keys.session(sid), "next_step_id") == b"3"

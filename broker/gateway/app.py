@@ -7,7 +7,8 @@ a step error comes back as a ``RolloutStepResponse`` with ``error`` — HTTP 404
 step timeout (60 s by default: an HTTP client never waits for ever), 503 ``capacity_exhausted``
 when the session lost its worker and no live worker has room for it, and HTTP 200 for the others
 (``inference_error``, ``context_lost``); control routes answer 404 / 410 as vLLM's
-``{"error": {...}}`` body, and a malformed body is a 400 of the same shape.
+``{"error": {...}}`` body, and a malformed body is a 400 of the same shape. A request Redis does not
+answer is a 503 of that shape with ``Retry-After: 1`` (send it again), never a 500.
 
 The gateway is the boundary for untrusted clients (see :mod:`broker.gateway.guards`): with API keys
 set, every route but ``GET /health`` needs ``Authorization: Bearer <key>`` (401), a session is
@@ -70,6 +71,7 @@ from broker.gateway.settings import DEFAULT_MODEL, GatewaySettings
 from broker.gateway.step_metrics import GatewayMetrics
 from broker.gateway.tenancy import Tenancy
 from broker.gateway.upstream import as_upstream_duplicate, as_upstream_refusal, served_model, with_session_values
+from broker.redis.backoff import REDIS_ERRORS
 from broker.redis.config import CellConfig
 from broker.redis.memory_policy import warn_if_evicting
 from broker.redis.refusals import RedisRefused, refusal_of
@@ -324,6 +326,14 @@ async def _invalid_request(request: Request, exc: Exception) -> Response:
     return error_response(HTTPStatus.BAD_REQUEST, exc.message)
 
 
+async def _redis_unreachable(request: Request, exc: Exception) -> Response:
+    """Redis did not answer a lookup of this request (a partition, a restart): 503, nothing changed,
+    the request may be sent again (a step re-sent gets its stored result, or runs)."""
+    logger.warning("redis unreachable on %s: %s", request.url.path, exc)
+    return error_response(HTTPStatus.SERVICE_UNAVAILABLE, f"redis unreachable, try again: {type(exc).__name__}: {exc}",
+                          headers={"Retry-After": "1"})
+
+
 async def _internal_error(request: Request, exc: Exception) -> Response:
     logger.exception("unhandled gateway error on %s", request.url.path, exc_info=exc)
     return error_response(500, f"{type(exc).__name__}: {exc}")
@@ -363,6 +373,8 @@ def create_app(redis_url: str | None = None, prefix: str | None = None, cell: st
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(InvalidRequestError, _invalid_request)
+    for error in REDIS_ERRORS:  # before Exception's: an unreachable Redis is no internal error
+        app.add_exception_handler(error, _redis_unreachable)
     app.add_exception_handler(Exception, _internal_error)
     app.add_exception_handler(ResponseError, _redis_error)  # OOM, MISCONF, ... raised by a plain command
     app.add_exception_handler(RedisRefused, _redis_error)  # ... and by a script call

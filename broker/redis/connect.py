@@ -12,10 +12,18 @@ refuses transactions; see :func:`atomic_pipeline`) and commands over keys of sev
 
 The cluster client is handed out typed as :class:`redis.asyncio.Redis`: it answers the same command
 methods, and the two differences above are kept off every path it takes.
+
+Every client and pool built here has deadlines (:func:`connection_deadlines`): a connect gives up
+after ``CONNECT_TIMEOUT_S``, and the kernel drops a TCP connection whose peer has gone silent
+(keepalive probes plus ``TCP_USER_TIMEOUT``), so a half-open connection fails within seconds with a
+``ConnectionError``/``TimeoutError`` every retry loop already handles. Reads get no ``socket_timeout``:
+with redis-py 5.3.1 a task cancelled while blocked in a read wrapped in that timeout can hang
+(docs/network-faults.md).
 """
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Mapping
 from typing import Any, cast
 from urllib.parse import urlsplit
@@ -46,6 +54,19 @@ _LARGE_ARG = 6000  # redis-py's buffer cutoff: larger values travel as their own
 CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
 URL_SCHEMES = ("redis://", "rediss://", "unix://", *CLUSTER_SCHEMES)
 DEFAULT_CLUSTER_PORT = 6379
+# Deadlines on every connection (docs/network-faults.md). A peer gone without closing (a partition,
+# a dead host or switch: no RST) is noticed by the kernel, not by a timer around the read: after
+# KEEPALIVE_IDLE_S of silence a probe a second, and TCP_USER_TIMEOUT drops the connection once
+# USER_TIMEOUT_MS pass with a probe or a command unacknowledged. Every blocked read of the fleet
+# returns within its BLOCK (1 s), so a live connection is never silent that long; a frozen but live
+# Redis (SIGSTOP) still acknowledges at the TCP level and is waited for. A connect to an address
+# that drops packets gives up after CONNECT_TIMEOUT_S (one SYN) instead of riding SYN back-off (1, 3,
+# 7 s ...): after a partition heals the next attempt, at most one backoff (2 s) later, connects.
+KEEPALIVE_IDLE_S = 1
+KEEPALIVE_INTERVAL_S = 1
+KEEPALIVE_PROBES = 3
+USER_TIMEOUT_MS = 3000
+CONNECT_TIMEOUT_S = 1.0
 # Connection settings a cluster URL may carry in its query (the same names redis-py reads from
 # ``rediss://`` URLs); anything else is refused rather than silently dropped.
 _CLUSTER_QUERY = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs", "ssl_check_hostname",
@@ -113,18 +134,39 @@ def cluster_client_errors(redis: Redis) -> tuple[type[Exception], ...]:
     return (AttributeError,) if is_cluster(redis) else ()
 
 
+def keepalive_options() -> dict[int, int]:
+    """The TCP options of :data:`KEEPALIVE_IDLE_S` and its neighbours, as this platform names them
+    (``TCP_USER_TIMEOUT`` and ``TCP_KEEPIDLE`` are Linux's; others get what they have)."""
+    wanted = {"TCP_KEEPIDLE": KEEPALIVE_IDLE_S, "TCP_KEEPINTVL": KEEPALIVE_INTERVAL_S,
+              "TCP_KEEPCNT": KEEPALIVE_PROBES, "TCP_USER_TIMEOUT": USER_TIMEOUT_MS}
+    return {getattr(socket, name): value for name, value in wanted.items() if hasattr(socket, name)}
+
+
+def connection_deadlines(url: str) -> dict[str, Any]:
+    """The deadline settings of every connection to ``url``: a connect timeout, and on TCP (and TLS)
+    keepalive with a user timeout. Never a ``socket_timeout`` (see the module docstring)."""
+    if url.startswith("unix://"):
+        return {"socket_connect_timeout": CONNECT_TIMEOUT_S}
+    return {"socket_connect_timeout": CONNECT_TIMEOUT_S, "socket_keepalive": True,
+            "socket_keepalive_options": keepalive_options()}
+
+
 def open_redis(url: str, **options: Any) -> Redis:
     """A client for ``url``; ``options`` (``decode_responses``, ``socket_timeout``, ...) go to redis-py.
-    Nothing connects yet: the first command does (and, on a cluster, reads the slot map)."""
+    The deadlines of :func:`connection_deadlines` apply unless the URL's query or ``options`` set
+    their own. Nothing connects yet: the first command does (and, on a cluster, reads the slot map)."""
     if not isinstance(url, str) or not url.startswith(URL_SCHEMES):
         raise RedisURLError(f"expected a {', '.join(URL_SCHEMES)} URL, got {url!r}")
-    if not is_cluster_url(url):
-        single: Redis = Redis.from_url(url, **{"socket_read_size": READ_CHUNK, **REFUSALS_PARSED, **options})
+    deadlines = connection_deadlines(url)
+    if not is_cluster_url(url):  # redis-py lets the URL's query override these keyword arguments
+        single: Redis = Redis.from_url(url, **{"socket_read_size": READ_CHUNK, **REFUSALS_PARSED, **deadlines,
+                                              **options})
         pool = single.connection_pool
         pool.connection_class = reading_in_large_chunks(packing_in_c(pool.connection_class))
         return single
     nodes, settings = parse_cluster_url(url)
-    cluster = _FleetCluster(startup_nodes=[ClusterNode(host, port) for host, port in nodes], **settings, **options)
+    cluster = _FleetCluster(startup_nodes=[ClusterNode(host, port) for host, port in nodes],
+                            **{**deadlines, **settings, **options})
     return cast(Redis, cluster)  # same command methods (see the module docstring)
 
 
@@ -136,7 +178,7 @@ def open_pool(url: str, **options: Any) -> ConnectionPool:
         raise RedisURLError(f"expected a {', '.join(URL_SCHEMES)} URL, got {url!r}")
     if is_cluster_url(url):
         raise RedisURLError(f"a connection pool needs a single-node URL, got {redacted(url)}")
-    return ConnectionPool.from_url(url, **{**REFUSALS_PARSED, **options})
+    return ConnectionPool.from_url(url, **{**REFUSALS_PARSED, **connection_deadlines(url), **options})
 
 
 def packing_in_c(base: type[AbstractConnection]) -> type[AbstractConnection]:
