@@ -30,8 +30,9 @@ def root_logging_restored() -> Iterator[None]:
 # Tiers collected only when -m names their mark: the cluster tier (tests/cluster/) starts a 6-node
 # Redis Cluster; the verl tier (tests/verl/) needs the verl venv (scripts/run_verl_tests.sh); the
 # RLinf tier (tests/rlinf/) needs the RLinf venv (scripts/run_rlinf_tests.sh).
-# AReaL tier (tests/areal/) needs the AReaL venv (scripts/run_areal_tests.sh).
-OPT_IN_MARKS = ("cluster", "verl", "rlinf", "areal")
+# AReaL tier (tests/areal/) needs the AReaL venv (scripts/run_areal_tests.sh); the Ray tier
+# (tests/ray/) starts a local multi-node Ray cluster and needs the Ray venv (scripts/run_ray_tests.sh).
+OPT_IN_MARKS = ("cluster", "verl", "rlinf", "areal", "ray")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

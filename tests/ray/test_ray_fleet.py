@@ -1,0 +1,142 @@
+"""The fleet's workers on a real local Ray cluster of several nodes: ``up`` places them, trainers
+step through them, a node is lost mid-run (its workers' sessions fail over, Ray restarts the
+actors on a live node, nothing is lost or doubled), ``scale`` up and down drains, ``down`` leaves
+no worker, no actor and no placement group behind."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+from broker import FleetClient
+from broker.client.session import Session
+from broker.redis.config import CellConfig
+from tests.ray.conftest import HEARTBEAT, NODE, fleet_actors, fleet_groups
+from tests.support import world_step
+from workers.ray_fleet import FleetSpec, RayFleet, live_in_cell, wait_live, worker_env
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(300, func_only=True)]
+STEPS = 24
+STEP_DELAY = {"delay_ms": 40}  # null engine: each batch takes this long, so steps are in flight when a node goes
+
+
+def spec(cell: CellConfig, placement: str = "pack") -> FleetSpec:
+    env = worker_env(cell, "null", engine_options=STEP_DELAY, drain_timeout_s=20, extra=HEARTBEAT)
+    return FleetSpec(worker_env=env, placement=placement, drain_timeout_s=20)  # type: ignore[arg-type]
+
+
+async def open_sessions(client: FleetClient, count: int) -> list[Session]:
+    return [await client.create_session(model="null-world", mode="world_model_env") for _ in range(count)]
+
+
+async def run_steps(sessions: Sequence[Session], steps: range) -> None:
+    """Pipeline ``steps`` of every session; each result must be the session's own next step: the
+    null engine's ``context`` counts the steps a session's context has seen, so a lost step, a
+    step run twice or out of order shows as a wrong count."""
+    futures = [[s.submit(i, **world_step(i)) for i in steps] for s in sessions]
+    for session, fs in zip(sessions, futures, strict=True):
+        results = await asyncio.wait_for(asyncio.gather(*fs), 120)
+        assert all(r.ok for r in results), [r.error for r in results if not r.ok]
+        assert [r.output["context"] for r in results] == list(steps), session.session_id
+        assert (await session.status()).committed_step_id == steps[-1]
+
+
+def by_index(rows: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    return {row["index"]: row for row in rows}
+
+
+async def test_up_places_workers_that_serve_steps_and_down_leaves_nothing(ray_cluster: Any, cell: CellConfig) -> None:
+    fleet = RayFleet("t-up")
+    report = await asyncio.to_thread(fleet.up, spec(cell), 2)
+    assert sorted(by_index(report.workers)) == [0, 1]
+    await wait_live(cell, fleet, 2, 90)
+    async with FleetClient(cell.redis_url, prefix=cell.prefix) as client:
+        sessions = await open_sessions(client, 4)
+        assert {s.owner for s in sessions} <= set(report.worker_ids)
+        await run_steps(sessions, range(6))
+    assert len(fleet_actors("t-up")) == 3  # the controller and two workers
+    outcome = await asyncio.to_thread(fleet.down)
+    assert outcome == {0: 0, 1: 0}  # each worker drained and exited 0
+    assert fleet_actors("t-up") == [] and fleet_groups("t-up") == []
+    assert await live_in_cell(cell, report.worker_ids) == set()
+
+
+async def test_a_lost_node_moves_its_sessions_and_ray_restarts_its_workers(ray_cluster: Any, cell: CellConfig) -> None:
+    doomed = ray_cluster.add_node(**NODE)
+    ray_cluster.wait_for_nodes()
+    fleet = RayFleet("t-node")
+    report = await asyncio.to_thread(fleet.up, spec(cell, "spread"), 3)
+    await wait_live(cell, fleet, 3, 90)
+    lost = {row["index"]: row["worker_id"] for row in report.workers if row["node_id"] == doomed.node_id}
+    assert lost, "SPREAD put no worker on the third node"
+    try:
+        async with FleetClient(cell.redis_url, prefix=cell.prefix) as client:
+            sessions = await open_sessions(client, 6)
+            assert {s.owner for s in sessions} & set(lost.values()), "no session on the doomed node's workers"
+            steps = asyncio.ensure_future(run_steps(sessions, range(STEPS)))
+            await asyncio.sleep(0.3)  # steps are in flight on every worker
+            await asyncio.to_thread(ray_cluster.remove_node, doomed, False)  # the node is gone, not drained
+            await steps  # every step committed once, in order, on its session's owner of the moment
+            moved = [s for s in sessions if (await s.status()).owner in lost.values()]
+            assert moved == [], "a session still belongs to a worker of the lost node"
+            await wait_restarted(fleet, cell, lost, doomed.node_id)
+            await run_steps(sessions, range(STEPS, STEPS + 4))  # and the fleet serves on
+    finally:
+        await asyncio.to_thread(fleet.down)
+    assert fleet_actors("t-node") == [] and fleet_groups("t-node") == []
+
+
+async def wait_restarted(fleet: RayFleet, cell: CellConfig, lost: dict[int, str], dead_node: str) -> None:
+    """Ray restarts each lost worker's actor on a live node, with a fresh worker live in the cell."""
+    deadline = time.monotonic() + 120
+    while True:
+        rows = by_index((await asyncio.to_thread(fleet.status)).workers)
+        back = [rows[i] for i in lost if rows[i].get("reachable") and rows[i].get("running")]
+        if len(back) == len(lost):
+            assert all(r["restarted"] and r["node_id"] != dead_node for r in back), back
+            assert not {r["worker_id"] for r in back} & set(lost.values())  # a new incarnation each
+            if await live_in_cell(cell, [r["worker_id"] for r in back]) == {r["worker_id"] for r in back}:
+                return
+        assert time.monotonic() < deadline, f"the lost workers did not come back: {rows}"
+        await asyncio.sleep(0.5)
+
+
+async def test_scale_up_then_down_drains_while_steps_run(ray_cluster: Any, cell: CellConfig) -> None:
+    fleet = RayFleet("t-scale")
+    await asyncio.to_thread(fleet.up, spec(cell), 1)
+    try:
+        report = await asyncio.to_thread(fleet.scale, 3)
+        assert sorted(by_index(report.workers)) == [0, 1, 2]
+        await wait_live(cell, fleet, 3, 90)
+        async with FleetClient(cell.redis_url, prefix=cell.prefix) as client:
+            sessions = await open_sessions(client, 6)
+            stopped = {row["worker_id"] for row in report.workers if row["index"] in (1, 2)}
+            assert {s.owner for s in sessions} & stopped, "no session on the workers scale will stop"
+            steps = asyncio.ensure_future(run_steps(sessions, range(STEPS)))
+            await asyncio.sleep(0.3)
+            report = await asyncio.to_thread(fleet.scale, 1)  # drains workers 1 and 2 under load
+            assert sorted(by_index(report.workers)) == [0]
+            await steps
+            assert {(await s.status()).owner for s in sessions} == set(report.worker_ids)
+            assert await live_in_cell(cell, stopped) == set()
+        assert len(fleet_actors("t-scale")) == 2 and len(fleet_groups("t-scale")) == 1
+    finally:
+        await asyncio.to_thread(fleet.down)
+    assert fleet_actors("t-scale") == [] and fleet_groups("t-scale") == []
+
+
+async def test_up_refuses_what_the_cluster_cannot_place_and_leaves_nothing(ray_cluster: Any,
+                                                                          cell: CellConfig) -> None:
+    from workers.ray_fleet import RayFleetError
+
+    fleet = RayFleet("t-nogpu")
+    no_room = FleetSpec(worker_env=worker_env(cell, "null"), num_gpus=1, place_timeout_s=3)
+    with pytest.raises(RayFleetError, match="could not place 1 x"):
+        await asyncio.to_thread(fleet.up, no_room, 1)
+    assert fleet_actors("t-nogpu") == [] and fleet_groups("t-nogpu") == []
+    with pytest.raises(RayFleetError, match="no fleet named 't-nogpu'"):
+        await asyncio.to_thread(fleet.status)
