@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-cluster test-engines test-verl test-rlinf test-areal lint docs clean
+.PHONY: venv demo test test-cluster test-engines test-verl test-rlinf test-areal test-ray lint docs clean
 
 $(STAMP): pyproject.toml
 	@echo "make: creating $(VENV) and installing rollout-fleet[reference,dev] (CPU torch; a few minutes the first time)"
@@ -39,6 +39,10 @@ test-rlinf:
 # AReaL's own rollout workflows through the fleet: builds (once, cached outside the repo) the AReaL venv.
 test-areal:
 	bash scripts/run_areal_tests.sh
+
+# The Ray launcher (rollout-fleet ray) on a local multi-node Ray cluster: builds (once, cached outside the repo) the Ray venv.
+test-ray:
+	bash scripts/run_ray_tests.sh
 
 # Real vLLM / vLLM-Omni on CPU: builds (once, cached outside the repo) the engines venv.
 test-engines:

@@ -20,6 +20,7 @@ from broker.redis.config import ENV_VARS, CellConfig
 NAMESPACE = "rollout-fleet"  # every fleet's Ray actors live here, whatever namespace their driver has
 DEFAULT_NAME = "rollout-fleet"
 ENV_PREFIX = "ROLLOUT_FLEET_"
+_VARIABLE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 
 
@@ -37,8 +38,8 @@ class Placement(StrEnum):
 @dataclass(frozen=True)
 class FleetSpec:
     """How each worker actor is placed and started. ``worker_env`` holds every ``ROLLOUT_FLEET_*``
-    variable of the worker process (the Redis URL with its password among them): it reaches the
-    worker through its environment, never its argv."""
+    variable of the worker process (the Redis URL with its password among them) and any other
+    variable it needs (a token): it reaches the worker through its environment, never its argv."""
 
     worker_env: Mapping[str, str] = field(default_factory=dict)
     num_gpus: float = 0.0  # per worker, reserved through its placement group bundle; 0: CPU only
@@ -55,9 +56,9 @@ class FleetSpec:
                              f"num_gpus={self.num_gpus}")
         if self.drain_timeout_s <= 0 or self.place_timeout_s <= 0:
             raise ValueError("drain_timeout_s and place_timeout_s must be positive")
-        bad = [name for name in self.worker_env if not name.startswith(ENV_PREFIX)]
+        bad = [name for name in self.worker_env if not _VARIABLE.match(name)]
         if bad:
-            raise ValueError(f"worker_env takes ROLLOUT_FLEET_* variables only, got {', '.join(sorted(bad))}")
+            raise ValueError(f"worker_env: not variable names: {', '.join(sorted(bad))}")
 
     def bundle(self) -> dict[str, float]:
         """One worker's placement group bundle (zero amounts left out: Ray refuses them)."""
