@@ -17,7 +17,7 @@ from broker.client.session import Session
 from broker.redis.config import CellConfig
 from tests.ray.conftest import HEARTBEAT, NODE, fleet_actors, fleet_groups
 from tests.support import world_step
-from workers.ray_fleet import FleetSpec, RayFleet, live_in_cell, wait_live, worker_env
+from workers.ray_fleet import FleetSpec, RayFleet, RayFleetError, live_in_cell, wait_live, worker_env
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300, func_only=True)]
 STEPS = 24
@@ -131,8 +131,6 @@ async def test_scale_up_then_down_drains_while_steps_run(ray_cluster: Any, cell:
 
 async def test_up_refuses_what_the_cluster_cannot_place_and_leaves_nothing(ray_cluster: Any,
                                                                           cell: CellConfig) -> None:
-    from workers.ray_fleet import RayFleetError
-
     fleet = RayFleet("t-nogpu")
     no_room = FleetSpec(worker_env=worker_env(cell, "null"), num_gpus=1, place_timeout_s=3)
     with pytest.raises(RayFleetError, match="could not place 1 x"):
@@ -140,3 +138,29 @@ async def test_up_refuses_what_the_cluster_cannot_place_and_leaves_nothing(ray_c
     assert fleet_actors("t-nogpu") == [] and fleet_groups("t-nogpu") == []
     with pytest.raises(RayFleetError, match="no fleet named 't-nogpu'"):
         await asyncio.to_thread(fleet.status)
+
+
+async def test_a_restarted_controller_finds_its_workers_by_their_names(ray_cluster: Any, cell: CellConfig) -> None:
+    import ray
+
+    from workers.ray_fleet import NAMESPACE
+
+    fleet = RayFleet("t-ctl")
+    before = await asyncio.to_thread(fleet.up, spec(cell), 2)
+    try:
+        controller = ray.get_actor("t-ctl", namespace=NAMESPACE)
+        ray.kill(controller, no_restart=False)  # as when its node is lost: Ray restarts it, its memory is gone
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                after = await asyncio.to_thread(fleet.status)
+                break
+            except RayFleetError:  # restarting: the call fails until it is back
+                assert time.monotonic() < deadline, "the controller did not come back"
+                await asyncio.sleep(0.5)
+        assert [w["worker_id"] for w in after.workers] == [w["worker_id"] for w in before.workers]
+        report = await asyncio.to_thread(fleet.scale, 1)  # and it still scales what it found
+        assert sorted(by_index(report.workers)) == [0] and len(fleet_groups("t-ctl")) == 1
+    finally:
+        await asyncio.to_thread(fleet.down)
+    assert fleet_actors("t-ctl") == [] and fleet_groups("t-ctl") == []
