@@ -30,6 +30,7 @@ from cli.env import attach_env, name_variable
 from cli.errors import redact
 from cli.logs import FORMATS, LEVELS
 from workers.engines.registry import ENGINE_HELP, engine_name
+from workers.ray_fleet.autoscale import Autoscale
 from workers.settings import WorkerSettings
 
 DESCRIPTION = "rollout-fleet: worker, demo, redis (embedded, foreground) and status commands."
@@ -323,6 +324,11 @@ def _ray(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
     p.add_argument("--worker-env", action="append", default=[], metavar="NAME",
                    help="up: a variable of this environment the workers get too (a token, ROLLOUT_FLEET_CAPACITY); "
                         "repeatable")
+    p.add_argument("--min-workers", type=_at_least_zero, default=None, metavar="N",
+                   help="up: autoscale between --min-workers and --max-workers on the sessions the workers own")
+    p.add_argument("--max-workers", type=_at_least_zero, default=None, metavar="N", help="up: see --min-workers")
+    _setting(p, "--target-fill", Autoscale, "target_fill",
+             "up, autoscaling: the sessions / capacity of the workers to aim at", type=_positive(float))
     name_variable(p.add_argument("--wait", type=_at_least_zero_float, default=300.0, metavar="SECONDS",
                                  help="up, scale: wait this long for the workers to be live in the cell "
                                       "(default: %(default)s)"), "ray_wait")

@@ -45,17 +45,33 @@ def _name(name: str) -> str:
 def _up(fleet: Any, cell: CellConfig, args: argparse.Namespace, environ: Mapping[str, str]) -> int:
     from workers.ray_fleet import FleetSpec
 
-    if args.workers is None:
+    autoscale = _autoscale(args)
+    workers = args.workers if args.workers is not None or autoscale is None else autoscale.min_workers
+    if workers is None:
         raise UsageError("ray up needs --workers N ($ROLLOUT_FLEET_RAY_WORKERS)")
     if cell.any_cell:
         raise UsageError("--cell '*' ($ROLLOUT_FLEET_CELL): a worker joins one cell; give it a name")
     try:
         spec = FleetSpec(worker_env=_worker_env(cell, args, environ), num_gpus=args.num_gpus, num_cpus=args.num_cpus,
-                         placement=args.placement, drain_timeout_s=args.drain_timeout_s)
+                         placement=args.placement, drain_timeout_s=args.drain_timeout_s, autoscale=autoscale)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    fleet.up(spec, args.workers)
-    return _settle(fleet, cell, args, args.workers)
+    fleet.up(spec, workers)
+    return _settle(fleet, cell, args, workers)
+
+
+def _autoscale(args: argparse.Namespace) -> Any:
+    """The autoscaling of ``up`` (--min-workers and --max-workers, both or neither), else None."""
+    from workers.ray_fleet import Autoscale
+
+    if args.min_workers is None and args.max_workers is None:
+        return None
+    if args.min_workers is None or args.max_workers is None:
+        raise UsageError("autoscaling needs both --min-workers and --max-workers")
+    try:
+        return Autoscale(min_workers=args.min_workers, max_workers=args.max_workers, target_fill=args.target_fill)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _worker_env(cell: CellConfig, args: argparse.Namespace, environ: Mapping[str, str]) -> dict[str, str]:

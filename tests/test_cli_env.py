@@ -67,6 +67,7 @@ OPTIONS: dict[str, dict[str, tuple[list[str], str]]] = {
             "--engine": (["null"], "null"), "--engine-opt": (["a=1", "--engine-opt", "b=x y"], "a=1 'b=x y'"),
             "--placement": (["spread"], "spread"), "--drain-timeout": (["2.5"], "2.5"),
             "--worker-env": (["HF_TOKEN", "--worker-env", "X"], "HF_TOKEN X"), "--wait": (["5"], "5"),
+            "--min-workers": (["1"], "1"), "--max-workers": (["4"], "4"), "--target-fill": (["0.5"], "0.5"),
             "--json": ([], "1")},
     "bench": {},  # its options are bench.run_all's, passed through (and read there: the last test)
 }

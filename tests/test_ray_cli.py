@@ -25,6 +25,9 @@ ENV = {"ROLLOUT_FLEET_REDIS_URL": "redis://:hunter2@127.0.0.1:1/0"}
     (["ray", "up", "--workers", "2", "--worker-env", "NOT_SET_HERE"], "--worker-env: NOT_SET_HERE not set"),
     (["ray", "up", "--workers", "1", "--num-cpus", "0"], "a worker needs some CPUs or GPUs"),
     (["ray", "status", "--name", "no spaces"], "--name: fleet name 'no spaces'"),
+    (["ray", "up", "--max-workers", "3"], "autoscaling needs both --min-workers and --max-workers"),
+    (["ray", "up", "--min-workers", "3", "--max-workers", "2"], "0 <= min_workers <= max_workers"),
+    (["ray", "up", "--min-workers", "1", "--max-workers", "2", "--target-fill", "1.5"], "target_fill 1.5"),
 ])
 def test_mistakes_are_one_line_before_anything_connects(argv: list[str], says: str,
                                                         capsys: pytest.CaptureFixture[str]) -> None:
@@ -71,6 +74,16 @@ def test_the_spec_crosses_into_ray_as_plain_values() -> None:
     assert FleetSpec(num_gpus=1, num_cpus=0).bundle() == {"GPU": 1}  # Ray refuses zero amounts
     with pytest.raises(ValueError, match="not variable names"):
         FleetSpec(worker_env={"A B": "x"})
+
+
+def test_the_autoscaler_wants_the_workers_its_sessions_fill_to_the_target() -> None:
+    from workers.ray_fleet import Autoscale
+
+    policy = Autoscale(min_workers=1, max_workers=4, target_fill=0.5)
+    assert [policy.wanted(sessions, 4) for sessions in (0, 2, 3, 4, 8, 9, 100)] == [1, 1, 2, 2, 4, 4, 4]
+    assert policy.wanted(7, 0) == 1  # no live worker to measure: the floor
+    spec = FleetSpec(autoscale=policy)
+    assert FleetSpec.from_plain(spec.plain()) == spec
 
 
 def test_names_of_the_ray_objects_round_trip() -> None:

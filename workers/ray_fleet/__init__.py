@@ -5,8 +5,9 @@ Ray is imported lazily (inside the functions that use it): importing this packag
 See docs/deploy/ray.md.
 """
 
+from workers.ray_fleet.autoscale import Autoscale
 from workers.ray_fleet.fleet import FleetReport, RayFleet, RayFleetError, live_in_cell, wait_live
 from workers.ray_fleet.spec import DEFAULT_NAME, NAMESPACE, FleetSpec, Placement, worker_env
 
-__all__ = ["DEFAULT_NAME", "NAMESPACE", "FleetReport", "FleetSpec", "Placement", "RayFleet", "RayFleetError",
-           "live_in_cell", "wait_live", "worker_env"]
+__all__ = ["DEFAULT_NAME", "NAMESPACE", "Autoscale", "FleetReport", "FleetSpec", "Placement", "RayFleet",
+           "RayFleetError", "live_in_cell", "wait_live", "worker_env"]

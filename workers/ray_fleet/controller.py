@@ -21,13 +21,19 @@ actor (no restart) and give back its bundle. Every wait is bounded.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from redis.exceptions import RedisError
+
+from broker.redis.config import CellConfig
 from workers.ray_fleet.actor import DRAIN_MARGIN_S, WorkerActor
+from workers.ray_fleet.autoscale import Autoscale, FleetLoad, fleet_load
 from workers.ray_fleet.spec import (
     NAMESPACE,
     FleetSpec,
@@ -57,10 +63,13 @@ class FleetController:
     def __init__(self, name: str, spec: dict[str, Any]) -> None:
         self.name = name
         self.spec = FleetSpec.from_plain(spec)
-        self._lock = threading.Lock()  # one change at a time; status reads a copy
+        self._lock = threading.RLock()  # one change at a time (set_count holds it across add/remove)
         self._groups: dict[int, Any] = {}  # group -> placement group
         self._workers: dict[int, _Placed] = {}  # worker index -> where it is placed
         self._recover()
+        if self.spec.autoscale is not None:
+            threading.Thread(target=self._autoscale_loop, args=(self.spec.autoscale,), daemon=True,
+                             name="rollout-fleet-autoscale").start()
 
     def _recover(self) -> None:
         """Find this fleet's worker actors and placement groups by their names (after a restart)."""
@@ -185,3 +194,48 @@ class FleetController:
 
     def count(self) -> int:
         return len(self._workers)
+
+    def set_count(self, workers: int) -> dict[str, Any]:
+        """Add workers, or drain and stop the newest, until ``workers`` run: what was done."""
+        with self._lock:
+            now = len(self._workers)
+            if workers > now:
+                return {"added": self.add(workers - now), "drained": {}}
+            return {"added": [], "drained": self.remove(now - workers) if workers < now else {}}
+
+    def _autoscale_loop(self, policy: Autoscale) -> None:
+        """Check the fleet's fill every ``policy.interval_s`` and scale toward it (autoscale.py)."""
+        import ray
+
+        cell = CellConfig.from_env(self.spec.worker_env)
+        low = 0  # checks in a row that wanted fewer workers
+        while True:
+            time.sleep(policy.interval_s)
+            try:
+                low = self._autoscale_once(policy, cell, low)
+            except (RedisError, OSError, RuntimeError, ray.exceptions.RayError) as exc:  # RuntimeError: no room
+                log.warning("fleet %s: autoscaling check failed: %s", self.name, exc)
+
+    def _autoscale_once(self, policy: Autoscale, cell: CellConfig, low: int) -> int:
+        load = asyncio.run(fleet_load(cell, self.name))
+        with self._lock:  # the count cannot change between this look and the change it leads to
+            return self._autoscale_step(policy, load, low)
+
+    def _autoscale_step(self, policy: Autoscale, load: FleetLoad, low: int) -> int:
+        current = len(self._workers)
+        wanted = policy.wanted(load.sessions, load.capacity_each)
+        if load.capacity_each == 0:  # none live yet (starting) or all lost: never a reason to drain
+            wanted = max(wanted, current)
+        if wanted > current:
+            log.info("fleet %s: %d sessions want %d workers: adding %d", self.name, load.sessions, wanted,
+                     wanted - current)
+            self.set_count(wanted)
+            return 0
+        if wanted == current:
+            return 0
+        if low + 1 < policy.down_after:
+            return low + 1
+        log.info("fleet %s: %d sessions want %d workers: draining %d", self.name, load.sessions, wanted,
+                 current - wanted)
+        self.set_count(wanted)
+        return 0

@@ -119,15 +119,12 @@ class RayFleet:
         return FleetReport(self.name, {**shown, "engine": engine}, rows)
 
     def scale(self, workers: int) -> FleetReport:
-        """Add workers, or drain and stop the newest ones, until ``workers`` run."""
+        """Add workers, or drain and stop the newest ones, until ``workers`` run. With autoscaling
+        on, the autoscaler moves the count on from there within its bounds."""
         if workers < 0:
             raise RayFleetError(f"--workers must be 0 or more, got {workers}")
         spec = FleetSpec.from_plain(self._call("spec_plain"))
-        now = self._call("count")
-        if workers > now:
-            self._call("add", workers - now, timeout=_placing_bound(spec))
-        elif workers < now:
-            self._call("remove", now - workers, timeout=_draining_bound(spec))
+        self._call("set_count", workers, timeout=max(_placing_bound(spec), _draining_bound(spec)))
         return self.status()
 
     def down(self) -> dict[int, int | str | None]:

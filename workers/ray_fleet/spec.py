@@ -16,6 +16,7 @@ from enum import StrEnum
 from typing import Any
 
 from broker.redis.config import ENV_VARS, CellConfig
+from workers.ray_fleet.autoscale import Autoscale
 
 NAMESPACE = "rollout-fleet"  # every fleet's Ray actors live here, whatever namespace their driver has
 DEFAULT_NAME = "rollout-fleet"
@@ -48,6 +49,7 @@ class FleetSpec:
     drain_timeout_s: float = 30.0  # the worker's own drain bound (its --drain-timeout)
     max_restarts: int = -1  # Ray restarts a dead worker actor this often; -1: always
     place_timeout_s: float = 300.0  # a placement group not placed within this is given back
+    autoscale: Autoscale | None = None  # None: the count changes only by scale
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "placement", Placement(self.placement))  # "pack" is accepted as Placement.PACK
@@ -77,7 +79,8 @@ class FleetSpec:
 
     @classmethod
     def from_plain(cls, values: Mapping[str, Any]) -> FleetSpec:
-        return cls(**values)
+        autoscale = values.get("autoscale")
+        return cls(**{**values, "autoscale": None if autoscale is None else Autoscale(**autoscale)})
 
 
 def worker_env(cell: CellConfig, engine: str, *, engine_options: Mapping[str, Any] | Sequence[str] = (),
