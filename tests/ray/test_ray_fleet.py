@@ -164,3 +164,35 @@ async def test_a_restarted_controller_finds_its_workers_by_their_names(ray_clust
     finally:
         await asyncio.to_thread(fleet.down)
     assert fleet_actors("t-ctl") == [] and fleet_groups("t-ctl") == []
+
+
+async def wait_count(fleet: RayFleet, count: int, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while len((await asyncio.to_thread(fleet.status)).workers) != count:
+        assert time.monotonic() < deadline, f"the fleet did not reach {count} workers"
+        await asyncio.sleep(0.5)
+
+
+async def test_the_autoscaler_follows_the_sessions(ray_cluster: Any, cell: CellConfig) -> None:
+    from workers.ray_fleet import Autoscale
+
+    env = worker_env(cell, "null", drain_timeout_s=20, extra={**HEARTBEAT, "ROLLOUT_FLEET_CAPACITY": "2"})
+    policy = Autoscale(min_workers=1, max_workers=3, target_fill=0.5, interval_s=1, down_after=2)
+    fleet = RayFleet("t-auto")
+    await asyncio.to_thread(fleet.up, FleetSpec(worker_env=env, drain_timeout_s=20, autoscale=policy), 1)
+    try:
+        await wait_live(cell, fleet, 1, 90)
+        async with FleetClient(cell.redis_url, prefix=cell.prefix) as client:
+            sessions = await open_sessions(client, 2)  # 2 sessions / (0.5 x 2) -> 2 workers
+            await wait_count(fleet, 2)
+            await wait_live(cell, fleet, 2, 90)
+            sessions += await open_sessions(client, 2)  # 4 sessions want 4 workers: at most 3
+            await wait_count(fleet, 3)
+            await wait_live(cell, fleet, 3, 90)
+            await run_steps(sessions, range(4))
+            for session in sessions:
+                await session.close()
+            await wait_count(fleet, 1)  # nothing open: back to the floor, drained
+    finally:
+        await asyncio.to_thread(fleet.down)
+    assert fleet_actors("t-auto") == [] and fleet_groups("t-auto") == []

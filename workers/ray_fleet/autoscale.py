@@ -20,8 +20,10 @@ import math
 import re
 from dataclasses import dataclass
 
-from broker.ops.status import cell_status
+from broker.ops.status import REDIS_TIMEOUT_S, cell_status
+from broker.redis.aio import resolve
 from broker.redis.config import CellConfig
+from broker.redis.connect import open_redis
 
 
 @dataclass(frozen=True)
@@ -61,10 +63,24 @@ def fleet_worker_id(fleet: str) -> re.Pattern[str]:
 
 
 async def fleet_load(cell: CellConfig, fleet: str) -> FleetLoad:
-    """The sessions and capacity of ``fleet``'s live workers in ``cell``, from its registry."""
+    """The sessions and capacity of ``fleet``'s live workers in ``cell``: the owned-session counts
+    and capacities placement itself counts (``keys.owned``, ``keys.capacity``)."""
     report = await cell_status(config=cell)
     ours = fleet_worker_id(fleet)
-    live = [w for w in report.workers if ours.fullmatch(w.worker_id) and w.live(cell.lease_ms)]
-    sessions = sum(int(w.fields.get("load", "0") or 0) for w in live)
-    capacity = max((int(w.fields.get("capacity", "0") or 0) for w in live), default=0)
-    return FleetLoad(sessions, capacity)
+    live = [w.worker_id for w in report.workers if ours.fullmatch(w.worker_id) and w.live(cell.lease_ms)]
+    if not live:
+        return FleetLoad(0, 0)
+    redis = open_redis(cell.redis_url, socket_timeout=REDIS_TIMEOUT_S)
+    try:
+        owned = await resolve(redis.hmget(cell.keys.owned, live))
+        capacity = await resolve(redis.hmget(cell.keys.capacity, live))
+    finally:
+        await redis.aclose()
+    return FleetLoad(sum(_count(n) for n in owned), max(_count(c) for c in capacity))
+
+
+def _count(raw: bytes | str | None) -> int:
+    try:
+        return max(int(raw or 0), 0)
+    except ValueError:
+        return 0
