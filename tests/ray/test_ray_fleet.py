@@ -6,8 +6,11 @@ no worker, no actor and no placement group behind."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -196,3 +199,43 @@ async def test_the_autoscaler_follows_the_sessions(ray_cluster: Any, cell: CellC
     finally:
         await asyncio.to_thread(fleet.down)
     assert fleet_actors("t-auto") == [] and fleet_groups("t-auto") == []
+
+
+def gone(pid: int) -> bool:
+    """The process has exited (a zombie waiting to be reaped counts as exited)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    return state in ("Z", "X")
+
+
+async def test_a_killed_worker_process_or_actor_comes_back_and_nothing_is_lost(ray_cluster: Any,
+                                                                              cell: CellConfig) -> None:
+    import ray
+
+    from workers.ray_fleet import NAMESPACE
+    from workers.ray_fleet.spec import worker_name
+
+    fleet = RayFleet("t-kill")
+    report = await asyncio.to_thread(fleet.up, spec(cell), 2)
+    try:
+        await wait_live(cell, fleet, 2, 90)
+        first, second = sorted(report.workers, key=lambda row: row["index"])
+        async with FleetClient(cell.redis_url, prefix=cell.prefix) as client:
+            sessions = await open_sessions(client, 4)
+            steps = asyncio.ensure_future(run_steps(sessions, range(STEPS)))
+            await asyncio.sleep(0.3)
+            os.kill(first["pid"], signal.SIGKILL)  # the worker process alone: its actor must notice
+            await steps
+            await wait_restarted(fleet, cell, {0: first["worker_id"]}, dead_node="")
+            actor = ray.get_actor(worker_name("t-kill", second["group"], second["bundle"], 1), namespace=NAMESPACE)
+            ray.kill(actor, no_restart=False)  # the actor alone: its worker must not outlive it
+            deadline = time.monotonic() + 30
+            while not gone(second["pid"]):
+                assert time.monotonic() < deadline, "the worker outlived its actor"
+                await asyncio.sleep(0.2)
+            await wait_restarted(fleet, cell, {1: second["worker_id"]}, dead_node="")
+            await run_steps(sessions, range(STEPS, STEPS + 4))
+    finally:
+        await asyncio.to_thread(fleet.down)

@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 WORKER_ARGV = ("-m", "cli.main", "worker")  # every option comes from the environment
 WORKER_ID_VAR = "ROLLOUT_FLEET_WORKER_ID"
 DRAIN_MARGIN_S = 30.0  # beyond the worker's own drain bound, before the child is killed
+MIN_LIFE_S = 10.0  # a worker that exits sooner holds its actor back until then before it exits too
 START_TIMEOUT_S = 30.0  # the keeper thread has the child started within this (a fork and an exec)
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
@@ -83,6 +84,9 @@ class WorkerActor:
             return
         log.error("worker %s exited by itself with %s: this actor exits so that Ray restarts it",
                   self.worker_id, code)
+        # A worker that cannot start (a wrong engine option) would restart as fast as Ray can: at
+        # most one start per MIN_LIFE_S.
+        time.sleep(max(0.0, MIN_LIFE_S - (time.time() - self.started_at)))
         os._exit(1)
 
     def drain(self) -> int | None:
