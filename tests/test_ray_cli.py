@@ -9,6 +9,7 @@ import importlib.util
 import pytest
 
 from broker.redis.config import CellConfig
+from broker.redis.embedded import free_port
 from cli.main import main
 from workers.ray_fleet import FleetSpec, Placement, worker_env
 from workers.ray_fleet.spec import check_name, parse_worker_name, worker_name
@@ -35,6 +36,13 @@ def test_mistakes_are_one_line_before_anything_connects(argv: list[str], says: s
     err = capsys.readouterr().err
     assert says in err and len(err.strip().splitlines()) == 1, err
     assert "hunter2" not in err
+
+
+def test_an_address_nothing_answers_at_is_one_line_at_once(capsys: pytest.CaptureFixture[str]) -> None:
+    port = free_port()  # nothing listens there; Ray itself would retry for minutes
+    assert main(["ray", "status", "--address", f"127.0.0.1:{port}"], ENV) == 2
+    err = capsys.readouterr().err
+    assert f"ray status: no Ray cluster answers at 127.0.0.1:{port}" in err and len(err.strip().splitlines()) == 1
 
 
 @pytest.mark.parametrize("argv", [["ray", "up", "--workers", "-1"], ["ray", "up", "--num-gpus", "-1"],

@@ -181,6 +181,8 @@ class FleetController:
         import ray
 
         placed = dict(self._workers)
+        if not placed:
+            return []
         refs = {index: p.handle.info.remote() for index, p in placed.items()}
         ray.wait(list(refs.values()), num_returns=len(refs), timeout=INFO_TIMEOUT_S)
         rows = []

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from workers.ray_fleet.controller import FleetController
 from workers.ray_fleet.spec import DEFAULT_NAME, NAMESPACE, FleetSpec, check_name
 
 CALL_TIMEOUT_S = 60.0  # a controller call that neither places nor drains
+CONNECT_TIMEOUT_S = 10.0  # a Ray address given as host:port must accept a connection within this
 CONTROLLER_CONCURRENCY = 4  # status answers while a scale waits on placement or drains
 
 
@@ -60,6 +62,8 @@ class RayFleet:
         self.address = address
 
     def _connect(self) -> None:
+        if self.address:
+            reachable(self.address)
         import ray
 
         if ray.is_initialized():
@@ -71,18 +75,18 @@ class RayFleet:
             raise RayFleetError(f"no Ray cluster at {self.address or 'auto'}: {exc}") from None
 
     def _controller(self) -> Any:
+        self._connect()
         import ray
 
-        self._connect()
         try:
             return ray.get_actor(self.name, namespace=NAMESPACE)
         except ValueError:
             raise RayFleetError(f"no fleet named {self.name!r} on this Ray cluster (rollout-fleet ray up)") from None
 
     def _call(self, method: str, *args: Any, timeout: float = CALL_TIMEOUT_S, controller: Any = None) -> Any:
+        controller = controller or self._controller()
         import ray
 
-        controller = controller or self._controller()
         try:
             return ray.get(getattr(controller, method).remote(*args), timeout=timeout)
         except ray.exceptions.RayTaskError as exc:
@@ -94,9 +98,9 @@ class RayFleet:
 
     def up(self, spec: FleetSpec, workers: int) -> FleetReport:
         """Start the fleet's controller and ``workers`` worker actors; refused when the fleet is up."""
+        self._connect()
         import ray
 
-        self._connect()
         with contextlib.suppress(ValueError):
             ray.get_actor(self.name, namespace=NAMESPACE)
             raise RayFleetError(f"fleet {self.name!r} is already up: scale it, or take it down first")
@@ -137,6 +141,19 @@ class RayFleet:
                                                           timeout=_draining_bound(spec))
         ray.kill(self._controller(), no_restart=True)
         return outcome
+
+
+def reachable(address: str) -> None:
+    """Fail now when nothing answers at a ``host:port`` (or ``ray://host:port``) address: Ray's own
+    connect retries a missing GCS for minutes. Other forms (``auto``) are left to Ray."""
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not port.isdigit():
+        return
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S):
+            pass
+    except OSError as exc:
+        raise RayFleetError(f"no Ray cluster answers at {address} ({exc})") from None
 
 
 def _placing_bound(spec: FleetSpec) -> float:
