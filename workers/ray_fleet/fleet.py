@@ -34,11 +34,17 @@ from workers.ray_fleet.spec import DEFAULT_NAME, NAMESPACE, FleetSpec, check_nam
 
 CALL_TIMEOUT_S = 60.0  # a controller call that neither places nor drains
 CONNECT_TIMEOUT_S = 10.0  # a Ray address given as host:port must accept a connection within this
+RETRY_S = 1.0  # between two tries of a call while the controller restarts
+HEAD_NODE = "node:__internal_head__"  # the controller lives on the head node, the one the cluster cannot lose
 CONTROLLER_CONCURRENCY = 4  # status answers while a scale waits on placement or drains
 
 
 class RayFleetError(Exception):
     """An expected failure, said in one line: no Ray cluster, no such fleet, no room on the cluster."""
+
+
+class _Restarting(Exception):
+    """The controller did not answer: Ray is restarting it, or it is gone for good."""
 
 
 @dataclass(frozen=True)
@@ -84,7 +90,19 @@ class RayFleet:
             raise RayFleetError(f"no fleet named {self.name!r} on this Ray cluster (rollout-fleet ray up)") from None
 
     def _call(self, method: str, *args: Any, timeout: float = CALL_TIMEOUT_S, controller: Any = None) -> Any:
+        """One controller call. While Ray restarts the controller (its node was lost) the call is
+        tried again, within the same ``timeout``: every method called this way is safe to repeat."""
         controller = controller or self._controller()
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self._call_once(controller, method, args, max(deadline - time.monotonic(), 1.0))
+            except _Restarting as exc:
+                if time.monotonic() > deadline:
+                    raise RayFleetError(f"fleet {self.name!r}: its controller is not reachable ({exc})") from None
+                time.sleep(RETRY_S)
+
+    def _call_once(self, controller: Any, method: str, args: tuple[Any, ...], timeout: float) -> Any:
         import ray
 
         try:
@@ -94,7 +112,7 @@ class RayFleet:
         except ray.exceptions.GetTimeoutError:
             raise RayFleetError(f"fleet {self.name!r}: {method} did not answer within {timeout:g} s") from None
         except ray.exceptions.RayActorError as exc:
-            raise RayFleetError(f"fleet {self.name!r}: its controller is not reachable ({exc})") from None
+            raise _Restarting(str(exc).splitlines()[0]) from None
 
     def up(self, spec: FleetSpec, workers: int) -> FleetReport:
         """Start the fleet's controller and ``workers`` worker actors; refused when the fleet is up."""
@@ -106,11 +124,11 @@ class RayFleet:
             raise RayFleetError(f"fleet {self.name!r} is already up: scale it, or take it down first")
         controller = ray.remote(FleetController).options(
             name=self.name, namespace=NAMESPACE, lifetime="detached", max_restarts=-1, num_cpus=0,
-            max_concurrency=CONTROLLER_CONCURRENCY).remote(self.name, spec.plain())
+            resources={HEAD_NODE: 0.001}, max_concurrency=CONTROLLER_CONCURRENCY).remote(self.name, spec.plain())
         try:
-            self._call("add", workers, timeout=_placing_bound(spec), controller=controller)
+            self._call("set_count", workers, timeout=_placing_bound(spec), controller=controller)
         except RayFleetError:  # no room: nothing of the fleet stays behind
-            self._call("remove", workers, timeout=_draining_bound(spec), controller=controller)
+            self._call("set_count", 0, timeout=_draining_bound(spec), controller=controller)
             ray.kill(controller, no_restart=True)
             raise
         return self.status()
@@ -137,8 +155,8 @@ class RayFleet:
         import ray
 
         spec = FleetSpec.from_plain(self._call("spec_plain"))
-        outcome: dict[int, int | str | None] = self._call("remove", self._call("count"),
-                                                          timeout=_draining_bound(spec))
+        done: dict[str, Any] = self._call("set_count", 0, timeout=_draining_bound(spec))
+        outcome: dict[int, int | str | None] = done["drained"]
         ray.kill(self._controller(), no_restart=True)
         return outcome
 
