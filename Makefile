@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-cluster test-faults test-engines test-verl test-rlinf test-areal test-slurm images test-compose lint docs clean
+.PHONY: venv demo test test-cluster test-faults test-engines test-verl test-rlinf test-areal test-slurm images test-compose test-ray lint docs clean
 
 $(STAMP): pyproject.toml
 	@echo "make: creating $(VENV) and installing rollout-fleet[reference,dev] (CPU torch; a few minutes the first time)"
@@ -55,6 +55,10 @@ test-slurm: $(STAMP)
 	    slurmd slurmctld slurm-client >/dev/null; \
 	fi
 	$(PY) -m pytest -q -m slurm tests/slurm
+
+# The Ray launcher (rollout-fleet ray) on a local multi-node Ray cluster: builds (once, cached outside the repo) the Ray venv.
+test-ray:
+	bash scripts/run_ray_tests.sh
 
 # Real vLLM / vLLM-Omni on CPU: builds (once, cached outside the repo) the engines venv.
 test-engines:

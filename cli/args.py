@@ -30,6 +30,7 @@ from cli.env import attach_env, name_variable
 from cli.errors import redact
 from cli.logs import FORMATS, LEVELS
 from workers.engines.registry import ENGINE_HELP, engine_name
+from workers.ray_fleet.autoscale import Autoscale
 from workers.settings import WorkerSettings
 
 DESCRIPTION = "rollout-fleet: worker, demo, redis (embedded, foreground) and status commands."
@@ -310,6 +311,54 @@ def _trainers(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
     p.add_argument("--json", action="store_true", help="list: one JSON object per line")
 
 
+def _ray(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
+    add_cell_flags(p, environ, lease=True)
+    p.add_argument("action", choices=("up", "status", "scale", "down"))
+    name_variable(p.add_argument("--address", default=None, help="the Ray cluster's address (default: auto: "
+                                 "the cluster this node belongs to, or $RAY_ADDRESS)"), "ray_address")
+    name_variable(p.add_argument("--name", default="rollout-fleet", help="the fleet's name on the Ray cluster "
+                                 "(default: %(default)s)"), "ray_name")
+    name_variable(p.add_argument("--workers", type=_at_least_zero, default=None, metavar="N",
+                                 help="up, scale: worker actors, one worker process each"), "ray_workers")
+    p.add_argument("--num-gpus", type=_at_least_zero_float, default=0.0, metavar="G",
+                   help="up: GPUs per worker, reserved by a placement group (default: 0, CPU only)")
+    p.add_argument("--num-cpus", type=_at_least_zero_float, default=1.0, metavar="C",
+                   help="up: CPUs per worker (default: %(default)s)")
+    p.add_argument("--engine", type=engine_name, default="reference", help=f"up: {ENGINE_HELP}")
+    p.add_argument("--engine-opt", action="append", default=[], metavar="KEY=VALUE",
+                   help="up: engine option of every worker (value parsed as JSON when it can be), repeatable")
+    p.add_argument("--placement", choices=("pack", "spread"), default="pack",
+                   help="up: the workers of one up or scale on as few nodes as fit, or spread (default: %(default)s)")
+    _setting(p, "--drain-timeout", WorkerSettings, "drain_timeout_s", "up: each worker's drain bound")
+    p.add_argument("--worker-env", action="append", default=[], metavar="NAME",
+                   help="up: a variable of this environment the workers get too (a token, ROLLOUT_FLEET_CAPACITY); "
+                        "repeatable")
+    p.add_argument("--min-workers", type=_at_least_zero, default=None, metavar="N",
+                   help="up: autoscale between --min-workers and --max-workers on the sessions the workers own")
+    p.add_argument("--max-workers", type=_at_least_zero, default=None, metavar="N", help="up: see --min-workers")
+    _setting(p, "--target-fill", Autoscale, "target_fill",
+             "up, autoscaling: the sessions / capacity of the workers to aim at", type=_positive(float))
+    name_variable(p.add_argument("--wait", type=_at_least_zero_float, default=300.0, metavar="SECONDS",
+                                 help="up, scale: wait this long for the workers to be live in the cell "
+                                      "(default: %(default)s)"), "ray_wait")
+    p.add_argument("--json", action="store_true", help="one JSON object")
+    p.set_defaults(environ=environ)  # --worker-env's values, read from the same mapping as every default
+
+
+def _at_least_zero(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
+def _at_least_zero_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
 _Builder = Callable[[argparse.ArgumentParser, Mapping[str, str]], None]
 # verb -> (help, builder of its arguments)
 VERBS: dict[str, tuple[str, _Builder]] = {
@@ -325,6 +374,7 @@ VERBS: dict[str, tuple[str, _Builder]] = {
     "sessions": ("list, show and close the sessions of a cell (--cell '*': of every cell)", _sessions),
     "cells": ("the deployment's cells and their slots; suggest cell names on distinct masters", _cells),
     "trainers": ("caps on each trainer's open sessions per cell (--cell '*': every cell)", _trainers),
+    "ray": ("the fleet's workers on a Ray cluster: up, status, scale, down", _ray),
 }
 
 

@@ -16,7 +16,7 @@ from redis.exceptions import RedisError
 USAGE_ERROR = 2
 # The module a verb failed to import -> the extra of pyproject.toml that installs it.
 EXTRA_OF = {"fastapi": "gateway", "uvicorn": "gateway", "httpx": "http", "torch": "reference", "PIL": "render",
-            "streaq": "bench", "matplotlib": "bench", "pyinstrument": "bench"}
+            "streaq": "bench", "matplotlib": "bench", "pyinstrument": "bench", "ray": "ray"}
 _PASSWORD = re.compile(r"(://[^:/@]*:)[^@]*@")
 
 T = TypeVar("T")

@@ -1,5 +1,5 @@
-"""``rollout-fleet``: worker, demo, redis, status, supervisor, gateway, replay, sessions, trainers, update-weights
-and bench.
+"""``rollout-fleet``: worker, demo, redis, status, supervisor, gateway, replay, sessions, trainers, update-weights,
+ray and bench.
 
 The verbs' arguments are in :mod:`cli.args`; this module runs them."""
 
@@ -175,6 +175,12 @@ def _cmd_trainers(run: Invocation) -> int:
     return asyncio.run(run_trainers_command(run.cell, run.args))
 
 
+def _cmd_ray(run: Invocation) -> int:
+    from cli.ray import run_ray_command
+
+    return run_ray_command(run.cell, run.args)
+
+
 def _cmd_update_weights(run: Invocation) -> int:
     from redis.exceptions import RedisError
 
@@ -274,7 +280,7 @@ COMMANDS: dict[str, Callable[[Invocation], int]] = {
     "worker": _cmd_worker, "demo": _cmd_demo, "redis": _cmd_redis, "status": _cmd_status,
     "supervisor": _cmd_supervisor, "replay": _cmd_replay, "gateway": _cmd_gateway,
     "bench": _cmd_bench, "update-weights": _cmd_update_weights, "dashboard": _cmd_dashboard,
-    "sessions": _cmd_sessions, "cells": _cmd_cells, "trainers": _cmd_trainers,
+    "sessions": _cmd_sessions, "cells": _cmd_cells, "trainers": _cmd_trainers, "ray": _cmd_ray,
 }
 
 

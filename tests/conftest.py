@@ -32,8 +32,9 @@ def root_logging_restored() -> Iterator[None]:
 # RLinf tier (tests/rlinf/) needs the RLinf venv (scripts/run_rlinf_tests.sh).
 # AReaL tier (tests/areal/) needs the AReaL venv (scripts/run_areal_tests.sh). The compose tier
 # (tests/compose/) runs docker-compose.yml on a Docker engine (scripts/run_compose_tests.sh); the fault
-# tier (tests/faults/) needs root for its network namespaces (scripts/run_fault_tests.sh).
-OPT_IN_MARKS = ("cluster", "verl", "rlinf", "areal", "compose", "faults")
+# tier (tests/faults/) needs root for its network namespaces (scripts/run_fault_tests.sh); the Ray tier
+# (tests/ray/) starts a local multi-node Ray cluster and needs the Ray venv (scripts/run_ray_tests.sh).
+OPT_IN_MARKS = ("cluster", "verl", "rlinf", "areal", "compose", "faults", "ray")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -62,11 +62,18 @@ OPTIONS: dict[str, dict[str, tuple[list[str], str]]] = {
     "cells": {**{k: v for k, v in _CELL.items() if k != "--cell"}, "--count": (["3"], "3"),
               "--stem": (["gpu"], "gpu"), "--json": ([], "1")},
     "trainers": {**_NO_LEASE, "--json": ([], "1")},
+    "ray": {**_CELL, "--address": (["10.0.0.1:6379"], "10.0.0.1:6379"), "--name": (["f2"], "f2"),
+            "--workers": (["3"], "3"), "--num-gpus": (["1"], "1"), "--num-cpus": (["2"], "2"),
+            "--engine": (["null"], "null"), "--engine-opt": (["a=1", "--engine-opt", "b=x y"], "a=1 'b=x y'"),
+            "--placement": (["spread"], "spread"), "--drain-timeout": (["2.5"], "2.5"),
+            "--worker-env": (["HF_TOKEN", "--worker-env", "X"], "HF_TOKEN X"), "--wait": (["5"], "5"),
+            "--min-workers": (["1"], "1"), "--max-workers": (["4"], "4"), "--target-fill": (["0.5"], "0.5"),
+            "--json": ([], "1")},
     "bench": {},  # its options are bench.run_all's, passed through (and read there: the last test)
 }
 # What a verb needs besides the option under test: positionals, and required options (from their
 # variables, so that the row's flag or variable replaces them).
-BASE_ARGV = {"replay": ["list"], "sessions": ["list"], "trainers": ["list"]}
+BASE_ARGV = {"replay": ["list"], "sessions": ["list"], "trainers": ["list"], "ray": ["status"]}
 BASE_ENV = {"update-weights": {"ROLLOUT_FLEET_MODEL": "m", "ROLLOUT_FLEET_VERSION": "1", "ROLLOUT_FLEET_PATH": "/p"}}
 
 
