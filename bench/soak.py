@@ -12,9 +12,10 @@ Every ``--interval`` seconds the parent samples each process's resident memory a
 descriptors (``/proc/PID/status``, ``/proc/PID/fd``; worker, supervisor, gateway, trainer, HTTP
 client, Redis), Redis ``used_memory``, its key count and the fleet's stream lengths (inboxes,
 reply streams, dead letters, the stats and control streams) and step-record count (the log
-hashes), and the load children's step counters. It writes ``samples.csv`` and ``soak.json`` (the
-samples, the load, and each series' growth per hour: a least-squares line through the second half
-of the run) under ``--out``, and with ``--plot PNG`` the curves. It asserts nothing: a growth is
+hashes), and the load children's step counters. Each sample is appended to ``samples.jsonl`` as
+it is taken (a run stopped early keeps them); at the end it writes ``samples.csv`` and
+``soak.json`` (the samples, the load, and each series' growth per hour: a least-squares line
+through the second half of the run) under ``--out``, and with ``--plot PNG`` the curves. It asserts nothing: a growth is
 read from the table and the plot (docs/soak.md).
 
     python -m bench.soak --minutes 45 --plot docs/img/soak.png
@@ -358,7 +359,9 @@ async def start_fleet(children: Children, redis_url: str, prefix: str, load: Loa
 
 
 async def sample_until(run: Run, redis: Redis, keys: CellKeys, pids: dict[str, int], count_files: dict[str, Path],
-                       children: Children, progress: bool) -> None:
+                       children: Children, journal: Path, progress: bool) -> None:
+    """Sample until the run's minutes are over; each sample is also appended to ``journal`` (JSON
+    lines), so a run stopped early keeps what it measured."""
     loop = asyncio.get_running_loop()
     started = loop.time()
     stop = started + run.load.minutes * 60.0
@@ -368,6 +371,8 @@ async def sample_until(run: Run, redis: Redis, keys: CellKeys, pids: dict[str, i
         sample = {"t_s": now - started, **process_sample(pids), **await redis_sample(redis, keys),
                   **load_sample(count_files)}
         run.samples.append(sample)
+        with open(journal, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(sample) + "\n")
         if progress:
             print(f"soak t={sample['t_s']:.0f}s steps={sample.get('load.trainer_steps', 0):.0f}+"
                   f"{sample.get('load.http_steps', 0):.0f} redis={sample['redis.used_memory_mb']:.1f}MB "
@@ -403,7 +408,9 @@ async def soak(load: Load, out: Path, progress: bool = True) -> Run:
                      "redis": server.process.pid})
         redis = open_redis(server.url)
         try:
-            await sample_until(run, redis, CellKeys(prefix), pids, count_files, children, progress)
+            journal = out / "samples.jsonl"
+            journal.unlink(missing_ok=True)
+            await sample_until(run, redis, CellKeys(prefix), pids, count_files, children, journal, progress)
         finally:
             await redis.aclose()
             _stop_load(children, drives)
