@@ -473,6 +473,10 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.drive is not None:
@@ -482,6 +486,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 trainer_lanes=args.trainer_lanes, http_lanes=args.http_lanes, steps=args.steps,
                 closed_retention_hours=args.closed_retention_hours)
     out = args.out or RESULTS / time.strftime("soak-%Y%m%d-%H%M%S")
+    signal.signal(signal.SIGTERM, _interrupt)  # a stopped soak stops its fleet too (Children's exit)
     run = asyncio.run(soak(load, out, progress=not args.quiet))
     csv_path, json_path = write_results(run, out)
     if args.plot is not None:
