@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-cluster test-faults test-engines test-verl test-rlinf test-areal test-slurm images test-compose test-ray lint docs clean
+.PHONY: venv demo test test-cluster test-faults test-engines test-verl test-rlinf test-areal test-slurm images test-compose test-ray lint docs soak clean
 
 $(STAMP): pyproject.toml
 	@echo "make: creating $(VENV) and installing rollout-fleet[reference,dev] (CPU torch; a few minutes the first time)"
@@ -76,6 +76,11 @@ test-compose: $(STAMP)
 # The manual (mkdocs.yml, docs/): strict, so a broken link or a page missing from the nav fails.
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+
+# The soak benchmark by hand (bench/soak.py, docs/soak.md): a steady load for SOAK_MINUTES, sampled.
+SOAK_MINUTES ?= 45
+soak: $(STAMP)
+	$(PY) -m bench.soak --minutes $(SOAK_MINUTES) --plot bench/results/soak.png
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

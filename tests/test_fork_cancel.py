@@ -216,6 +216,22 @@ async def test_reference_engine_aborts_one_session_and_the_rest_of_the_batch_is_
     assert engine.session_keys() == ["short", "solo"]  # the aborted session kept no state (it had none)
 
 
+async def test_reference_engine_forgets_the_abort_marks_of_dropped_sessions() -> None:
+    """A worker that runs for days cancels many sessions: each one's abort mark goes when the
+    session is dropped (closed, moved away), and an abort before a batch does not stop its step."""
+    engine = ref(eos=-1)
+    await engine.start()
+    for i in range(100):
+        assert engine.abort_session(f"s{i}")
+        engine.drop_session(f"s{i}")
+    assert engine.session_keys() == []  # the queued drops are applied
+    assert engine._session_aborts == {}
+    assert engine.abort_session("later")
+    step = TokenStep.from_wire(tok([4], seed=4, max_tokens=8))
+    out = await engine.run_batch("reference-lm", [EngineRequest("later", "reference-lm", step)])
+    assert not isinstance(out[0], Exception)
+
+
 async def test_abortable_calls_abort_one_sessions_call_and_token_contexts_fork() -> None:
     """The vLLM engines' side: a session's generation is cancelled alone; a fork copies the context."""
     calls = AbortableCalls()

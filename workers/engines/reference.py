@@ -85,7 +85,11 @@ class ReferenceEngine(Engine):
         self._drops_lock = threading.Lock()
         self._drops: set[str] = set()  # sessions to forget before the next batch (see drop_session)
         self._aborts = 0  # bumped by abort_running; batches submitted before a bump stop
-        self._session_aborts: dict[str, int] = {}  # bumped by abort_session: that session's step stops
+        # abort_session: session -> the number of its latest abort, out of one sequence; a batch
+        # stops a session's step when that number is newer than the batch. Dropped with the session,
+        # so a long-running worker does not keep one entry per session it ever cancelled.
+        self._abort_seq = 0
+        self._session_aborts: dict[str, int] = {}
 
     def models(self) -> Mapping[str, Mode]:
         return {WORLD_MODEL: Mode.WORLD_MODEL_ENV, LM_MODEL: Mode.TOKENS}
@@ -179,6 +183,7 @@ class ReferenceEngine(Engine):
         for key in drops:
             self._world_sessions.pop(key, None)
             self._lm_sessions.pop(key, None)
+            self._session_aborts.pop(key, None)
 
     def export_session(self, session_key: str) -> bytes | None:
         """A world session's hidden state and step count (a language-model session is rebuilt from
@@ -217,14 +222,13 @@ class ReferenceEngine(Engine):
 
     async def run_batch(self, model: str, requests: Sequence[EngineRequest]) -> list[Result]:
         """Run a batch in a worker thread (one at a time) so the event loop stays free."""
-        mark = self._aborts
-        marks = {r.session_key: self._session_aborts.get(r.session_key, 0) for r in requests}
+        mark, since = self._aborts, self._abort_seq
 
         def aborted() -> bool:
             return self._aborts != mark
 
-        def session_aborted(key: str) -> bool:
-            return self._session_aborts.get(key, 0) != marks.get(key, 0)
+        def session_aborted(key: str) -> bool:  # a dropped session's forgotten mark is no abort
+            return self._session_aborts.get(key, 0) > since
 
         async with self._async_lock:
             return await asyncio.to_thread(self.run_direct, model, requests, aborted, session_aborted)
@@ -232,7 +236,8 @@ class ReferenceEngine(Engine):
     def abort_session(self, session_key: str) -> bool:
         """A language-model step of the session stops at its next decode step (a world step is one
         pass: it runs to its end)."""
-        self._session_aborts[session_key] = self._session_aborts.get(session_key, 0) + 1
+        self._abort_seq += 1
+        self._session_aborts[session_key] = self._abort_seq
         return True
 
     def fork_session(self, source_key: str, branch_keys: Sequence[str]) -> bool:
