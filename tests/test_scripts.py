@@ -133,3 +133,23 @@ async def test_a_commit_leaves_the_steps_queued_behind_it_alone(scripts: Scripts
                                                 reply_to="c", payload=b"p"), Queued)
     assert await _commit(scripts, worker="w1", epoch=1, step=0, entry=entry) == Committed()
     assert await scripts.redis.hget(scripts.keys.session(sid), "next_step_id") == b"3"
+
+
+async def test_a_commit_before_a_queued_reset_leaves_the_new_generation_alone(scripts: Scripts) -> None:
+    """Steps 0..2, a reset and the new generation's step 0 are queued; step 2 commits after the
+    reset's enqueue moved next_step_id to 0: the new generation's steps still enqueue in order."""
+    sid, entry = await _session_with_job(scripts)
+    entries = [entry]
+    for step in (1, 2):
+        queued = await scripts.enqueue(sid, "w1", step_id=step, contextual=True, job_id=f"j{step}", reply_to="c",
+                                       payload=b"p")
+        assert isinstance(queued, Queued)
+        entries.append(queued.entry_id)
+    await scripts.control(sid, "w1", kind="reset", job_id="r", reply_to="c")
+    assert isinstance(await scripts.enqueue(sid, "w1", step_id=0, contextual=True, job_id="n0", reply_to="c",
+                                            payload=b"p"), Queued)
+    for step, e in enumerate(entries):
+        assert await _commit(scripts, worker="w1", epoch=1, step=step, entry=e) == Committed()
+    assert await scripts.redis.hget(scripts.keys.session(sid), "next_step_id") == b"1"
+    assert isinstance(await scripts.enqueue(sid, "w1", step_id=1, contextual=True, job_id="n1", reply_to="c",
+                                            payload=b"p"), Queued)

@@ -31,9 +31,9 @@
 --       cover the commit even when another connection wrote it. The worker calls again with
 --       deferred '0' and an empty result once a replica has it: that call publishes and acks.
 -- Fields (broker/redis/layouts.py): reads session owner, epoch, committed_step_id, result_window,
---       max_staleness, first_version, cancels, next_step_id; writes first_version (when absent and
---       max_staleness is set); writes session next_step_id (raised to step + 1 when it is not past the
---       step: see below), committed_step_id, context_length, updated_ms, unconfirmed_step (deferred: the
+--       max_staleness, first_version, cancels, next_step_id, reset_pending; writes first_version (when
+--       absent and max_staleness is set); writes session next_step_id (raised to step + 1 when it is not
+--       past the step and no reset is pending: see below), committed_step_id, context_length, updated_ms, unconfirmed_step (deferred: the
 --       lowest step committed and not yet confirmed; any publish clears it); log result:<step> (the
 --       last result_window kept, a large one as a reference to its blob) and input:<step> (per
 --       ARGV 11); adds a reply entry (kind, job_id, committed, result: a large one as a reference)
@@ -69,7 +69,7 @@ local version = ARGV[16]
 local job_cancels = ARGV[17]
 local staged = ARGV[18] == '1'
 local s = redis.call('HMGET', session_key, 'owner', 'epoch', 'committed_step_id', 'result_window', 'unconfirmed_step',
-  'max_staleness', 'first_version', 'cancels', 'next_step_id')
+  'max_staleness', 'first_version', 'cancels', 'next_step_id', 'reset_pending')
 local function unstage()
   if staged then
     redis.call('DEL', staged_key)
@@ -133,8 +133,9 @@ redis.call('HSET', session_key, 'committed_step_id', step, 'context_length', con
 -- A step committed here was enqueued, but this master may not have its enqueue: a replica promoted
 -- after the old master took the enqueue alone, the commit written again here by the worker that
 -- ran it. The session then expects this step next for ever (every later step is out of order, the
--- step itself answers its stored result): it expects the one after it instead.
-if (tonumber(s[9]) or 0) <= step then
+-- step itself answers its stored result): it expects the one after it instead. Not while a reset
+-- is queued behind this step: its enqueue already moved next_step_id to the new generation's 0.
+if (tonumber(s[10]) or 0) == 0 and (tonumber(s[9]) or 0) <= step then
   redis.call('HSET', session_key, 'next_step_id', step + 1)
 end
 if s[6] and not s[7] and version and version ~= '' then
