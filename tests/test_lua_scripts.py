@@ -115,6 +115,9 @@ def _split_args(text: str, start: int) -> list[str]:
     return [a for a in args if a]
 
 
+# A script that also runs in batches (prelude.lua run_batch) opens with the function of one call,
+# whose parameters KEYS and ARGV are that call's; its opening block of named locals follows.
+_ONE_CALL = re.compile(r"^local function \w+\(KEYS, ARGV\)$")
 _BLOCK_WORDS = {"KEYS", "ARGV", "tonumber", "or", "and", "not", "nil", "true", "false"}
 
 
@@ -124,6 +127,8 @@ def _opening_block(lines: list[str]) -> int:
     from names the block defined before it (``tonumber(step_id)``, ``first_cap + pools``)."""
     i, named = 0, set()
     while i < len(lines) and (not _code(lines[i])):
+        i += 1
+    if i < len(lines) and _ONE_CALL.match(_code(lines[i])):  # a batched script's one call
         i += 1
     while i < len(lines):
         code = _code(lines[i])
@@ -307,6 +312,16 @@ def test_checker_catches_a_key_spliced_from_an_argv_value() -> None:
 
 def test_checker_accepts_named_locals_tails_and_derived_keys() -> None:
     assert check(CLEAN) == []
+
+
+def test_checker_reads_the_opening_block_of_a_batched_scripts_one_call() -> None:
+    """A script that also runs in batches opens with its one call's function: the named locals
+    follow it, and a literal position after them is still caught."""
+    one_call = ("local function commit_one(KEYS, ARGV)\n  local session_key = KEYS[1]\n"
+                "  local step = ARGV[1]\n  redis.call('HSET', session_key, 'step', step)\n"
+                "  return ARGV[2]\nend\n")
+    assert [str(v) for v in check(one_call)] == [
+        "line 5: KEYS/ARGV by a literal position after the opening block: return ARGV[2]"]
 
 
 def test_checker_refuses_a_command_it_has_no_key_positions_for() -> None:

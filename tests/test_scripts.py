@@ -18,7 +18,7 @@ from broker.redis.script_replies import (
     Refused,
     StaleOwner,
 )
-from broker.redis.scripts import CommitCall, Scripts
+from broker.redis.scripts import CommitCall, Scripts, lua_source
 from schemas.errors import ErrorCode
 
 pytestmark = pytest.mark.asyncio
@@ -153,3 +153,56 @@ async def test_a_commit_before_a_queued_reset_leaves_the_new_generation_alone(sc
     assert await scripts.redis.hget(scripts.keys.session(sid), "next_step_id") == b"1"
     assert isinstance(await scripts.enqueue(sid, "w1", step_id=1, contextual=True, job_id="n1", reply_to="c",
                                             payload=b"p"), Queued)
+
+
+async def _command_calls(scripts: Scripts) -> dict[str, int]:
+    stats = await scripts.redis.info("commandstats")
+    return {name.removeprefix("cmdstat_"): int(s["calls"]) for name, s in stats.items()}
+
+
+async def test_calls_of_one_turn_run_as_one_script_call_and_each_gets_its_own_reply(scripts: Scripts) -> None:
+    """Enqueues, then commits, made in one event-loop turn leave as one script call each
+    (prelude.lua run_batch): one XACK and one XDEL for all the commits, and every caller gets its
+    own reply, a fenced or failing call among them included, without stopping the others."""
+    await _register(scripts, "w1", capacity=8)
+    sessions = [f"s{i}" for i in range(4)]
+    for sid in sessions:
+        assert await scripts.create(sid, "tokens", "m", lease_ms=5000, retention="full",
+                                    result_window=1) == Created("w1")
+    await scripts.redis.set(scripts.keys.session("broken"), "not a hash")  # WRONGTYPE inside its call
+    for name in ("enqueue", "commit"):  # loaded: no NOSCRIPT round in the counts
+        await scripts.redis.script_load(lua_source(name))
+    before = await _command_calls(scripts)
+    queued = await asyncio.gather(*(scripts.enqueue(sid, "w1", step_id=0, contextual=True, job_id=f"j-{sid}",
+                                                    reply_to="c", payload=b"p") for sid in sessions),
+                                  scripts.enqueue("broken", "w1", step_id=0, contextual=True, job_id="j-broken",
+                                                  reply_to="c", payload=b"p"), return_exceptions=True)
+    assert all(isinstance(q, Queued) for q in queued[:4]), queued
+    assert isinstance(queued[4], Exception) and "WRONGTYPE" in str(queued[4])
+    after_enqueue = await _command_calls(scripts)
+    assert after_enqueue["evalsha"] - before["evalsha"] == 1
+    assert after_enqueue["xadd"] - before.get("xadd", 0) == 4
+    assert after_enqueue["time"] - before.get("time", 0) == 1
+
+    def commit(sid: str, entry: str, epoch: int = 1) -> CommitCall:
+        return CommitCall(session_id=sid, worker_id="w1", epoch=epoch, step_id=0, entry_id=entry,
+                          result=b"r-" + sid.encode(), context_length=1, job_id=f"j-{sid}", reply_to="c",
+                          reply_ttl_ms=60000)
+
+    entries = [q.entry_id for q in queued[:4] if isinstance(q, Queued)]
+    replies = await asyncio.gather(scripts.commit(commit(sessions[0], entries[0])),
+                                   scripts.commit(commit(sessions[1], entries[1], epoch=7)),  # fenced
+                                   scripts.commit(commit(sessions[2], entries[2])),
+                                   scripts.commit(commit(sessions[3], entries[3])))
+    assert replies == [Committed(), StaleOwner("w1", 1), Committed(), Committed()]
+    after_commit = await _command_calls(scripts)
+    assert after_commit["evalsha"] - after_enqueue["evalsha"] == 1
+    assert after_commit["xack"] - after_enqueue.get("xack", 0) == 1
+    assert after_commit["xdel"] - after_enqueue.get("xdel", 0) == 1
+    redis, keys = scripts.redis, scripts.keys
+    assert [await redis.hget(keys.session(sid), "committed_step_id") for sid in sessions] == [b"0", b"-1", b"0", b"0"]
+    results = [fields[b"result"] for _, fields in await redis.xrange(keys.reply("c"))]
+    assert sorted(results) == [b"r-s0", b"r-s2", b"r-s3"]
+    assert (await redis.xpending(keys.inbox("w1"), INBOX_GROUP))["pending"] == 0
+    assert await redis.xlen(keys.inbox("w1")) == 1  # the fenced step's entry stays for its owner
+    assert 0 < await redis.pttl(keys.reply("c")) <= 60000

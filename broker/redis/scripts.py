@@ -66,6 +66,8 @@ from broker.redis.script_replies import (
 )
 
 RETIRE_TRIES = 5  # retire.lua calls while entries keep reaching the inbox between the read and the call
+BATCHED = frozenset({"commit", "enqueue"})  # scripts whose coalesced calls run as one call (run_batch)
+BATCH_MARK = "\0batch"  # prelude.lua BATCH_MARK: ARGV[1] of a batch call
 
 
 def _text(value: bytes | str) -> str:
@@ -73,6 +75,28 @@ def _text(value: bytes | str) -> str:
 
 
 _Pending = tuple[str, list[str], list[Any], "asyncio.Future[Any]", list[Any] | None]  # before: a staging SET
+
+
+def _runs(batch: list[_Pending]) -> list[list[_Pending]]:
+    """The batch cut into runs: consecutive calls of one script in ``BATCHED`` share a run; every
+    other call is a run of its own. Calls keep their order."""
+    runs: list[list[_Pending]] = []
+    for pending in batch:
+        if runs and pending[0] in BATCHED and runs[-1][0][0] == pending[0]:
+            runs[-1].append(pending)
+        else:
+            runs.append([pending])
+    return runs
+
+
+def _batch_layout(run: list[_Pending]) -> tuple[list[str], list[Any]]:
+    """KEYS and ARGV of one batch call (prelude.lua run_batch)."""
+    keys: list[str] = []
+    args: list[Any] = [BATCH_MARK, len(run)]
+    for _, call_keys, call_args, _, _ in run:
+        keys += call_keys
+        args += [len(call_keys), len(call_args), *call_args]
+    return keys, args
 
 
 @dataclass(frozen=True)
@@ -205,33 +229,58 @@ class Scripts:
             return
         try:
             results = await self._pipelined(batch)
+            unloaded = [pending for pending, result in zip(batch, results, strict=True)
+                        if isinstance(result, NoScriptError)]
+            if unloaded:  # not loaded on this server yet (a new or promoted master): load, send again
+                for name in {pending[0] for pending in unloaded}:
+                    await self.redis.script_load(self._scripts[name].script)
+                again = iter(await self._pipelined(unloaded))
+                results = [next(again) if isinstance(result, NoScriptError) else result for result in results]
         except Exception as exc:  # the connection failed: every caller sees it, as it would alone
             exc = self._as_redis_error(exc)
             for pending in batch:
                 if not pending[3].done():
                     pending[3].set_exception(exc)
             return
-        for (name, keys, args, fut, before), result in zip(batch, results, strict=True):
+        for (*_, fut, _before), result in zip(batch, results, strict=True):
             if fut.done():
                 continue
-            if isinstance(result, NoScriptError):  # not loaded on this server yet: the plain call loads it
-                await settle(fut, self._direct(name, keys, args, before))
-            elif isinstance(result, Exception):
+            if isinstance(result, Exception):
                 fut.set_exception(result)
             else:
                 fut.set_result(result)
 
     async def _pipelined(self, batch: list[_Pending]) -> list[Any]:
-        """One pipeline of the batch's calls: each script's reply or error, in the batch's order."""
+        """One pipeline of the batch's calls: each script's reply or error, in the batch's order.
+        A run of consecutive calls of one batched script (commits, enqueues) is one script call
+        (prelude.lua run_batch): fewer script runs and one XACK, XDEL and TIME per run instead of
+        one per step. Staging SETs go first; a staging SET's reply is skipped: had it failed, its
+        script answers 'unstaged'."""
+        runs = _runs(batch)
         async with self.redis.pipeline(transaction=False) as pipe:
-            for name, keys, args, _, before in batch:
-                if before is not None:
-                    pipe.execute_command(*before)
+            for run in runs:
+                for *_, before in run:
+                    if before is not None:
+                        pipe.execute_command(*before)
+                name = run[0][0]
+                keys, args = _batch_layout(run) if len(run) > 1 else (run[0][1], run[0][2])
                 pipe.execute_command("EVALSHA", self._scripts[name].sha, len(keys), *keys, *args)
             replies = iter(await pipe.execute(raise_on_error=False))
-        # A staging SET's reply is skipped: had it failed, its script answers 'unstaged'.
-        return [(next(replies), next(replies))[1] if before is not None else next(replies)
-                for *_, before in batch]
+        results: list[Any] = []
+        for run in runs:
+            for *_, before in run:
+                if before is not None:
+                    next(replies)
+            reply = next(replies)
+            if len(run) == 1:
+                results.append(reply)
+            elif isinstance(reply, Exception):  # the whole call failed (NOSCRIPT, a refusal): each sees it
+                results += [reply] * len(run)
+            elif isinstance(reply, list) and len(reply) == len(run):
+                results += reply
+            else:
+                results += [ResponseError(f"batched {name} answered {reply!r:.200}")] * len(run)
+        return results
 
     # ------------------------------------------------------------------ trainer side
 

@@ -31,7 +31,9 @@
 --       cover the commit even when another connection wrote it. The worker calls again with
 --       deferred '0' and an empty result once a replica has it: that call publishes and acks.
 -- Fields (broker/redis/layouts.py): reads session owner, epoch, committed_step_id, result_window,
---       max_staleness, first_version, cancels, next_step_id, reset_pending; writes first_version (when
+--       max_staleness, first_version, cancels, next_step_id, reset_pending, last_blob_step (the highest
+--       step committed with its result in a blob: a token session's eviction then deletes no blob;
+--       absent means unknown); writes last_blob_step with a blob's commit; writes first_version (when
 --       absent and max_staleness is set); writes session next_step_id (raised to step + 1 when it is not
 --       past the step and no reset is pending: see below), committed_step_id, context_length, updated_ms, unconfirmed_step (deferred: the
 --       lowest step committed and not yet confirmed; any publish clears it); log result:<step> (the
@@ -40,131 +42,167 @@
 -- Returns {'committed'} | {'duplicate'} | {'duplicate_unstored', committed}
 --       | {'fenced', owner, epoch} | {'out_of_order', committed} | {'cancelled', committed}
 --       | {'unstaged', committed} (ARGV 18 '1' and KEYS[5] missing: nothing changed, call again)
-local session_key = KEYS[1]
-local log_key = KEYS[2]
-local inbox_key = KEYS[3]
-local reply_key = KEYS[4]
-local staged_key = KEYS[5]
-local result_blob_key = KEYS[6]
-local reply_blob_key = KEYS[7]
-local evicted_record_key = KEYS[8]
-local input_key = KEYS[9]  -- nil unless the job's payload was staged
-local record_key = KEYS[10]
-local worker_id = ARGV[1]
-local job_epoch = ARGV[2]
-local step = tonumber(ARGV[3])
-local entry_id = ARGV[4]
-local result_arg = ARGV[5]
-local context_length = ARGV[6]
-local job_id = ARGV[7]
-local reply_ttl_ms = ARGV[8]
-local inbox_group = ARGV[9]
-local record = ARGV[10]
-local keep = tonumber(ARGV[11])
-local stream_bytes = ARGV[12]
-local large_bytes = ARGV[13]
-local large_ttl_ms = ARGV[14]
-local deferred = ARGV[15] == '1'
-local version = ARGV[16]
-local job_cancels = ARGV[17]
-local staged = ARGV[18] == '1'
-local s = redis.call('HMGET', session_key, 'owner', 'epoch', 'committed_step_id', 'result_window', 'unconfirmed_step',
-  'max_staleness', 'first_version', 'cancels', 'next_step_id', 'reset_pending')
-local function unstage()
-  if staged then
-    redis.call('DEL', staged_key)
+-- Batch (prelude.lua run_batch; Scripts sends the commits of one event-loop turn so): each commit
+--       runs as above and answers in its place; the inbox entries they publish are acknowledged and
+--       deleted with one XACK and one XDEL per inbox at the end, each reply stream's length is read
+--       once and its TTL set once, and the batch reads TIME once.
+local function commit_one(KEYS, ARGV)
+  local session_key = KEYS[1]
+  local log_key = KEYS[2]
+  local inbox_key = KEYS[3]
+  local reply_key = KEYS[4]
+  local staged_key = KEYS[5]
+  local result_blob_key = KEYS[6]
+  local reply_blob_key = KEYS[7]
+  local evicted_record_key = KEYS[8]
+  local input_key = KEYS[9]  -- nil unless the job's payload was staged
+  local record_key = KEYS[10]
+  local worker_id = ARGV[1]
+  local job_epoch = ARGV[2]
+  local step = tonumber(ARGV[3])
+  local entry_id = ARGV[4]
+  local result_arg = ARGV[5]
+  local context_length = ARGV[6]
+  local job_id = ARGV[7]
+  local reply_ttl_ms = ARGV[8]
+  local inbox_group = ARGV[9]
+  local record = ARGV[10]
+  local keep = tonumber(ARGV[11])
+  local stream_bytes = ARGV[12]
+  local large_bytes = ARGV[13]
+  local large_ttl_ms = ARGV[14]
+  local deferred = ARGV[15] == '1'
+  local version = ARGV[16]
+  local job_cancels = ARGV[17]
+  local staged = ARGV[18] == '1'
+  local s = redis.call('HMGET', session_key, 'owner', 'epoch', 'committed_step_id', 'result_window', 'unconfirmed_step',
+    'max_staleness', 'first_version', 'cancels', 'next_step_id', 'reset_pending', 'last_blob_step')
+  local function unstage()
+    if staged then
+      redis.call('DEL', staged_key)
+    end
   end
-end
-if fenced(s[1], s[2], worker_id, job_epoch) then
-  unstage()
-  return {'fenced', s[1] or '', s[2] or ''}
-end
-local committed = tonumber(s[3])
-local function publish(stored, current)
-  local result, size, blob = reply_value(stored, reply_blob_key)
-  if not result then
-    return false
+  if fenced(s[1], s[2], worker_id, job_epoch) then
+    unstage()
+    return {'fenced', s[1] or '', s[2] or ''}
   end
-  if s[5] then  -- published after a replica confirmed every earlier write of this master
-    redis.call('HDEL', session_key, 'unconfirmed_step')
+  local committed = tonumber(s[3])
+  local function publish(stored, current)
+    local result, size, blob = reply_value(stored, reply_blob_key)
+    if not result then
+      return false
+    end
+    if s[5] then  -- published after a replica confirmed every earlier write of this master
+      redis.call('HDEL', session_key, 'unconfirmed_step')
+    end
+    if batch_state then  -- one XACK and one XDEL per inbox for the whole batch (at the end of the script)
+      local ids = batch_state.acks[inbox_key]
+      if not ids then
+        ids = {}
+        batch_state.acks[inbox_key] = ids
+        batch_state.groups[inbox_key] = inbox_group
+      end
+      ids[#ids + 1] = entry_id
+    else
+      redis.call('XACK', inbox_key, inbox_group, entry_id)
+      redis.call('XDEL', inbox_key, entry_id)
+    end
+    add_reply(reply_key, reply_ttl_ms, stream_bytes, large_bytes, large_ttl_ms, 'step', job_id, current, result, size,
+      blob, batch_state and batch_state.streams)
+    return true
   end
-  redis.call('XACK', inbox_key, inbox_group, entry_id)
-  redis.call('XDEL', inbox_key, entry_id)
-  add_reply(reply_key, reply_ttl_ms, stream_bytes, large_bytes, large_ttl_ms, 'step', job_id, current, result, size,
-    blob)
-  return true
-end
-if committed >= step then
-  unstage()
-  if input_key then
-    redis.call('DEL', input_key)
-  end
-  local stored = redis.call('HGET', log_key, 'result:' .. step_text(step))
-  if not stored then
-    return {'duplicate_unstored', committed}
-  end
-  if deferred then
-    redis.call('HSET', log_key, 'result:' .. step_text(step), stored)
+  if committed >= step then
+    unstage()
+    if input_key then
+      redis.call('DEL', input_key)
+    end
+    local stored = redis.call('HGET', log_key, 'result:' .. step_text(step))
+    if not stored then
+      return {'duplicate_unstored', committed}
+    end
+    if deferred then
+      redis.call('HSET', log_key, 'result:' .. step_text(step), stored)
+      return {'duplicate'}
+    end
+    if not publish(stored, committed) then  -- the reference outlived its blob: not stored either
+      return {'duplicate_unstored', committed}
+    end
     return {'duplicate'}
   end
-  if not publish(stored, committed) then  -- the reference outlived its blob: not stored either
-    return {'duplicate_unstored', committed}
+  if job_cancels and job_cancels ~= '' and job_cancels ~= (s[8] or '0') then
+    unstage()
+    return {'cancelled', committed}
   end
-  return {'duplicate'}
-end
-if job_cancels and job_cancels ~= '' and job_cancels ~= (s[8] or '0') then
-  unstage()
-  return {'cancelled', committed}
-end
-if committed ~= step - 1 or (result_arg == '' and not staged) then  -- an empty result only re-publishes
-  unstage()
-  return {'out_of_order', committed}
-end
-local result = result_arg
-if staged then
-  if redis.call('EXISTS', staged_key) == 0 then
-    return {'unstaged', committed}
+  if committed ~= step - 1 or (result_arg == '' and not staged) then  -- an empty result only re-publishes
+    unstage()
+    return {'out_of_order', committed}
   end
-  redis.call('RENAME', staged_key, result_blob_key)
-  redis.call('PERSIST', result_blob_key)  -- RENAME keeps the staging TTL: the blob lives as its log field does
-  result = BLOB_MARK .. result_blob_key
-end
-redis.call('HSET', session_key, 'committed_step_id', step, 'context_length', context_length, 'updated_ms', now_ms())
--- A step committed here was enqueued, but this master may not have its enqueue: a replica promoted
--- after the old master took the enqueue alone, the commit written again here by the worker that
--- ran it. The session then expects this step next for ever (every later step is out of order, the
--- step itself answers its stored result): it expects the one after it instead. Not while a reset
--- is queued behind this step: its enqueue already moved next_step_id to the new generation's 0.
-if (tonumber(s[10]) or 0) == 0 and (tonumber(s[9]) or 0) <= step then
-  redis.call('HSET', session_key, 'next_step_id', step + 1)
-end
-if s[6] and not s[7] and version and version ~= '' then
-  redis.call('HSET', session_key, 'first_version', version)
-end
-redis.call('HSET', log_key, 'result:' .. step_text(step), result)
-local window = tonumber(s[4] or '1')
-if step - window >= 0 then
-  redis.call('HDEL', log_key, 'result:' .. step_text(step - window))
-  redis.call('DEL', result_blob(log_key, committed + 1 - window))  -- committed is step - 1 here
-end
-if record ~= '' and keep ~= 0 then
-  redis.call('HSET', log_key, 'input:' .. step_text(step), record)
-  if input_key and redis.call('EXISTS', input_key) == 1 then
-    redis.call('RENAME', input_key, record_key)
+  local result = result_arg
+  if staged then
+    if redis.call('EXISTS', staged_key) == 0 then
+      return {'unstaged', committed}
+    end
+    redis.call('RENAME', staged_key, result_blob_key)
+    redis.call('PERSIST', result_blob_key)  -- RENAME keeps the staging TTL: the blob lives as its log field does
+    result = BLOB_MARK .. result_blob_key
+    redis.call('HSET', session_key, 'committed_step_id', step, 'context_length', context_length, 'updated_ms',
+      now_ms(), 'last_blob_step', step)
+  else
+    redis.call('HSET', session_key, 'committed_step_id', step, 'context_length', context_length, 'updated_ms', now_ms())
   end
-  if keep > 0 and step - keep >= 0 then
-    redis.call('HDEL', log_key, 'input:' .. step_text(step - keep))
-    redis.call('DEL', evicted_record_key)
+  -- A step committed here was enqueued, but this master may not have its enqueue: a replica promoted
+  -- after the old master took the enqueue alone, the commit written again here by the worker that
+  -- ran it. The session then expects this step next for ever (every later step is out of order, the
+  -- step itself answers its stored result): it expects the one after it instead. Not while a reset
+  -- is queued behind this step: its enqueue already moved next_step_id to the new generation's 0.
+  if (tonumber(s[10]) or 0) == 0 and (tonumber(s[9]) or 0) <= step then
+    redis.call('HSET', session_key, 'next_step_id', step + 1)
   end
-elseif input_key then
-  redis.call('DEL', input_key)
-end
-if deferred then
-  local unconfirmed = tonumber(s[5])
-  if not unconfirmed or step < unconfirmed then
-    redis.call('HSET', session_key, 'unconfirmed_step', step)
+  if s[6] and not s[7] and version and version ~= '' then
+    redis.call('HSET', session_key, 'first_version', version)
   end
+  redis.call('HSET', log_key, 'result:' .. step_text(step), result)
+  local window = tonumber(s[4] or '1')
+  if step - window >= 0 then
+    redis.call('HDEL', log_key, 'result:' .. step_text(step - window))
+    -- its blob, unless no result from that step on was stored as one (last_blob_step: the highest
+    -- step committed with a blob; absent, as in a forked session, means unknown)
+    local last_blob = tonumber(s[11] or '')
+    if last_blob == nil or last_blob >= step - window then
+      redis.call('DEL', result_blob(log_key, committed + 1 - window))  -- committed is step - 1 here
+    end
+  end
+  if record ~= '' and keep ~= 0 then
+    redis.call('HSET', log_key, 'input:' .. step_text(step), record)
+    if input_key and redis.call('EXISTS', input_key) == 1 then
+      redis.call('RENAME', input_key, record_key)
+    end
+    if keep > 0 and step - keep >= 0 then
+      redis.call('HDEL', log_key, 'input:' .. step_text(step - keep))
+      redis.call('DEL', evicted_record_key)
+    end
+  elseif input_key then
+    redis.call('DEL', input_key)
+  end
+  if deferred then
+    local unconfirmed = tonumber(s[5])
+    if not unconfirmed or step < unconfirmed then
+      redis.call('HSET', session_key, 'unconfirmed_step', step)
+    end
+    return {'committed'}
+  end
+  publish(result, step)
   return {'committed'}
 end
-publish(result, step)
-return {'committed'}
+
+if not is_batch() then
+  return commit_one(KEYS, ARGV)
+end
+batch_state = {acks = {}, groups = {}, streams = {}}
+local replies = run_batch(commit_one)
+for inbox_key, ids in pairs(batch_state.acks) do
+  redis.call('XACK', inbox_key, batch_state.groups[inbox_key], unpack(ids))
+  redis.call('XDEL', inbox_key, unpack(ids))
+end
+flush_replies(batch_state.streams)
+return replies

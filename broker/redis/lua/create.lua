@@ -100,7 +100,7 @@ redis.call('HSET', session_key,
   'committed_step_id', -1, 'next_step_id', 0, 'context_length', 0, 'closed', 0,
   'gen', 0, 'reset_pending', 0, 'retention', retention, 'result_window', result_window,
   'idle_timeout_ms', idle_timeout_ms or 0, 'idle_closed', 0, 'cancels', 0, 'forked_from', '',
-  'created_ms', now, 'updated_ms', now, 'priority', priority, 'trainer', trainer)
+  'created_ms', now, 'updated_ms', now, 'priority', priority, 'trainer', trainer, 'last_blob_step', -1)
 if max_staleness and max_staleness ~= '' then
   redis.call('HSET', session_key, 'max_staleness', max_staleness)
 end

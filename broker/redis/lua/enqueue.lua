@@ -24,88 +24,102 @@
 -- Returns {'queued', entry_id, committed} | {'stored', result, committed}
 --       | {'error', code, message, committed, context_length[, 'in_flight']} | {'moved', owner}
 --       | {'unstaged', committed} (KEYS[5] given and missing: nothing changed, call again)
-local session_key = KEYS[1]
-local inbox_key = KEYS[2]
-local log_key = KEYS[3]
-local announced_key = KEYS[4]
-local staged_input_key = KEYS[5]
-local input_blob_key = KEYS[6]
-local believed_owner = ARGV[1]
-local step_id = ARGV[2]  -- the id exactly as the client sent it (decimal text), written back as is
-local step = tonumber(step_id)  -- for comparisons only: above 2^53 the double is rounded
-local contextual = ARGV[3]
-local job_id = ARGV[4]
-local reply_to = ARGV[5]
-local inline_payload = ARGV[6]
-local session_id = ARGV[7]
-local attempt = ARGV[8]
-local min_version = ARGV[9]
-local staged = #KEYS >= 6
-if staged and redis.call('EXISTS', staged_input_key) == 0 then
-  return {'unstaged', -1}
-end
-local function enqueue()
-  local s = redis.call('HMGET', session_key, 'owner', 'epoch', 'committed_step_id', 'next_step_id',
-    'context_length', 'closed', 'gen', 'reset_pending', 'mode', 'model', 'retention', 'unconfirmed_step',
-    'max_staleness', 'first_version', 'priority', 'cancels')
-  local owner, committed, ctx = s[1], tonumber(s[3]), s[5]
-  local refusal = session_refusal(owner, s[6], committed, ctx, believed_owner, session_id)
-  if refusal then
-    return refusal
+-- Batch (prelude.lua run_batch; Scripts sends the enqueues of one event-loop turn so): each runs as
+--       above and answers in its place; the batch reads TIME once.
+local function enqueue_one(KEYS, ARGV)
+  local session_key = KEYS[1]
+  local inbox_key = KEYS[2]
+  local log_key = KEYS[3]
+  local announced_key = KEYS[4]
+  local staged_input_key = KEYS[5]
+  local input_blob_key = KEYS[6]
+  local believed_owner = ARGV[1]
+  local step_id = ARGV[2]  -- the id exactly as the client sent it (decimal text), written back as is
+  local step = tonumber(step_id)  -- for comparisons only: above 2^53 the double is rounded
+  local contextual = ARGV[3]
+  local job_id = ARGV[4]
+  local reply_to = ARGV[5]
+  local inline_payload = ARGV[6]
+  local session_id = ARGV[7]
+  local attempt = ARGV[8]
+  local min_version = ARGV[9]
+  local staged = #KEYS >= 6
+  if staged and redis.call('EXISTS', staged_input_key) == 0 then
+    return {'unstaged', -1}
   end
-  local unconfirmed = tonumber(s[12] or '')
-  local awaits_replica = contextual == '1' and unconfirmed ~= nil and step >= unconfirmed and step <= committed
-    and s[8] == '0'
-  if contextual == '1' and not awaits_replica then
-    local nxt = tonumber(s[4])
-    -- Any step of a trajectory past its bound, in order or not: not a re-sent committed one (its
-    -- stored result still answers) nor one behind a pending reset (it starts a new trajectory).
-    if s[13] and s[14] and step > committed and s[8] == '0' then
-      local announced = tonumber(redis.call('HGET', announced_key, s[10]) or '0') or 0
-      local first = tonumber(s[14])
-      if announced > first + tonumber(s[13]) then
-        return {'error', 'stale_policy', 'the trajectory started on policy version ' .. step_text(first)
-          .. ' and version ' .. step_text(announced) .. ' of ' .. s[10] .. ' is announced, more than max_staleness '
-          .. s[13] .. ' ahead: drop the trajectory or reset the session', committed, ctx}
-      end
+  local function enqueue()
+    local advanced = nil  -- next_step_id after this step, written with updated_ms
+    local s = redis.call('HMGET', session_key, 'owner', 'epoch', 'committed_step_id', 'next_step_id',
+      'context_length', 'closed', 'gen', 'reset_pending', 'mode', 'model', 'retention', 'unconfirmed_step',
+      'max_staleness', 'first_version', 'priority', 'cancels')
+    local owner, committed, ctx = s[1], tonumber(s[3]), s[5]
+    local refusal = session_refusal(owner, s[6], committed, ctx, believed_owner, session_id)
+    if refusal then
+      return refusal
     end
-    if step ~= nxt then
-      if step <= committed and s[8] == '0' then
-        local stored = redis.call('HGET', log_key, 'result:' .. step_text(step))
-        if stored then
-          return {'stored', stored, committed}
+    local unconfirmed = tonumber(s[12] or '')
+    local awaits_replica = contextual == '1' and unconfirmed ~= nil and step >= unconfirmed and step <= committed
+      and s[8] == '0'
+    if contextual == '1' and not awaits_replica then
+      local nxt = tonumber(s[4])
+      -- Any step of a trajectory past its bound, in order or not: not a re-sent committed one (its
+      -- stored result still answers) nor one behind a pending reset (it starts a new trajectory).
+      if s[13] and s[14] and step > committed and s[8] == '0' then
+        local announced = tonumber(redis.call('HGET', announced_key, s[10]) or '0') or 0
+        local first = tonumber(s[14])
+        if announced > first + tonumber(s[13]) then
+          return {'error', 'stale_policy', 'the trajectory started on policy version ' .. step_text(first)
+            .. ' and version ' .. step_text(announced) .. ' of ' .. s[10] .. ' is announced, more than max_staleness '
+            .. s[13] .. ' ahead: drop the trajectory or reset the session', committed, ctx}
         end
-        return {'error', 'step_already_committed',
-                'Step ' .. step_id .. ' is already committed; highest committed step is ' .. step_text(committed) .. '.',
-                committed, ctx}
       end
-      if step < nxt then
-        return {'error', 'step_out_of_order',
-                'step ' .. step_id .. ' is already queued; expected step_id ' .. step_text(nxt), committed, ctx, 'in_flight'}
+      if step ~= nxt then
+        if step <= committed and s[8] == '0' then
+          local stored = redis.call('HGET', log_key, 'result:' .. step_text(step))
+          if stored then
+            return {'stored', stored, committed}
+          end
+          return {'error', 'step_already_committed',
+                  'Step ' .. step_id .. ' is already committed; highest committed step is ' .. step_text(committed) .. '.',
+                  committed, ctx}
+        end
+        if step < nxt then
+          return {'error', 'step_out_of_order',
+                  'step ' .. step_id .. ' is already queued; expected step_id ' .. step_text(nxt), committed, ctx, 'in_flight'}
+        end
+        return {'error', 'step_out_of_order', 'Expected step_id ' .. step_text(nxt) .. ', got ' .. step_id .. '.', committed, ctx}
       end
-      return {'error', 'step_out_of_order', 'Expected step_id ' .. step_text(nxt) .. ', got ' .. step_id .. '.', committed, ctx}
+      advanced = nxt + 1
     end
-    redis.call('HSET', session_key, 'next_step_id', nxt + 1)
+    local now = now_ms()
+    if advanced then
+      redis.call('HSET', session_key, 'next_step_id', advanced, 'updated_ms', now)
+    else
+      redis.call('HSET', session_key, 'updated_ms', now)
+    end
+    local payload = inline_payload
+    if staged then
+      redis.call('RENAME', staged_input_key, input_blob_key)
+      redis.call('PERSIST', input_blob_key)
+      payload = BLOB_MARK
+    end
+    local id = redis.call('XADD', inbox_key, '*',
+      'kind', 'step', 'job_id', job_id, 'session_id', session_id, 'step_id', step_id,
+      'contextual', contextual, 'epoch', s[2], 'gen', s[7], 'mode', s[9], 'model', s[10],
+      'reply_to', reply_to, 'enqueued_ms', now, 'attempt', attempt, 'retention', s[11] or 'full',
+      'min_version', min_version or '0', 'priority', s[15] or 'bulk', 'cancels', s[16] or '0',
+      'payload', payload)
+    return {'queued', id, committed}
   end
-  local now = now_ms()
-  redis.call('HSET', session_key, 'updated_ms', now)
-  local payload = inline_payload
-  if staged then
-    redis.call('RENAME', staged_input_key, input_blob_key)
-    redis.call('PERSIST', input_blob_key)
-    payload = BLOB_MARK
+
+  local reply = enqueue()
+  if staged and reply[1] ~= 'queued' then
+    redis.call('DEL', staged_input_key)
   end
-  local id = redis.call('XADD', inbox_key, '*',
-    'kind', 'step', 'job_id', job_id, 'session_id', session_id, 'step_id', step_id,
-    'contextual', contextual, 'epoch', s[2], 'gen', s[7], 'mode', s[9], 'model', s[10],
-    'reply_to', reply_to, 'enqueued_ms', now, 'attempt', attempt, 'retention', s[11] or 'full',
-    'min_version', min_version or '0', 'priority', s[15] or 'bulk', 'cancels', s[16] or '0',
-    'payload', payload)
-  return {'queued', id, committed}
+  return reply
 end
 
-local reply = enqueue()
-if staged and reply[1] ~= 'queued' then
-  redis.call('DEL', staged_input_key)
+if not is_batch() then
+  return enqueue_one(KEYS, ARGV)
 end
-return reply
+return run_batch(enqueue_one)

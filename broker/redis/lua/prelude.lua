@@ -3,9 +3,44 @@
 -- "Uses: prelude.lua"; each script stays one file.
 
 -- Redis server time in ms (TIME answers seconds and microseconds): one clock for every worker.
+-- Read once per script call: a batch of steps (commit.lua, enqueue.lua) runs at one instant.
+local now_cache = nil
 local function now_ms()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  if not now_cache then
+    local t = redis.call('TIME')
+    now_cache = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  end
+  return now_cache
+end
+
+-- A batch call (commit.lua, enqueue.lua): ARGV is BATCH_MARK, the number of calls, then per call
+-- its number of KEYS, its number of ARGV and those ARGV; KEYS are the calls' KEYS one after the
+-- other. `one(keys, argv)` runs one call as the script runs it alone; a call that raises answers
+-- its error in its place, and the calls after it still run. The reply is the list of the calls'
+-- replies. Calls in one batch touch one cell (one hash tag), as one call does.
+-- `batch_state`: what a batch's calls share (commit.lua: the entries to acknowledge per inbox,
+-- the reply streams' lengths and TTLs); nil outside a batch.
+local BATCH_MARK, BATCH_MARK_AT, BATCH_COUNT_AT = '\0batch', 1, 2
+local batch_state = nil
+local function is_batch()
+  return ARGV[BATCH_MARK_AT] == BATCH_MARK
+end
+local function run_batch(one)
+  local replies = {}
+  local key_at, arg_at = 1, BATCH_COUNT_AT + 1
+  for nth = 1, tonumber(ARGV[BATCH_COUNT_AT]) do
+    local nkeys, nargs = tonumber(ARGV[arg_at]), tonumber(ARGV[arg_at + 1])
+    local call_keys = {unpack(KEYS, key_at, key_at + nkeys - 1)}
+    local call_args = {unpack(ARGV, arg_at + 2, arg_at + 1 + nargs)}
+    key_at, arg_at = key_at + nkeys, arg_at + 2 + nargs
+    local ok, reply = pcall(one, call_keys, call_args)
+    if ok or (type(reply) == 'table' and reply.err) then
+      replies[nth] = reply
+    else
+      replies[nth] = {err = tostring(reply)}
+    end
+  end
+  return replies
 end
 
 -- A step id the scripts computed or read (committed, next) as exact decimal text. Those stay
@@ -105,11 +140,20 @@ end
 -- deleted (trimming the stream would not free them): such an entry reads as a result that is gone.
 -- Those reply blobs are named by the entries' references (the reply blobs the publishing scripts
 -- had in KEYS), in the cell's hash tag and slot.
+-- `streams` (optional, a batch's table): the stream's length is read once per batch and counted
+-- on from there (an upper bound: trimming only shortens it, so a count under the budget needs no
+-- read), and its TTL is set once, by flush_replies, to what the last entry added asks for, as a
+-- PEXPIRE after each entry would leave it. Returns the entry's id.
 local function add_reply(key, ttl_ms, stream_bytes, large_bytes, large_ttl_ms, kind, job_id, committed, result,
-                         size, blob)
+                         size, blob, streams)
   size = size or #result
   local maxlen = math.max(1, math.floor(tonumber(stream_bytes) / (size + 128)))
-  local over = redis.call('XLEN', key) + 1 - maxlen
+  local known = streams and streams[key]
+  local length = known and known.length
+  if not length or length + 1 > maxlen then
+    length = redis.call('XLEN', key)
+  end
+  local over = length + 1 - maxlen
   if over > 0 then
     for _, entry in ipairs(redis.call('XRANGE', key, '-', '+', 'COUNT', over)) do
       local fields = entry[2]
@@ -120,15 +164,27 @@ local function add_reply(key, ttl_ms, stream_bytes, large_bytes, large_ttl_ms, k
       end
     end
   end
-  redis.call('XADD', key, 'MAXLEN', '~', maxlen, '*', 'kind', kind, 'job_id', job_id, 'committed', committed,
-    'result', result)
+  local id = redis.call('XADD', key, 'MAXLEN', '~', maxlen, '*', 'kind', kind, 'job_id', job_id, 'committed',
+    committed, 'result', result)
   local ttl = tonumber(ttl_ms)
   if size >= tonumber(large_bytes) then
     ttl = math.min(ttl, tonumber(large_ttl_ms))
   end
-  redis.call('PEXPIRE', key, ttl)
+  if streams then
+    streams[key] = {length = length + 1, ttl = ttl}
+  else
+    redis.call('PEXPIRE', key, ttl)
+  end
   if blob then
     redis.call('PEXPIRE', blob, ttl)
+  end
+  return id
+end
+
+-- The TTLs add_reply left to the end of a batch: one PEXPIRE per reply stream.
+local function flush_replies(streams)
+  for key, state in pairs(streams) do
+    redis.call('PEXPIRE', key, state.ttl)
   end
 end
 
