@@ -270,7 +270,8 @@ async def test_a_consumer_read_resolves_its_blobs_together_and_skips_handled_ste
         by_session = {d.result.session_id: d for d in delivered}
         assert sorted(by_session) == sorted(r.session_id for r in published[:2])
         for mine in published[:2]:
-            assert np.array_equal(by_session[mine.session_id].result.output["video_latent"], mine.output["video_latent"])
+            delivered_latent = by_session[mine.session_id].result.output["video_latent"]
+            assert np.array_equal(delivered_latent, mine.output["video_latent"])
         assert (await fleet.redis.xpending(stream, "g"))["pending"] == 2  # the gone one was acknowledged
         assert await results.ack_many(delivered) == [True, True]
         assert await fleet.redis.exists(*keys) == 0  # the handled blobs went with their acknowledgements
