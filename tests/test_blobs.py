@@ -279,7 +279,9 @@ async def test_a_consumer_read_resolves_its_blobs_together_and_skips_handled_ste
         first = ReplyEntry.from_fields(entries[0][1])
         await fleet.redis.xadd(stream, dataclasses.replace(first, result=expected[0]).to_fields())
         assert (await sessions[0].enqueue(1, results_stream="rollouts", **world_step(1))).status == "queued"
-        await until(lambda: equals(fleet.redis.xlen(stream), 2), "the copy and step 1 in the stream", 30.0)
+        session_key = fleet.keys_of(sessions[0].session_id).session(sessions[0].session_id)
+        # committed and published in one script: step 1's entry is in the stream behind the copy
+        await until(lambda: equals(fleet.redis.hget(session_key, "committed_step_id"), b"1"), "step 1 committed", 30.0)
         again = await _read_some(results)
         assert [(d.result.session_id, d.result.step_id) for d in again] == [(sessions[0].session_id, 1)]
         assert (await fleet.redis.xpending(stream, "g"))["pending"] == 1  # the copy was acknowledged
