@@ -1,5 +1,5 @@
 -- Commit step k of a session: the exactly-once point. Fenced by owner and lease epoch.
--- Uses: prelude.lua (now_ms, fenced, add_reply, step_text, result_blob, reply_value)
+-- Uses: prelude.lua (now_ms, now_from_id, fenced, add_reply, step_text, result_blob, reply_value)
 -- KEYS: 1 session hash, 2 log hash, 3 inbox, 4 reply stream, 5 staged result (CellKeys.staged_result),
 --       6 this step's result blob, 7 this job's reply blob (broker/redis/blobs.py), 8 the record blob
 --       that falls out of the records kept (CellKeys.record_blob of step_id - ARGV 11; touched only
@@ -107,9 +107,8 @@ local function commit_one(KEYS, ARGV)
       redis.call('XACK', inbox_key, inbox_group, entry_id)
       redis.call('XDEL', inbox_key, entry_id)
     end
-    add_reply(reply_key, reply_ttl_ms, stream_bytes, large_bytes, large_ttl_ms, 'step', job_id, current, result, size,
-      blob, batch_state and batch_state.streams)
-    return true
+    return add_reply(reply_key, reply_ttl_ms, stream_bytes, large_bytes, large_ttl_ms, 'step', job_id, current,
+      result, size, blob, batch_state and batch_state.streams)
   end
   if committed >= step then
     unstage()
@@ -138,6 +137,9 @@ local function commit_one(KEYS, ARGV)
     return {'out_of_order', committed}
   end
   local result = result_arg
+  -- the session hash's writes of this commit, in one HSET after the publish: its updated_ms is the
+  -- reply entry's id (the server's clock when it was added), so a published commit reads no TIME
+  local fields = {'committed_step_id', step, 'context_length', context_length}
   if staged then
     if redis.call('EXISTS', staged_key) == 0 then
       return {'unstaged', committed}
@@ -145,10 +147,7 @@ local function commit_one(KEYS, ARGV)
     redis.call('RENAME', staged_key, result_blob_key)
     redis.call('PERSIST', result_blob_key)  -- RENAME keeps the staging TTL: the blob lives as its log field does
     result = BLOB_MARK .. result_blob_key
-    redis.call('HSET', session_key, 'committed_step_id', step, 'context_length', context_length, 'updated_ms',
-      now_ms(), 'last_blob_step', step)
-  else
-    redis.call('HSET', session_key, 'committed_step_id', step, 'context_length', context_length, 'updated_ms', now_ms())
+    fields[#fields + 1], fields[#fields + 2] = 'last_blob_step', step
   end
   -- A step committed here was enqueued, but this master may not have its enqueue: a replica promoted
   -- after the old master took the enqueue alone, the commit written again here by the worker that
@@ -156,15 +155,22 @@ local function commit_one(KEYS, ARGV)
   -- step itself answers its stored result): it expects the one after it instead. Not while a reset
   -- is queued behind this step: its enqueue already moved next_step_id to the new generation's 0.
   if (tonumber(s[10]) or 0) == 0 and (tonumber(s[9]) or 0) <= step then
-    redis.call('HSET', session_key, 'next_step_id', step + 1)
+    fields[#fields + 1], fields[#fields + 2] = 'next_step_id', step + 1
   end
   if s[6] and not s[7] and version and version ~= '' then
-    redis.call('HSET', session_key, 'first_version', version)
+    fields[#fields + 1], fields[#fields + 2] = 'first_version', version
   end
-  redis.call('HSET', log_key, 'result:' .. step_text(step), result)
+  -- the log: this step's result and record in one HSET, the fields that fall out in one HDEL
+  local keeps_record = record ~= '' and keep ~= 0
+  if keeps_record then
+    redis.call('HSET', log_key, 'result:' .. step_text(step), result, 'input:' .. step_text(step), record)
+  else
+    redis.call('HSET', log_key, 'result:' .. step_text(step), result)
+  end
+  local evicted = {}
   local window = tonumber(s[4] or '1')
   if step - window >= 0 then
-    redis.call('HDEL', log_key, 'result:' .. step_text(step - window))
+    evicted[#evicted + 1] = 'result:' .. step_text(step - window)
     -- its blob, unless no result from that step on was stored as one (last_blob_step: the highest
     -- step committed with a blob; absent, as in a forked session, means unknown)
     local last_blob = tonumber(s[11] or '')
@@ -172,26 +178,33 @@ local function commit_one(KEYS, ARGV)
       redis.call('DEL', result_blob(log_key, committed + 1 - window))  -- committed is step - 1 here
     end
   end
-  if record ~= '' and keep ~= 0 then
-    redis.call('HSET', log_key, 'input:' .. step_text(step), record)
+  if keeps_record then
     if input_key and redis.call('EXISTS', input_key) == 1 then
       redis.call('RENAME', input_key, record_key)
     end
     if keep > 0 and step - keep >= 0 then
-      redis.call('HDEL', log_key, 'input:' .. step_text(step - keep))
+      evicted[#evicted + 1] = 'input:' .. step_text(step - keep)
       redis.call('DEL', evicted_record_key)
     end
   elseif input_key then
     redis.call('DEL', input_key)
   end
+  if #evicted > 0 then
+    redis.call('HDEL', log_key, unpack(evicted))
+  end
   if deferred then
     local unconfirmed = tonumber(s[5])
     if not unconfirmed or step < unconfirmed then
-      redis.call('HSET', session_key, 'unconfirmed_step', step)
+      fields[#fields + 1], fields[#fields + 2] = 'unconfirmed_step', step
     end
+    redis.call('HSET', session_key, 'updated_ms', now_ms(), unpack(fields))
     return {'committed'}
   end
-  publish(result, step)
+  local id = publish(result, step)
+  if id then
+    now_from_id(id)
+  end
+  redis.call('HSET', session_key, 'updated_ms', now_ms(), unpack(fields))
   return {'committed'}
 end
 

@@ -13,6 +13,14 @@ local function now_ms()
   return now_cache
 end
 
+-- The server's clock as a stream entry id just added gives it (<ms>-<seq>): a script that added one
+-- needs no TIME. Only while no TIME was read: the clock a script reads stays one.
+local function now_from_id(id)
+  if not now_cache then
+    now_cache = tonumber(string.match(id, '^(%d+)-'))
+  end
+end
+
 -- A batch call (commit.lua, enqueue.lua): ARGV is BATCH_MARK, the number of calls, then per call
 -- its number of KEYS, its number of ARGV and those ARGV; KEYS are the calls' KEYS one after the
 -- other. `one(keys, argv)` runs one call as the script runs it alone; a call that raises answers
