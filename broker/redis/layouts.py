@@ -60,9 +60,11 @@ def optional_integer(fields: Fields, name: str) -> int | None:
 class SessionHash:
     """A session's record. Written whole by create.lua (but ``first_version``, which the
     trajectory's first commit writes); enqueue, control, commit, report,
-    apply_control and failover.lua move single fields (their headers say which). One field is
-    left out here as it means nothing to a reader: ``unconfirmed_step``, present only between a
-    deferred commit (``durability=replicated``) and the publish after a replica confirmed it."""
+    apply_control and failover.lua move single fields (their headers say which). Two fields are
+    left out here as they mean nothing to a reader: ``unconfirmed_step``, present only between a
+    deferred commit (``durability=replicated``) and the publish after a replica confirmed it, and
+    ``last_blob_step``, the highest step committed with its result in a blob (-1: none; absent:
+    unknown), by which commit.lua skips deleting the blob of a result that never had one."""
 
     mode: Mode
     model: str
