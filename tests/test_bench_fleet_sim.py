@@ -100,8 +100,10 @@ def test_tiny_simulation_reports_every_master_and_kind(tmp_path: Path) -> None:
         assert set(k["masters"]) == masters
         assert all(m["steps"] > 0 for m in k["masters"].values())
         assert k["steps"] == sum(m["steps"] for m in k["masters"].values())
-        # every step enqueues and commits through a script
-        assert k["commands_per_step"]["evalsha"] >= 1.5
+        # every step is enqueued and committed by a script (the calls of one event-loop turn run as
+        # one script call, so fewer than two per step), each adding its entry
+        assert 0 < k["commands_per_step"]["evalsha"] <= 2.1
+        assert k["commands_per_step"]["xadd"] >= 1.9  # an inbox entry and a reply entry
         assert k["worker_cpu_us"] > 0 and k["trainer_cpu_us"] > 0
     # each latent goes into Redis (the commit) and out of it (the reply) at least once
     assert report["latent"]["per_step"]["net_in_bytes"] >= 0.9 * latent_bytes  # 0.9: window edges
