@@ -54,6 +54,9 @@ class Rebalancer:
     threshold: float
     lease_ms: int
     metrics: FleetMetrics
+    # An estimate of our session share (the last full heartbeat's count over our capacity): a pass
+    # is skipped, with no Redis call, while it says no session could be worth moving.
+    share_hint: Callable[[], float] = lambda: 1.0
 
     async def run(self) -> None:
         """Check until cancelled; a Redis outage or a bug only skips a pass."""
@@ -70,6 +73,8 @@ class Rebalancer:
 
     async def pass_once(self) -> int:
         """One pass; how many sessions moved."""
+        if self.share_hint() <= self.threshold or not self.movable():
+            return 0  # no share to shed (ours minus any target's is at most ours), or nothing to move
         me = self.worker_id()
         redis, keys = self.scripts.redis, self.scripts.keys
         capacity_raw: Any = await resolve(redis.hget(keys.capacity, me))

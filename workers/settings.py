@@ -28,7 +28,11 @@ class WorkerSettings:
     capacity: int = 256  # sessions this worker may own
     heartbeat_ms: int = 1000
     read_count: int = 256  # entries per XREADGROUP
-    block_ms: int = 1000
+    # How long an inbox or control-stream read waits for an entry. Redis answers a blocked read the
+    # moment an entry arrives, so this sets no latency, only how often an idle worker asks again
+    # (15 s: two reads, inbox and control stream, per 15 s); a stop or a re-registration cancels the
+    # read at once.
+    block_ms: int = 15_000
     max_inflight: int = 4096  # jobs read but not finished (backpressure on the reader)
     batch_wait_ms: float = 0.0  # extra wait to fill a batch; 0 takes what is queued now
     max_attempts: int = 3  # engine attempts per step for transient errors

@@ -34,6 +34,7 @@ from workers.drain import Drain
 from workers.engines.base import Engine
 from workers.executor import SessionState, StepExecutor
 from workers.fork_cancel import ForkCancel
+from workers.heartbeat import Heartbeats
 from workers.idle import IdleSweeper
 from workers.inbox_repair import recreate_inbox
 from workers.job_scripts import FencedEntries, StepFailed, as_step_failure, reject_malformed, settled
@@ -167,6 +168,8 @@ class Worker:
         self.weights: WeightControl | None = None
         self._fenced: FencedEntries | None = None
         self._idle_sweeper: IdleSweeper | None = None
+        self._beats: Heartbeats | None = None
+        self._inbox_read: asyncio.Task[Any] | None = None  # the reader's blocked XREADGROUP, if any
         self._bad_entries = WarningLimiter(log)  # forged or broken entries can come by the thousand
         self.metrics = WorkerMetrics(settings.metrics_port, engine.models())
         self.readiness = Readiness(engine, capacity=settings.capacity, metrics=self.metrics.fleet,
@@ -208,7 +211,12 @@ class Worker:
         self._executor = StepExecutor(self.settings, self._scripts, self.engine, self._batchers,
                                       self.weights.gate, self.metrics)
         self._fenced = FencedEntries(self._executor.jobs)
-        self._idle_sweeper = IdleSweeper(self._scripts, lambda: self.id, interval_s=self.settings.idle_sweep_s)
+        lease_ms = self.settings.cell_config.lease_ms
+        self._beats = Heartbeats(self._scripts, heartbeat_ms=self.settings.heartbeat_ms, lease_ms=lease_ms)
+        beats = self._beats
+        self._idle_sweeper = IdleSweeper(self._scripts, lambda: self.id, interval_s=self.settings.idle_sweep_s,
+                                         served=lambda: list(self._sessions),
+                                         owned=lambda: (beats.owned, beats.full_beats))
         await self.weights.apply_latest()
         await self.readiness.probe()  # a worker whose engine is not ready registers with no capacity
         await self._register(WorkerState.ACTIVE)
@@ -218,13 +226,14 @@ class Worker:
         self._spawn(self.readiness.follow(self._scripts, lambda: self.id, self.settings.heartbeat_ms), "readiness")
         self._spawn(self.weights.follow(), "control")
         self._spawn(self._idle_sweeper.run(), "idle-sweep")
-        lease_ms = self.settings.cell_config.lease_ms
         if self.settings.reap:
-            self._spawn(reap_loop(self._scripts, lease_ms=lease_ms, metrics=self.metrics.fleet), "reaper")
+            self._spawn(reap_loop(self._scripts, lease_ms=lease_ms, metrics=self.metrics.fleet, clock=beats.clock,
+                                  workers=lambda: beats.workers, heartbeat_ms=self.settings.heartbeat_ms), "reaper")
         if self.settings.rebalance_interval_s > 0:
             self._spawn(Rebalancer(self._scripts, lambda: self.id, self._movable, self._forget,
                                    lambda: self.state is WorkerState.ACTIVE, self.settings.rebalance_interval_s,
-                                   self.settings.rebalance_threshold, lease_ms, self.metrics.fleet).run(),
+                                   self.settings.rebalance_threshold, lease_ms, self.metrics.fleet,
+                                   lambda: beats.owned / self.settings.capacity).run(),
                         "rebalance")
         log.info("worker %s serving %s", self.id, ", ".join(self.engine.models()))
 
@@ -322,14 +331,18 @@ class Worker:
             **self.readiness.fields(),
         }
 
+    def _beats_or_fail(self) -> Heartbeats:
+        assert self._beats is not None, "worker not started"
+        return self._beats
+
     async def _heartbeat_loop(self) -> None:
+        """One beat per ``heartbeat_ms``: mostly one command, the full heartbeat when something
+        changed or every few beats (workers/heartbeat.py)."""
         while True:
             try:
                 load = pressure(self.engine.load(), running_jobs=self._active, capacity=self.settings.capacity)
-                beat = await self._scripts_or_fail().heartbeat(
-                    self.id, ttl_ms=3 * self.settings.cell_config.lease_ms, fields=self._describe(self.state),
-                    pressure=load)
-                if not beat.registered and not self._stop.is_set():
+                registered = await self._beats_or_fail().beat(self.id, self._describe(self.state), load)
+                if not registered and not self._stop.is_set():
                     await self._reincarnate()
                 self._beat_error = ""
                 await self.executor.stats.tick(self._redis_or_fail(), self.keys, self.id)
@@ -351,12 +364,17 @@ class Worker:
         self.settings = dataclasses.replace(self.settings, worker_id=self.id)
         self.executor.worker_id = self.id
         await self._register(self.state)
+        if self._inbox_read is not None:  # a read blocked on the old inbox: read the new one now
+            self._inbox_read.cancel()
         log.warning("worker %s was declared dead; re-registered as %s", old, self.id)
 
     async def _register(self, state: WorkerState) -> None:
-        await self._scripts_or_fail().register(
+        fields = self._describe(state)
+        beats = self._beats_or_fail()
+        now = await self._scripts_or_fail().register(
             self.id, capacity=self.readiness.offered_capacity, pools=self._pools, pool_caps=self._pool_caps,
-            ttl_ms=3 * self.settings.cell_config.lease_ms, fields=self._describe(state))
+            ttl_ms=beats.ttl_ms, fields=fields)
+        beats.registered(now, fields)
 
     def _movable(self) -> list[Movable]:
         """Sessions between steps (no job of theirs in a lane here), for the rebalancer."""
@@ -377,9 +395,12 @@ class Worker:
         while not stop.is_set():
             inbox = self.keys.inbox(self.id)  # changes when the worker re-registers as a new incarnation
             try:
-                resp: Any = await redis.xreadgroup(INBOX_GROUP, self.id, {inbox: cursor},
-                                                   count=self.settings.read_count, block=self.settings.block_ms)
+                resp: Any = await self._read_inbox(redis, inbox, cursor)
                 backoff.reset()
+            except asyncio.CancelledError:
+                raise_if_cancelling()  # the reader itself is stopping
+                cursor = "0"  # a new incarnation cancelled the read of its old inbox: read the new one
+                continue
             except (*REDIS_ERRORS, ResponseError) as exc:
                 # ResponseError: our inbox was deleted under a blocked read (we were retired as dead);
                 # the heartbeat re-registers us as a new incarnation with a new inbox.
@@ -397,6 +418,17 @@ class Worker:
                 if not fields or eid in self._running or self._inflight.holds(eid):  # deleted, or read already
                     continue
                 await self._inflight.admit(parse_inbox_entry(entry_id, fields), self._dispatch)
+
+    async def _read_inbox(self, redis: Redis, inbox: str, cursor: str) -> Any:
+        """One XREADGROUP, blocked up to ``block_ms`` for new entries (Redis answers the moment one
+        arrives), as a task a re-registration can cancel (:meth:`_reincarnate`)."""
+        read = asyncio.ensure_future(redis.xreadgroup(INBOX_GROUP, self.id, {inbox: cursor},
+                                                      count=self.settings.read_count, block=self.settings.block_ms))
+        self._inbox_read = read
+        try:
+            return await read
+        finally:
+            self._inbox_read = None
 
     def _dispatch(self, job: InboxEntry | BadEntry) -> None:
         self._active += 1
@@ -512,5 +544,7 @@ class Worker:
 
     def _forget(self, session_id: str) -> None:
         self._sessions.pop(session_id, None)
+        if self._idle_sweeper is not None:
+            self._idle_sweeper.forget(session_id)
         self.engine.drop_session(session_id)
         self.engine.drop_session(f"{session_id}:stateless")

@@ -57,9 +57,9 @@ DEFAULT_CLUSTER_PORT = 6379
 # Deadlines on every connection (docs/network-faults.md). A peer gone without closing (a partition,
 # a dead host or switch: no RST) is noticed by the kernel, not by a timer around the read: after
 # KEEPALIVE_IDLE_S of silence a probe a second, and TCP_USER_TIMEOUT drops the connection once
-# USER_TIMEOUT_MS pass with a probe or a command unacknowledged. Every blocked read of the fleet
-# returns within its BLOCK (1 s), so a live connection is never silent that long; a frozen but live
-# Redis (SIGSTOP) still acknowledges at the TCP level and is waited for. A connect to an address
+# USER_TIMEOUT_MS pass with a probe or a command unacknowledged. A live Redis acknowledges the probes
+# however long a read blocks (a worker's BLOCK is 15 s by default, a consumer's up to 30 s); a frozen
+# but live Redis (SIGSTOP) still acknowledges at the TCP level and is waited for. A connect to an address
 # that drops packets gives up after CONNECT_TIMEOUT_S (one SYN) instead of riding SYN back-off (1, 3,
 # 7 s ...): after a partition heals the next attempt, at most one backoff (2 s) later, connects.
 KEEPALIVE_IDLE_S = 1

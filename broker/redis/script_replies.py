@@ -175,11 +175,30 @@ class Retired:
 
 
 @dataclass(frozen=True)
+class IdleClosed:
+    """close_idle.lua closed the session, idle this long."""
+
+    idle_ms: int
+
+
+@dataclass(frozen=True)
+class IdleKept:
+    """close_idle.lua kept the session: ``wait_ms`` until it could be idle (-1: it has no idle
+    timeout), or None when it is not the caller's to watch (another owner's, or closed)."""
+
+    wait_ms: int | None
+
+
+@dataclass(frozen=True)
 class Heartbeat:
     now_ms: int
     registered: bool
+    workers: int = 0  # workers registered in the cell (the full heartbeat counts them)
+    owned: int = 0  # sessions the worker owns, by the cell's owned hash
+    described: bool = True  # False: the worker hash had expired; every field is due again
 
 
+IdleReply = IdleClosed | IdleKept
 CreateReply = Created | Refused
 EnqueueReply = Queued | Stored | Refused | Moved
 ControlReply = Queued | AlreadyClosed | Refused | Moved
@@ -300,8 +319,9 @@ _REPORT: Mapping[str, _Shape[ReportReply]] = {
 _APPLY_CONTROL: Mapping[str, _Shape[ApplyControlReply]] = {
     "applied": _Shape((1,), lambda v: Applied(v.integer(0))), "fenced": _Shape((2,), _stale),
     "unrequested": _Shape((1,), lambda v: Unrequested(v.integer(0)))}
-_CLOSE_IDLE: Mapping[str, _Shape[int | None]] = {
-    "closed": _Shape((1,), lambda v: v.integer(0)), "kept": _Shape((0,), lambda v: None)}
+_CLOSE_IDLE: Mapping[str, _Shape[IdleReply]] = {
+    "closed": _Shape((1,), lambda v: IdleClosed(v.integer(0))),
+    "kept": _Shape((0, 1), lambda v: IdleKept(v.integer(0) if len(v.raw) == 2 else None))}
 _FAILOVER: Mapping[str, _Shape[FailoverReply]] = {
     "moved": _Shape((2,), lambda v: FailedOver(v.integer(0), v.integer(1))),
     "skip": _Shape((1,), lambda v: Skipped(v.text(0))), "gone": _Shape((0,), lambda v: Gone()),
@@ -355,8 +375,8 @@ def decode_apply_control(raw: Any) -> ApplyControlReply:
     return _decode("apply_control", raw, _APPLY_CONTROL)
 
 
-def decode_close_idle(raw: Any) -> int | None:
-    """close_idle.lua: the idle time of a session it closed, None when it kept it."""
+def decode_close_idle(raw: Any) -> IdleReply:
+    """close_idle.lua: closed (how long idle) or kept (and when to look again)."""
     return _decode("close_idle", raw, _CLOSE_IDLE)
 
 
@@ -369,13 +389,18 @@ def decode_retire(raw: Any) -> RetireReply:
 
 
 def decode_heartbeat(raw: Any) -> Heartbeat:
-    """heartbeat.lua answers ``{now, still_registered}`` with no status word."""
-    if not isinstance(raw, list) or len(raw) != 2:
-        raise ScriptError(f"heartbeat.lua: expected {{now, registered}}, got {raw!r}")
+    """heartbeat.lua answers ``{now, still_registered, workers, owned, described}`` (the first two
+    alone from a script of before the counts) with no status word."""
+    if not isinstance(raw, list) or len(raw) not in (2, 5):
+        raise ScriptError(f"heartbeat.lua: expected {{now, registered}} or {{now, registered, workers, owned, "
+                          f"described}}, got {raw!r}")
     try:
-        return Heartbeat(int(raw[0]), bool(int(raw[1])))
+        now, registered, *rest = (int(v) for v in raw)
     except (TypeError, ValueError) as exc:
         raise ScriptError(f"heartbeat.lua: not two integers: {raw!r}") from exc
+    if not rest:
+        return Heartbeat(now, bool(registered))
+    return Heartbeat(now, bool(registered), rest[0], rest[1], bool(rest[2]))
 
 
 def decode_integer(script: str, raw: Any) -> int:

@@ -48,6 +48,7 @@ from broker.redis.script_replies import (
     FailoverReply,
     ForkReply,
     Heartbeat,
+    IdleReply,
     ReportReply,
     RetireReply,
     decode_apply_control,
@@ -479,14 +480,18 @@ class Scripts:
         return now
 
     async def heartbeat(self, worker_id: str, *, ttl_ms: int, fields: dict[str, str],
-                        pressure: float = 0.0) -> Heartbeat:
-        """``pressure``: the engine's load signal in [0, 1] that placement adds to the session share."""
+                        pressure: float | None = 0.0, touch: bool = True) -> Heartbeat:
+        """The full heartbeat (heartbeat.lua). ``pressure``: the engine's load signal in [0, 1] that
+        placement adds to the session share (None: unchanged); ``fields``: the worker hash's fields
+        to write (a worker sends the ones that changed). ``touch``: raise the cell's score in the
+        deployment's registry too (a worker paces that on its own: workers/heartbeat.py)."""
         k = self.keys
         flat = [item for pair in fields.items() for item in pair]
-        raw = await self._call("heartbeat", [k.workers, k.worker(worker_id), k.pressure],
-                               [worker_id, ttl_ms, f"{min(1.0, max(0.0, pressure)):.4f}", *flat])
+        level = "" if pressure is None else f"{min(1.0, max(0.0, pressure)):.4f}"
+        raw = await self._call("heartbeat", [k.workers, k.worker(worker_id), k.pressure, k.owned],
+                               [worker_id, ttl_ms, level, *flat])
         beat = decode_heartbeat(raw)
-        if beat.registered:
+        if beat.registered and touch:
             await touch_cell(self.redis, k, beat.now_ms)
         return beat
 
@@ -495,9 +500,9 @@ class Scripts:
         raw = await self._call("unplaced", [self.keys.session(session_id)], [owner])
         return decode_integer("unplaced", raw) == 1
 
-    async def close_idle(self, session_id: str, *, worker_id: str) -> int | None:
-        """Close the session if it has been idle past its timeout: how long it was idle (ms), or
-        None when it is kept (in use, not ours, closed, or without a timeout)."""
+    async def close_idle(self, session_id: str, *, worker_id: str) -> IdleReply:
+        """Close the session if it has been idle past its timeout: ``IdleClosed`` (how long it was
+        idle), or ``IdleKept`` (in use, not idle yet, without a timeout, not ours, or closed)."""
         raw = await self._call("close_idle", [self.keys.session(session_id), self.keys.inbox(worker_id)],
                                [worker_id, session_id])
         return decode_close_idle(raw)

@@ -9,7 +9,8 @@
 -- Fields (broker/redis/layouts.py, inbox.py): reads session owner, epoch, committed_step_id,
 --       next_step_id, closed, gen, mode, model, reset_pending, updated_ms, idle_timeout_ms; writes
 --       closed, idle_closed, updated_ms; adds an inbox entry (control.lua's close entry, job_id '')
--- Returns {'closed', idle ms} | {'kept'}
+-- Returns {'closed', idle ms} | {'kept', ms until it could be idle (-1: it has no timeout)} while it is
+--       the caller's and open | {'kept'} when it is not the caller's or closed already
 local session_key = KEYS[1]
 local inbox_key = KEYS[2]
 local worker_id = ARGV[1]
@@ -17,14 +18,20 @@ local session_id = ARGV[2]
 local s = redis.call('HMGET', session_key, 'owner', 'epoch', 'committed_step_id', 'next_step_id', 'closed', 'gen',
   'mode', 'model', 'reset_pending', 'updated_ms', 'idle_timeout_ms')
 local timeout = tonumber(s[11] or '0') or 0
-if s[1] ~= worker_id or s[5] == '1' or timeout <= 0 then
+if s[1] ~= worker_id or s[5] == '1' then
   return {'kept'}
+end
+if timeout <= 0 then
+  return {'kept', -1}
 end
 local now = now_ms()
 local idle = now - (tonumber(s[10] or '0') or 0)
 local queued = tonumber(s[4]) ~= tonumber(s[3]) + 1 or (s[9] or '0') ~= '0'
-if idle < timeout or queued then
-  return {'kept'}
+if queued then  -- in use: its next step or reset moves updated_ms
+  return {'kept', timeout}
+end
+if idle < timeout then
+  return {'kept', timeout - idle}
 end
 redis.call('HSET', session_key, 'closed', 1, 'idle_closed', 1, 'updated_ms', now)
 redis.call('XADD', inbox_key, '*',
