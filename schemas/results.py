@@ -75,6 +75,13 @@ class StepResult:
                    error=ErrorInfo(code, message), context_length=context_length, worker_id=worker_id,
                    attempt=attempt, policy_version=policy_version)
 
+    def timed(self, committed_step_id: int, latency: Latency) -> StepResult:
+        """This result with the client's committed step id and timing (``dataclasses.replace``'s
+        answer, built directly: the client makes one per step)."""
+        return StepResult(self.session_id, self.step_id, self.ok, committed_step_id, self.output, self.error,
+                          self.context_length, latency, self.worker_id, self.attempt, self.policy_version,
+                          self.duplicate)
+
     def to_wire(self) -> dict[str, Any]:
         return {
             "v": WIRE_VERSION,
