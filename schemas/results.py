@@ -47,7 +47,9 @@ class Latency:
     @classmethod
     def from_wire(cls, data: Any) -> Latency:
         data = as_mapping(data or {}, "latency")
-        return cls(**{k: float(data.get(k, 0.0)) for k in ("queue_ms", "engine_ms", "commit_ms", "total_ms")})
+        get = data.get
+        return cls(float(get("queue_ms", 0.0)), float(get("engine_ms", 0.0)), float(get("commit_ms", 0.0)),
+                   float(get("total_ms", 0.0)))
 
 
 @dataclass(frozen=True)
