@@ -47,7 +47,9 @@ class Latency:
     @classmethod
     def from_wire(cls, data: Any) -> Latency:
         data = as_mapping(data or {}, "latency")
-        return cls(**{k: float(data.get(k, 0.0)) for k in ("queue_ms", "engine_ms", "commit_ms", "total_ms")})
+        get = data.get
+        return cls(float(get("queue_ms", 0.0)), float(get("engine_ms", 0.0)), float(get("commit_ms", 0.0)),
+                   float(get("total_ms", 0.0)))
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,13 @@ class StepResult:
         return cls(session_id=session_id, step_id=step_id, ok=False, committed_step_id=committed_step_id,
                    error=ErrorInfo(code, message), context_length=context_length, worker_id=worker_id,
                    attempt=attempt, policy_version=policy_version)
+
+    def timed(self, committed_step_id: int, latency: Latency) -> StepResult:
+        """This result with the client's committed step id and timing (``dataclasses.replace``'s
+        answer, built directly: the client makes one per step)."""
+        return StepResult(self.session_id, self.step_id, self.ok, committed_step_id, self.output, self.error,
+                          self.context_length, latency, self.worker_id, self.attempt, self.policy_version,
+                          self.duplicate)
 
     def to_wire(self) -> dict[str, Any]:
         return {

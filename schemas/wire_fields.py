@@ -17,6 +17,8 @@ from schemas.limits import MAX_STEP_ID
 
 
 def as_mapping(value: Any, name: str) -> Mapping[str, Any]:
+    if type(value) is dict:  # what msgpack decodes to: no ABC check, several times per step
+        return value
     if not isinstance(value, Mapping):
         raise InvalidRequestError(f"{name} must be a map, got {type(value).__name__}")
     return value

@@ -106,6 +106,32 @@ def test_a_malformed_entry_is_a_bad_entry_with_what_could_be_read() -> None:
     assert isinstance(unknown, BadEntry) and "unknown job kind" in unknown.reason
 
 
+_WELL_FORMED = {b"kind": b"step", b"job_id": b"j", b"session_id": b"s", b"step_id": b"3", b"contextual": b"1",
+                b"epoch": b"2", b"gen": b"0", b"mode": b"tokens", b"model": b"m", b"reply_to": b"c",
+                b"enqueued_ms": b"17", b"attempt": b"0", b"payload": b"p", b"priority": b"interactive"}
+
+
+def _parsed(read: object, fields: dict[bytes, bytes]) -> object:
+    try:
+        return read(b"1-0", fields)  # type: ignore[operator]
+    except LayoutError as exc:
+        return f"LayoutError: {exc}"
+
+
+@pytest.mark.parametrize("change", [
+    {}, {b"priority": None}, {b"cancels": b"4", b"min_version": b" 5 ", b"retention": b"last:2"},
+    {b"kind": b"reset", b"step_id": b"-1"}, {b"kind": b"close", b"step_id": b"0"},
+    {b"kind": b"fork", b"step_id": b"-1"},
+    {b"step_id": b"-1"}, {b"step_id": "\u0663".encode()}, {b"model": b"\xff"}, {b"mode": b"chess"},
+    {b"priority": b"urgent"}, {b"kind": b"teleport"}, {b"gen": None}, {b"epoch": b"x"},
+])
+def test_the_one_pass_inbox_read_answers_what_the_field_by_field_read_does(change: dict[bytes, bytes | None]) -> None:
+    fields = {**_WELL_FORMED, **{k: v for k, v in change.items() if v is not None}}
+    for name in [k for k, v in change.items() if v is None]:
+        del fields[name]
+    assert _parsed(InboxEntry.from_fields, fields) == _parsed(InboxEntry._checked, fields)
+
+
 def test_a_session_hash_missing_a_field_raises_a_layout_error() -> None:
     with pytest.raises(LayoutError, match="missing field 'owner'"):
         SessionHash.from_fields({b"mode": b"tokens", b"model": b"m"})

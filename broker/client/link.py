@@ -18,7 +18,6 @@ takes the session, like a step that timed out.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -90,15 +89,14 @@ class CellLink:
         live worker can take it."""
         bound = self.bounds.wait_s(timeout)
         check_s = self.bounds.session_check_s
-        loop = asyncio.get_running_loop()
+        loop = waiter.get_loop()
         deadline = None if bound is None else loop.time() + bound
         try:
             while True:
                 left = check_s if deadline is None else min(check_s, deadline - loop.time())
                 if left <= 0:
                     raise FleetTimeoutError(f"no result within {bound}s")
-                done, _ = await asyncio.wait({waiter}, timeout=left)
-                if done:
+                if await _settles_within(waiter, left):
                     return waiter.result()
                 problem = await self._session_problem(session_id)
                 if problem is not None:
@@ -125,6 +123,28 @@ class CellLink:
         return None
 
 
+async def _settles_within(waiter: asyncio.Future[Any], seconds: float) -> bool:
+    """Whether ``waiter`` is done after at most ``seconds``; never cancels it. ``asyncio.wait`` for
+    one future, without its per-call set, task wrapping and loop lookup (a step waits once)."""
+    if waiter.done():
+        return True
+    loop = waiter.get_loop()
+    woken = loop.create_future()
+
+    def wake(_: object) -> None:
+        if not woken.done():
+            woken.set_result(None)
+
+    timer = loop.call_later(seconds, wake, None)
+    waiter.add_done_callback(wake)
+    try:
+        await woken
+    finally:
+        timer.cancel()
+        waiter.remove_done_callback(wake)
+    return waiter.done()
+
+
 class LinkSource(Protocol):
     """Whatever hands a session its cell link: a :class:`broker.client.fleet.FleetClient`, or a
     :class:`CellLink` itself (for branches in the same cell)."""
@@ -139,8 +159,7 @@ def decode_result(reply: ReplyEntry, started: float, limits: Limits) -> StepResu
     lat = result.latency
     latency = Latency(queue_ms=lat.queue_ms, engine_ms=lat.engine_ms,
                       commit_ms=max(0.0, total - lat.queue_ms - lat.engine_ms), total_ms=total)
-    return dataclasses.replace(result, committed_step_id=max(reply.committed, result.committed_step_id)
-                               if result.ok else reply.committed, latency=latency)
+    return result.timed(max(reply.committed, result.committed_step_id) if result.ok else reply.committed, latency)
 
 
 async def session_status(redis: Redis, keys: CellKeys, session_id: str) -> SessionStatus:

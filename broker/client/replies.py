@@ -36,9 +36,12 @@ class ReplyReader:
         self._last_id = b"0-0"
         self._deletes: set[asyncio.Task[None]] = set()
         self._stopping = False
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def expect(self, job_id: str) -> asyncio.Future[ReplyEntry]:
-        fut: asyncio.Future[ReplyEntry] = asyncio.get_running_loop().create_future()
+        # The reader task's loop (the one that resolves the future), not a lookup per step.
+        loop = self._loop if self._task is not None and self._loop is not None else asyncio.get_running_loop()
+        fut: asyncio.Future[ReplyEntry] = loop.create_future()
         self._waiters[job_id] = fut
         return fut
 
@@ -47,7 +50,8 @@ class ReplyReader:
 
     def start(self) -> None:
         if self._task is None:
-            self._task = asyncio.create_task(self._run(), name=f"reply-reader:{self.stream}")
+            self._loop = asyncio.get_running_loop()
+            self._task = self._loop.create_task(self._run(), name=f"reply-reader:{self.stream}")
 
     async def stop(self) -> None:
         self._stopping = True

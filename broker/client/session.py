@@ -52,10 +52,22 @@ MAX_BRANCHES = 256  # one fork's branches: every branch is a key pair in one ato
 _Reply = TypeVar("_Reply")
 
 
+_ID_BYTES = 16
+_ID_BATCH = 256  # ids drawn per getrandom: one system call per 256 steps, not one per step
+_id_pool: list[bytes] = []
+
+
 def new_id() -> str:
     """A fresh job, session or client id: 128 random bits as 32 hex digits (uuid4's ``.hex`` shape,
-    without building a UUID object on every step)."""
-    return os.urandom(16).hex()
+    without building a UUID object on every step). The bits come from ``os.urandom``, drawn for
+    ``_ID_BATCH`` ids at a time; a forked child drops the parent's unused ones (never shared)."""
+    if not _id_pool:
+        block = os.urandom(_ID_BYTES * _ID_BATCH)
+        _id_pool.extend(block[i:i + _ID_BYTES] for i in range(0, len(block), _ID_BYTES))
+    return _id_pool.pop().hex()
+
+
+os.register_at_fork(after_in_child=_id_pool.clear)
 
 
 class Session:
@@ -105,6 +117,19 @@ class Session:
         return asyncio.create_task(self._run_step(step_id, payload, use_session_context, timeout,
                                                   min_policy_version))
 
+    async def _step(self, step_id: int, *, observation: Mapping[str, Any] | None = None,
+                    action: Mapping[str, Any] | None = None, token_ids: Sequence[int] | None = None,
+                    sampling: Mapping[str, Any] | None = None, return_routed_experts: bool = False,
+                    multimodal: Mapping[str, Any] | None = None, use_session_context: bool = True,
+                    timeout: float | None = None, min_policy_version: int = 0) -> StepResult:
+        """:meth:`submit`'s work in the caller's task (no task of its own to create and wake)."""
+        try:
+            payload = self._payload(observation, action, token_ids, sampling, return_routed_experts,
+                                    multimodal)
+        except FleetError as exc:
+            return StepResult.failure(self.session_id, step_id, exc.code, exc.message)
+        return await self._run_step(step_id, payload, use_session_context, timeout, min_policy_version)
+
     async def enqueue(
         self,
         step_id: int,
@@ -144,7 +169,7 @@ class Session:
 
     async def step(self, step_id: int, **kwargs: Any) -> StepResult:
         """Submit a step and wait for its result (see :meth:`submit` for the arguments)."""
-        return await self.submit(step_id, **kwargs)
+        return await self._step(step_id, **kwargs)
 
     def _payload(self, observation: Mapping[str, Any] | None, action: Mapping[str, Any] | None,
                  token_ids: Sequence[int] | None, sampling: Mapping[str, Any] | None,

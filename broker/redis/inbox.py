@@ -27,6 +27,11 @@ class JobKind(StrEnum):
 # The lowest step id an entry of a kind may carry (a fork's: the parent's committed step, -1 before
 # its first); the other kinds carry -1.
 _LOWEST_STEP_ID = {JobKind.STEP: 0, JobKind.FORK: -1}
+# Field values as written, for the one-pass read of a well-formed entry.
+_KIND_OF = {kind.value.encode(): kind for kind in JobKind}
+_MODE_OF = {mode.value.encode(): mode for mode in Mode}
+_PRIORITY_OF = {priority.value.encode(): priority for priority in Priority}
+_DEFAULT_PRIORITY = DEFAULT_PRIORITY.value.encode()
 
 
 @dataclass(frozen=True)
@@ -52,7 +57,35 @@ class InboxEntry:
 
     @classmethod
     def from_fields(cls, entry_id: bytes | str, fields: Fields) -> InboxEntry:
-        """Raises LayoutError for an entry that does not parse."""
+        """Raises LayoutError for an entry that does not parse.
+
+        A well-formed entry (every entry the scripts write) is read in one pass of dictionary
+        lookups, once per job on the worker's hot path; anything else goes to :meth:`_checked`,
+        which reads it field by field and names what is wrong."""
+        try:
+            kind = _KIND_OF[fields[b"kind"]]
+            step_id = int(fields[b"step_id"])
+            low = _LOWEST_STEP_ID.get(kind)
+            if low <= step_id <= MAX_STEP_ID if low is not None else step_id == -1:
+                return cls(
+                    entry_id=entry_id.decode() if isinstance(entry_id, bytes) else entry_id,
+                    kind=kind, job_id=fields[b"job_id"].decode(), session_id=fields[b"session_id"].decode(),
+                    step_id=step_id, contextual=fields[b"contextual"].decode() == "1",
+                    epoch=int(fields[b"epoch"]), gen=int(fields[b"gen"]), mode=_MODE_OF[fields[b"mode"]],
+                    model=fields[b"model"].decode(), reply_to=fields[b"reply_to"].decode(),
+                    enqueued_ms=int(fields[b"enqueued_ms"]), attempt=int(fields[b"attempt"]),
+                    payload=fields.get(b"payload", b""), retention=fields.get(b"retention", b"full").decode(),
+                    min_version=int(fields.get(b"min_version", b"0")),
+                    priority=_PRIORITY_OF[fields.get(b"priority", _DEFAULT_PRIORITY)],
+                    cancels=int(fields.get(b"cancels", b"0")),
+                )
+        except (KeyError, TypeError, ValueError):  # UnicodeDecodeError is a ValueError
+            pass
+        return cls._checked(entry_id, fields)
+
+    @classmethod
+    def _checked(cls, entry_id: bytes | str, fields: Fields) -> InboxEntry:
+        """:meth:`from_fields`, field by field: the LayoutError names the field that does not parse."""
         try:
             kind = JobKind(text(fields, "kind"))
         except ValueError:
