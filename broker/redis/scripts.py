@@ -230,23 +230,18 @@ class Scripts:
             return
         try:
             results = await self._pipelined(batch)
-            unloaded = [pending for pending, result in zip(batch, results, strict=True)
-                        if isinstance(result, NoScriptError)]
-            if unloaded:  # not loaded on this server yet (a new or promoted master): load, send again
-                for name in {pending[0] for pending in unloaded}:
-                    await self.redis.script_load(self._scripts[name].script)
-                again = iter(await self._pipelined(unloaded))
-                results = [next(again) if isinstance(result, NoScriptError) else result for result in results]
         except Exception as exc:  # the connection failed: every caller sees it, as it would alone
             exc = self._as_redis_error(exc)
             for pending in batch:
                 if not pending[3].done():
                     pending[3].set_exception(exc)
             return
-        for (*_, fut, _before), result in zip(batch, results, strict=True):
+        for (name, keys, args, fut, before), result in zip(batch, results, strict=True):
             if fut.done():
                 continue
-            if isinstance(result, Exception):
+            if isinstance(result, NoScriptError):  # not loaded on this server yet: the plain call loads it
+                await settle(fut, self._direct(name, keys, args, before))
+            elif isinstance(result, Exception):
                 fut.set_exception(result)
             else:
                 fut.set_result(result)
