@@ -275,7 +275,7 @@ class Scripts:
             elif isinstance(reply, list) and len(reply) == len(run):
                 results += reply
             else:
-                results += [ResponseError(f"batched {name} answered {reply!r:.200}")] * len(run)
+                results += [ResponseError(f"batched {run[0][0]} answered {reply!r:.200}")] * len(run)
         return results
 
     # ------------------------------------------------------------------ trainer side
