@@ -159,6 +159,7 @@ class Worker:
         self._batchers: dict[str, Batcher] = {}
         self._sessions: dict[str, SessionState] = {}
         self._lanes: dict[str, collections.deque[InboxEntry]] = {}
+        self._lane_done = asyncio.Event()  # set when a session's lane empties (it is between steps)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._inflight = Admission(settings.max_inflight, backlog=settings.read_count)  # interactive first
         self._running: set[str] = set()  # inbox entry ids read and not finished
@@ -233,7 +234,8 @@ class Worker:
             self._spawn(Rebalancer(self._scripts, lambda: self.id, self._movable, self._forget,
                                    lambda: self.state is WorkerState.ACTIVE, self.settings.rebalance_interval_s,
                                    self.settings.rebalance_threshold, lease_ms, self.metrics.fleet,
-                                   lambda: beats.owned / self.settings.capacity).run(),
+                                   lambda: beats.owned / self.settings.capacity, self._serving,
+                                   self._between_steps).run(),
                         "rebalance")
         log.info("worker %s serving %s", self.id, ", ".join(self.engine.models()))
 
@@ -376,11 +378,22 @@ class Worker:
             ttl_ms=beats.ttl_ms, fields=fields)
         beats.registered(now, fields)
 
-    def _movable(self) -> list[Movable]:
-        """Sessions between steps (no job of theirs in a lane here), for the rebalancer."""
+    def _serving(self) -> list[Movable]:
+        """Every session here whose model this worker serves, for the rebalancer."""
         models = self.engine.models()
         return [(sid, models[state.model].value, state.model) for sid, state in list(self._sessions.items())
-                if sid not in self._lanes and state.model in models]
+                if state.model in models]
+
+    def _movable(self) -> list[Movable]:
+        """Sessions between steps (no job of theirs in a lane here), for the rebalancer."""
+        return [session for session in self._serving() if session[0] not in self._lanes]
+
+    async def _between_steps(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for a session's lane here to empty."""
+        self._lane_done.clear()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                await self._lane_done.wait()
 
     # ------------------------------------------------------------------ reading
 
@@ -468,6 +481,7 @@ class Worker:
         finally:
             if self._lanes.get(session_id) is lane:
                 del self._lanes[session_id]
+                self._lane_done.set()
 
     # ------------------------------------------------------------------ processing
 
