@@ -77,6 +77,7 @@ def steps_report(window: Window, idle: Window, placed: Mapping[str, Master]) -> 
         "errors": window.errors, "first_error": window.first_error,
         "per_step": _rounded(gross.per(total)), "per_step_net": _rounded(net.per(total)),
         "commands_per_step": _rounded(gross.commands_per(total)),
+        "usec_per_step": _rounded(gross.usec_per(total)),
         "worker_cpu_us": round(1e6 * window.worker_cpu_s / total, 1) if total else None,
         "worker_cpu_us_net": round(1e6 * (window.worker_cpu_s - idle_worker_cpu) / total, 1) if total else None,
         "trainer_cpu_us": round(1e6 * window.trainer_cpu_s / total, 1) if total else None,

@@ -145,6 +145,14 @@ class Usage:
         return {name: calls / count for name, calls in sorted(self.calls.items(), key=lambda kv: -kv[1]) if calls}
 
 
+    def usec_per(self, count: float) -> dict[str, float]:
+        """Microseconds each command spent per ``count`` (INFO commandstats' usec), the costliest
+        first. A script's own figure includes the commands it called, which are also listed."""
+        if count <= 0:
+            return {}
+        return {name: usec / count for name, usec in sorted(self.usec.items(), key=lambda kv: -kv[1]) if usec}
+
+
 def combined(usages: Iterable[Usage]) -> Usage:
     """Several masters' usage as one (the whole cluster's)."""
     total = Usage({}, {}, 0.0, 0.0, 0, 0)

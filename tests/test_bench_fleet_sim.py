@@ -104,6 +104,9 @@ def test_tiny_simulation_reports_every_master_and_kind(tmp_path: Path) -> None:
         # one script call, so fewer than two per step), each adding its entry
         assert 0 < k["commands_per_step"]["evalsha"] <= 2.1
         assert k["commands_per_step"]["xadd"] >= 1.9  # an inbox entry and a reply entry
+        # where the master's time went, per command: the scripts' own time covers what they called
+        assert set(k["usec_per_step"]) <= set(k["commands_per_step"])
+        assert k["usec_per_step"]["evalsha"] >= k["usec_per_step"]["xadd"] > 0
         assert k["worker_cpu_us"] > 0 and k["trainer_cpu_us"] > 0
     # each latent goes into Redis (the commit) and out of it (the reply) at least once
     assert report["latent"]["per_step"]["net_in_bytes"] >= 0.9 * latent_bytes  # 0.9: window edges
