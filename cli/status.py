@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import signal
 import sys
 import time
+from types import FrameType
 
 from redis.exceptions import RedisError
 
@@ -51,19 +53,71 @@ def _check(reports: Reports, config: CellConfig) -> tuple[bool, str]:
     return True, "; ".join(f"cell {cell}: {why}" for cell, (_, why) in verdicts.items())
 
 
+class _Interrupt:
+    """Ctrl-C while watching: remembered, and it stops what runs now. A report under way is
+    cancelled, as ``asyncio.run`` would; the flag ends the watch even when the cancellation is
+    swallowed on the way (on Python 3.11+ one that lands in redis-py's connection check,
+    ``asyncio.timeout(0)``, is: CPython issue 134471), which left the watch drawing. The sleep
+    between frames is interrupted at once."""
+
+    def __init__(self) -> None:
+        self.seen = False
+        self.sleeping = False
+        self.report: asyncio.Task[Reports] | None = None
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        self.seen = True
+        report = self.report
+        if report is not None and not report.done():
+            report.cancel()
+            report.get_loop().call_soon_threadsafe(lambda: None)  # wake a loop blocked in select()
+        elif self.sleeping:
+            raise KeyboardInterrupt
+
+    def run_report(self, config: CellConfig, window_s: float) -> Reports | None:
+        """The report, or None when interrupted meanwhile."""
+        with asyncio.Runner() as runner:
+            self.report = runner.get_loop().create_task(fleet_status(config, window_s=window_s))
+            try:
+                reports = runner.get_loop().run_until_complete(self.report)
+            except asyncio.CancelledError:
+                return None
+            finally:
+                self.report = None
+        return None if self.seen else reports
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeping = True
+        try:
+            if not self.seen:
+                time.sleep(seconds)
+        finally:
+            self.sleeping = False
+
+
 def _watch(config: CellConfig, args: argparse.Namespace) -> int:
     """Redraw every ``args.watch`` seconds until Ctrl-C; a Redis error is shown, not fatal."""
     tty = sys.stdout.isatty()
+    interrupt = _Interrupt()
+    previous = signal.signal(signal.SIGINT, interrupt)  # asyncio then leaves SIGINT to it
     try:
-        while True:
+        while not interrupt.seen:
             try:
-                text = _render(_report(config, args.window), config, args.json)
+                reports = interrupt.run_report(config, args.window)
+                if reports is None:
+                    break
+                text = _render(reports, config, args.json)
             except (RedisError, OSError) as exc:  # the URL is not printed: it may hold a password
                 text = f"status: Redis did not answer: {exc}"
+            if interrupt.seen:
+                break
             print((CLEAR if tty and not args.json else "") + text, flush=True)
-            time.sleep(args.watch)
+            interrupt.sleep(args.watch)
     except KeyboardInterrupt:
-        return 0
+        pass
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    return 0
 
 
 def run_status_command(config: CellConfig, args: argparse.Namespace) -> int:

@@ -126,6 +126,7 @@ async def test_the_idle_sweep_scans_only_when_the_count_says_so(scripts: Scripts
     assert await sweeper.sweep() == 0 and sweeper.scans == 0  # it owns nothing: no scan
     await scripts.create("s1", "tokens", "m", lease_ms=5000, retention="full", result_window=1, idle_timeout_ms=1)
     owner = await scripts.redis.hget(scripts.keys.sessions, "s1")
+    await asyncio.sleep(0.02)  # past its 1 ms idle timeout (a sweep within that ms would keep it)
     count["owned"], count["stamp"] = 1, 1
     sweeper = IdleSweeper(scripts, lambda: owner.decode(), interval_s=1.0,
                           owned=lambda: (count["owned"], count["stamp"]))
