@@ -140,17 +140,19 @@ class Usage:
 
     def commands_per(self, count: float) -> dict[str, float]:
         """Calls of each command per ``count``, the busiest first."""
-        if count <= 0:
-            return {}
-        return {name: calls / count for name, calls in sorted(self.calls.items(), key=lambda kv: -kv[1]) if calls}
-
+        return _per_command(self.calls, count)
 
     def usec_per(self, count: float) -> dict[str, float]:
         """Microseconds each command spent per ``count`` (INFO commandstats' usec), the costliest
         first. A script's own figure includes the commands it called, which are also listed."""
-        if count <= 0:
-            return {}
-        return {name: usec / count for name, usec in sorted(self.usec.items(), key=lambda kv: -kv[1]) if usec}
+        return _per_command(self.usec, count)
+
+
+def _per_command(counters: Mapping[str, int], count: float) -> dict[str, float]:
+    """Each nonzero counter divided by ``count``, the largest first ({} for no count)."""
+    if count <= 0:
+        return {}
+    return {name: n / count for name, n in sorted(counters.items(), key=lambda kv: -kv[1]) if n}
 
 
 def combined(usages: Iterable[Usage]) -> Usage:

@@ -84,7 +84,7 @@ class Rebalancer:
     async def pass_once(self) -> int:
         """One pass; how many sessions moved. Waits up to one interval for a session to come
         between steps while a move is worth making and none is."""
-        serving = (self.serving or self.movable)()
+        serving = self._serving()
         if self.share_hint() <= self.threshold or not serving:
             return 0  # no share to shed (ours minus any target's is at most ours), or no session here
         me = self.worker_id()
@@ -103,7 +103,7 @@ class Rebalancer:
             pick = self._pick(self.movable(), owned, capacity, targets)
             if pick is None:
                 left = deadline - loop.time()
-                if left <= 0 or self._pick((self.serving or self.movable)(), owned, capacity, targets) is None:
+                if left <= 0 or self._pick(self._serving(), owned, capacity, targets) is None:
                     break  # nothing worth moving, or nothing came between steps in time
                 await self.between_steps(left)
                 continue
@@ -120,6 +120,9 @@ class Rebalancer:
                      moved, owned, capacity)
             self.metrics.rebalanced.inc(moved)
         return moved
+
+    def _serving(self) -> list[Movable]:
+        return (self.serving or self.movable)()
 
     async def _targets(self, me: str, serving: list[Movable]) -> dict[tuple[str, str], list[Candidate]]:
         """The live workers that could take a session, per (mode, model) served here."""
