@@ -108,12 +108,10 @@ class Session:
         Steps submitted one after another keep their order. Bad input resolves to an
         ``invalid_request`` (or ``payload_too_large``) result and sends nothing.
         """
-        try:
-            payload = self._payload(observation, action, token_ids, sampling, return_routed_experts,
-                                    multimodal)
-        except FleetError as exc:
-            failed = StepResult.failure(self.session_id, step_id, exc.code, exc.message)
-            return asyncio.ensure_future(_resolved(failed))
+        payload = self._payload_or_failure(step_id, observation, action, token_ids, sampling,
+                                           return_routed_experts, multimodal)
+        if isinstance(payload, StepResult):
+            return asyncio.ensure_future(_resolved(payload))
         return asyncio.create_task(self._run_step(step_id, payload, use_session_context, timeout,
                                                   min_policy_version))
 
@@ -123,11 +121,10 @@ class Session:
                     multimodal: Mapping[str, Any] | None = None, use_session_context: bool = True,
                     timeout: float | None = None, min_policy_version: int = 0) -> StepResult:
         """:meth:`submit`'s work in the caller's task (no task of its own to create and wake)."""
-        try:
-            payload = self._payload(observation, action, token_ids, sampling, return_routed_experts,
-                                    multimodal)
-        except FleetError as exc:
-            return StepResult.failure(self.session_id, step_id, exc.code, exc.message)
+        payload = self._payload_or_failure(step_id, observation, action, token_ids, sampling,
+                                           return_routed_experts, multimodal)
+        if isinstance(payload, StepResult):
+            return payload
         return await self._run_step(step_id, payload, use_session_context, timeout, min_policy_version)
 
     async def enqueue(
@@ -170,6 +167,16 @@ class Session:
     async def step(self, step_id: int, **kwargs: Any) -> StepResult:
         """Submit a step and wait for its result (see :meth:`submit` for the arguments)."""
         return await self._step(step_id, **kwargs)
+
+    def _payload_or_failure(self, step_id: int, observation: Mapping[str, Any] | None,
+                            action: Mapping[str, Any] | None, token_ids: Sequence[int] | None,
+                            sampling: Mapping[str, Any] | None, return_routed_experts: bool,
+                            multimodal: Mapping[str, Any] | None) -> bytes | StepResult:
+        """The step's payload, or the failed result bad input answers (nothing is sent)."""
+        try:
+            return self._payload(observation, action, token_ids, sampling, return_routed_experts, multimodal)
+        except FleetError as exc:
+            return StepResult.failure(self.session_id, step_id, exc.code, exc.message)
 
     def _payload(self, observation: Mapping[str, Any] | None, action: Mapping[str, Any] | None,
                  token_ids: Sequence[int] | None, sampling: Mapping[str, Any] | None,
