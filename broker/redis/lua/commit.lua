@@ -1,5 +1,5 @@
 -- Commit step k of a session: the exactly-once point. Fenced by owner and lease epoch.
--- Uses: prelude.lua (now_ms, now_from_id, fenced, add_reply, step_text, result_blob, reply_value)
+-- Uses: prelude.lua (now_text, now_from_id, fenced, add_reply, step_text, result_blob, reply_value)
 -- KEYS: 1 session hash, 2 log hash, 3 inbox, 4 reply stream, 5 staged result (CellKeys.staged_result),
 --       6 this step's result blob, 7 this job's reply blob (broker/redis/blobs.py), 8 the record blob
 --       that falls out of the records kept (CellKeys.record_blob of step_id - ARGV 11; touched only
@@ -59,7 +59,8 @@ local function commit_one(KEYS, ARGV)
   local record_key = KEYS[10]
   local worker_id = ARGV[1]
   local job_epoch = ARGV[2]
-  local step = tonumber(ARGV[3])
+  local step_id = ARGV[3]  -- the step as decimal text, written back as it is
+  local step = tonumber(step_id)
   local entry_id = ARGV[4]
   local result_arg = ARGV[5]
   local context_length = ARGV[6]
@@ -123,7 +124,7 @@ local function commit_one(KEYS, ARGV)
       redis.call('HSET', log_key, 'result:' .. step_text(step), stored)
       return {'duplicate'}
     end
-    if not publish(stored, committed) then  -- the reference outlived its blob: not stored either
+    if not publish(stored, s[3]) then  -- the reference outlived its blob: not stored either
       return {'duplicate_unstored', committed}
     end
     return {'duplicate'}
@@ -139,7 +140,7 @@ local function commit_one(KEYS, ARGV)
   local result = result_arg
   -- the session hash's writes of this commit, in one HSET after the publish: its updated_ms is the
   -- reply entry's id (the server's clock when it was added), so a published commit reads no TIME
-  local fields = {'committed_step_id', step, 'context_length', context_length}
+  local fields = {'committed_step_id', step_id, 'context_length', context_length}
   if staged then
     if redis.call('EXISTS', staged_key) == 0 then
       return {'unstaged', committed}
@@ -147,7 +148,7 @@ local function commit_one(KEYS, ARGV)
     redis.call('RENAME', staged_key, result_blob_key)
     redis.call('PERSIST', result_blob_key)  -- RENAME keeps the staging TTL: the blob lives as its log field does
     result = BLOB_MARK .. result_blob_key
-    fields[#fields + 1], fields[#fields + 2] = 'last_blob_step', step
+    fields[#fields + 1], fields[#fields + 2] = 'last_blob_step', step_id
   end
   -- A step committed here was enqueued, but this master may not have its enqueue: a replica promoted
   -- after the old master took the enqueue alone, the commit written again here by the worker that
@@ -155,7 +156,7 @@ local function commit_one(KEYS, ARGV)
   -- step itself answers its stored result): it expects the one after it instead. Not while a reset
   -- is queued behind this step: its enqueue already moved next_step_id to the new generation's 0.
   if (tonumber(s[10]) or 0) == 0 and (tonumber(s[9]) or 0) <= step then
-    fields[#fields + 1], fields[#fields + 2] = 'next_step_id', step + 1
+    fields[#fields + 1], fields[#fields + 2] = 'next_step_id', step_text(step + 1)
   end
   if s[6] and not s[7] and version and version ~= '' then
     fields[#fields + 1], fields[#fields + 2] = 'first_version', version
@@ -163,9 +164,9 @@ local function commit_one(KEYS, ARGV)
   -- the log: this step's result and record in one HSET, the fields that fall out in one HDEL
   local keeps_record = record ~= '' and keep ~= 0
   if keeps_record then
-    redis.call('HSET', log_key, 'result:' .. step_text(step), result, 'input:' .. step_text(step), record)
+    redis.call('HSET', log_key, 'result:' .. step_id, result, 'input:' .. step_id, record)
   else
-    redis.call('HSET', log_key, 'result:' .. step_text(step), result)
+    redis.call('HSET', log_key, 'result:' .. step_id, result)
   end
   local evicted = {}
   local window = tonumber(s[4] or '1')
@@ -195,16 +196,16 @@ local function commit_one(KEYS, ARGV)
   if deferred then
     local unconfirmed = tonumber(s[5])
     if not unconfirmed or step < unconfirmed then
-      fields[#fields + 1], fields[#fields + 2] = 'unconfirmed_step', step
+      fields[#fields + 1], fields[#fields + 2] = 'unconfirmed_step', step_id
     end
-    redis.call('HSET', session_key, 'updated_ms', now_ms(), unpack(fields))
+    redis.call('HSET', session_key, 'updated_ms', now_text(), unpack(fields))
     return {'committed'}
   end
-  local id = publish(result, step)
+  local id = publish(result, step_id)
   if id then
     now_from_id(id)
   end
-  redis.call('HSET', session_key, 'updated_ms', now_ms(), unpack(fields))
+  redis.call('HSET', session_key, 'updated_ms', now_text(), unpack(fields))
   return {'committed'}
 end
 

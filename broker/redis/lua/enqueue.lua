@@ -1,5 +1,5 @@
 -- Enqueue one step job into its owner's inbox, enforcing the step-id rules atomically.
--- Uses: prelude.lua (now_ms, session_refusal, step_text, BLOB_MARK)
+-- Uses: prelude.lua (now_text, session_refusal, step_text, BLOB_MARK)
 -- A session with max_staleness refuses a new contextual step with stale_policy once the version
 -- announced for its model passed first_version + max_staleness (docs/async_rl.md); nothing changes.
 -- KEYS: 1 session hash, 2 inbox of the owner the client believes in, 3 log hash, 4 announced hash
@@ -48,7 +48,7 @@ local function enqueue_one(KEYS, ARGV)
     return {'unstaged', -1}
   end
   local function enqueue()
-    local advanced = nil  -- next_step_id after this step, written with updated_ms
+    local advanced = nil  -- next_step_id after this step (decimal text), written with updated_ms
     local s = redis.call('HMGET', session_key, 'owner', 'epoch', 'committed_step_id', 'next_step_id',
       'context_length', 'closed', 'gen', 'reset_pending', 'mode', 'model', 'retention', 'unconfirmed_step',
       'max_staleness', 'first_version', 'priority', 'cancels')
@@ -89,9 +89,9 @@ local function enqueue_one(KEYS, ARGV)
         end
         return {'error', 'step_out_of_order', 'Expected step_id ' .. step_text(nxt) .. ', got ' .. step_id .. '.', committed, ctx}
       end
-      advanced = nxt + 1
+      advanced = step_text(nxt + 1)
     end
-    local now = now_ms()
+    local now = now_text()
     if advanced then
       redis.call('HSET', session_key, 'next_step_id', advanced, 'updated_ms', now)
     else

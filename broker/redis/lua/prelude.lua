@@ -4,7 +4,9 @@
 
 -- Redis server time in ms (TIME answers seconds and microseconds): one clock for every worker.
 -- Read once per script call: a batch of steps (commit.lua, enqueue.lua) runs at one instant.
-local now_cache = nil
+-- now_text() is the same instant as decimal text, made once: a number passed to redis.call is
+-- printed with '%.17g' each time, text is passed as it is.
+local now_cache, now_text_cache = nil, nil
 local function now_ms()
   if not now_cache then
     local t = redis.call('TIME')
@@ -12,12 +14,19 @@ local function now_ms()
   end
   return now_cache
 end
+local function now_text()
+  if not now_text_cache then
+    now_text_cache = string.format('%d', now_ms())
+  end
+  return now_text_cache
+end
 
 -- The server's clock as a stream entry id just added gives it (<ms>-<seq>): a script that added one
 -- needs no TIME. Only while no TIME was read: the clock a script reads stays one.
 local function now_from_id(id)
   if not now_cache then
-    now_cache = tonumber(string.match(id, '^(%d+)-'))
+    now_text_cache = string.match(id, '^(%d+)-')
+    now_cache = tonumber(now_text_cache)
   end
 end
 
@@ -172,11 +181,11 @@ local function add_reply(key, ttl_ms, stream_bytes, large_bytes, large_ttl_ms, k
       end
     end
   end
-  local id = redis.call('XADD', key, 'MAXLEN', '~', maxlen, '*', 'kind', kind, 'job_id', job_id, 'committed',
-    committed, 'result', result)
-  local ttl = tonumber(ttl_ms)
-  if size >= tonumber(large_bytes) then
-    ttl = math.min(ttl, tonumber(large_ttl_ms))
+  local id = redis.call('XADD', key, 'MAXLEN', '~', string.format('%d', maxlen), '*', 'kind', kind, 'job_id', job_id,
+    'committed', committed, 'result', result)
+  local ttl = ttl_ms  -- the caller's text, passed on as it is (a number would be printed again)
+  if size >= tonumber(large_bytes) and tonumber(large_ttl_ms) < tonumber(ttl_ms) then
+    ttl = large_ttl_ms
   end
   if streams then
     streams[key] = {length = length + 1, ttl = ttl}
