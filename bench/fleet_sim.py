@@ -70,10 +70,13 @@ class SimConfig:
     # steps/s) exceeds it pays for those checks on every step.
     session_check_s: float = 2.0
     kinds: tuple[str, ...] = KINDS
+    # Redis I/O threads of each local master (io-threads, with io-threads-do-reads): 1 is Redis's
+    # default, the main thread alone; more take socket reads and writes off the main thread.
+    io_threads: int = 1
 
     def __post_init__(self) -> None:
         for name in ("workers", "masters", "cells_per_master", "worker_procs", "trainer_procs", "token_len",
-                     "latent_bytes", "heartbeat_ms", "lease_ms", "block_ms"):
+                     "latent_bytes", "heartbeat_ms", "lease_ms", "block_ms", "io_threads"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.sessions < 0 or self.latent_sessions < 0 or self.latent_bytes % 4:
@@ -216,7 +219,8 @@ def steps_window(kind: str, sessions: int, fleet: Fleet, masters: Sequence[Maste
 def run(config: SimConfig, redis_url: str | None = None) -> dict[str, Any]:
     """The whole simulation; the report's figures are described in docs/sizing.md."""
     with contextlib.ExitStack() as stack:
-        url = redis_url or stack.enter_context(running_cluster(config.masters, 0)).url
+        io = ["--io-threads", str(config.io_threads), "--io-threads-do-reads", "yes"] if config.io_threads > 1 else []
+        url = redis_url or stack.enter_context(running_cluster(config.masters, 0, io)).url
         masters = masters_of(url)
         placed = cells_on_masters(masters, config.cells_per_master)
         children = stack.enter_context(Children())
@@ -257,6 +261,8 @@ def parser() -> argparse.ArgumentParser:
     add("--session-check-s", type=float, default=d.session_check_s,
         help="trainers check a waited-for session exists this often (client default 2 s)")
     add("--kinds", default=",".join(d.kinds), help="comma-separated, run in this order: latent, token")
+    add("--io-threads", type=int, default=d.io_threads,
+        help="Redis I/O threads of each local master (default 1: the main thread alone)")
     add("--redis-url", default=None, help="measure this Redis (redis:// or redis+cluster://, no auth) "
                                           "instead of starting a local cluster")
     add("--json", type=Path, default=None, help="write the report here")
@@ -275,6 +281,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = config_of(args)
     except ValueError as exc:
         print(f"fleet_sim: {exc}", file=sys.stderr)
+        return 2
+    if args.redis_url is not None and config.io_threads > 1:
+        print("fleet_sim: --io-threads sets the local masters' threads; a --redis-url Redis keeps its own",
+              file=sys.stderr)
         return 2
     if args.redis_url is not None:
         try:  # one INFO per master: reachable, and without a password (the meter sends none)

@@ -37,6 +37,7 @@ def find_redis_cli() -> str:
 class RedisCluster:
     masters: int = 3
     replicas: int = 1
+    server_args: list[str] = field(default_factory=list)  # more redis-server arguments for every node
     nodes: list[RedisServer] = field(default_factory=list)
     _tmp: tempfile.TemporaryDirectory[str] | None = None
 
@@ -52,7 +53,7 @@ class RedisCluster:
             directory.mkdir()
             node = RedisServer(port=cluster_port(), directory=str(directory), extra_args=[
                 "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                "--cluster-node-timeout", str(NODE_TIMEOUT_MS)])
+                "--cluster-node-timeout", str(NODE_TIMEOUT_MS), *self.server_args])
             self.nodes.append(node.start())
         create = [find_redis_cli(), "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in self.nodes),
                   "--cluster-replicas", str(self.replicas), "--cluster-yes"]
@@ -132,8 +133,9 @@ class RedisCluster:
 
 
 @contextlib.contextmanager
-def running_cluster(masters: int = 3, replicas: int = 1) -> Iterator[RedisCluster]:
-    cluster = RedisCluster(masters, replicas).start()
+def running_cluster(masters: int = 3, replicas: int = 1,
+                    server_args: list[str] | None = None) -> Iterator[RedisCluster]:
+    cluster = RedisCluster(masters, replicas, list(server_args or [])).start()
     try:
         yield cluster
     finally:
