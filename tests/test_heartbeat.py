@@ -13,7 +13,7 @@ from broker import FleetClient
 from broker.redis.scripts import Scripts
 from tests.support import FAST, WorkerPool, world_step
 from workers.engines.null import NullEngine
-from workers.heartbeat import FULL_BEATS, Heartbeats
+from workers.heartbeat import FULL_BEATS, Heartbeats, idle_heartbeat_ms
 from workers.idle import IdleSweeper
 from workers.reaper import reap_loop
 
@@ -134,3 +134,36 @@ async def test_the_idle_sweep_scans_only_when_the_count_says_so(scripts: Scripts
     await sweeper.sweep()  # the same count again: no second scan
     assert sweeper.scans == 1 and sweeper.closed == 1  # never stepped, and closed all the same
     assert await scripts.redis.hget(scripts.keys.session("s1"), "closed") == b"1"
+
+
+async def test_the_idle_pace_is_twice_the_heartbeat_within_two_fifths_of_the_lease() -> None:
+    assert idle_heartbeat_ms(1000, 5000) == 2000  # the defaults
+    assert idle_heartbeat_ms(1000, 4000) == 1600  # bounded by the lease
+    assert idle_heartbeat_ms(2000, 3000) == 2000  # never below the heartbeat
+    assert idle_heartbeat_ms(5000, 30000) == 10000
+
+
+async def test_a_worker_with_no_session_beats_at_the_idle_pace_until_it_serves_one(
+        fleet: FleetClient, workers: WorkerPool) -> None:
+    w = await workers.add(NullEngine(), heartbeat_ms=100, lease_ms=1000)
+    beats = w.worker._beats
+    assert beats is not None and beats.idle_ms == 200
+    assert beats.interval_s(serving=False) == 0.2 and beats.interval_s(serving=True) == 0.1
+
+    async def beats_in(seconds: float) -> int:
+        before = await fleet.redis.zscore(fleet.keys.workers, w.id)
+        changes, last = 0, before
+        deadline = asyncio.get_running_loop().time() + seconds
+        while asyncio.get_running_loop().time() < deadline:
+            score = await fleet.redis.zscore(fleet.keys.workers, w.id)
+            changes += score != last
+            last = score
+            await asyncio.sleep(0.01)
+        return changes
+
+    idle = await beats_in(2.0)  # ~10 beats at 200 ms
+    s = await fleet.create_session(model="null-world", mode="world_model_env")
+    assert (await s.step(0, **world_step(0))).ok  # it serves a session now
+    busy = await beats_in(2.0)  # ~20 beats at 100 ms
+    assert 6 <= idle <= 13 and busy >= 15, (idle, busy)
+    assert (await s.step(1, **world_step(1))).ok

@@ -19,6 +19,12 @@ An idle worker so costs its master one command a beat and a six-command script e
 where each beat used to run the script (seven commands) and raise the cell's registry score (one
 more): ``python -m bench.fleet_sim --kinds ""`` measures it.
 
+A worker that owns no session, serves none and runs nothing beats at half the pace
+(:func:`idle_heartbeat_ms`: twice the interval, while that stays within 2/5 of the lease): its lease
+guards no session, so a late beat can cost none a failover; it still beats well inside its lease,
+so placement keeps choosing it. The first session it serves, or its next full heartbeat's count of
+sessions it owns, puts it back on the full pace.
+
 The cell's score in the deployment's registry (``rf:cells``, live while a heartbeat is within the
 lease: broker/redis/cells.py) is raised at a pace of its own: by one worker at least every half
 lease, and in a larger cell by all of them together about :data:`CELL_TOUCHES_PER_LEASE` times a
@@ -42,6 +48,8 @@ from broker.redis.refusals import RedisRefused, as_refused
 from broker.redis.scripts import Scripts
 
 FULL_BEATS = 10  # beats per full heartbeat while nothing changes
+IDLE_PACE = 2  # a worker with no session beats this many times less often...
+IDLE_LEASE_SHARE = 0.4  # ...while its beats stay within this share of the lease
 CELL_TOUCHES_PER_LEASE = 16  # the cell's registry score, raised by all its workers together, per lease
 TOUCH_JITTER = 0.5  # each touch interval is interval * (1 ± TOUCH_JITTER/2)
 
@@ -49,6 +57,12 @@ TOUCH_JITTER = 0.5  # each touch interval is interval * (1 ± TOUCH_JITTER/2)
 def hash_ttl_ms(heartbeat_ms: int, lease_ms: int) -> int:
     """The worker hash's expiry: three full-heartbeat intervals, and never under three leases."""
     return 3 * max(lease_ms, FULL_BEATS * heartbeat_ms)
+
+
+def idle_heartbeat_ms(heartbeat_ms: int, lease_ms: int) -> int:
+    """The beat interval of a worker with no session: ``IDLE_PACE`` times the heartbeat, at most
+    ``IDLE_LEASE_SHARE`` of the lease, never below the heartbeat (1 s and a 5 s lease: 2 s)."""
+    return max(heartbeat_ms, min(IDLE_PACE * heartbeat_ms, int(IDLE_LEASE_SHARE * lease_ms)))
 
 
 def pressure_text(pressure: float) -> str:
@@ -81,6 +95,8 @@ class Heartbeats:
 
     def __init__(self, scripts: Scripts, *, heartbeat_ms: int, lease_ms: int) -> None:
         self.scripts = scripts
+        self.heartbeat_ms = heartbeat_ms
+        self.idle_ms = idle_heartbeat_ms(heartbeat_ms, lease_ms)
         self.lease_ms = lease_ms
         self.ttl_ms = hash_ttl_ms(heartbeat_ms, lease_ms)
         self.clock = ServerClock()
@@ -101,6 +117,12 @@ class Heartbeats:
         self._pressure = ""
         self._cheap_left = 0  # the first beat is a full one: it writes the pressure, counts the cell
         self._touch_at = time.monotonic() + self._touch_interval_s()  # register raised it just now
+
+    def interval_s(self, *, serving: bool) -> float:
+        """The pause before the next beat: the heartbeat while the worker serves or owns a session
+        (``serving``: sessions or jobs of its own; ``owned``: the last full heartbeat's count), the
+        idle pace otherwise."""
+        return (self.heartbeat_ms if serving or self.owned > 0 else self.idle_ms) / 1000.0
 
     async def beat(self, worker_id: str, fields: dict[str, str], pressure: float) -> bool:
         """One beat; False when the worker is no longer registered (it was declared dead)."""

@@ -87,7 +87,8 @@ async def reap_loop(scripts: Scripts, *, lease_ms: int, metrics: FleetMetrics | 
     """Reap until cancelled; a Redis outage only skips looks and passes. ``workers``: how many
     workers the cell has (the last full heartbeat's count); ``heartbeat_ms``: a heartbeat younger
     than 1.5 of these (at most half a lease) is taken for a live worker's and not waited on (None:
-    every one is). Sessions moved count in ``rollout_fleet_failovers_total``."""
+    every one is). An idle worker beats less often (workers/heartbeat.py): a reaper may wait on its
+    lease, and then finds its score moved, at one ZSCORE. Sessions moved count in ``rollout_fleet_failovers_total``."""
     loop = asyncio.get_running_loop()
     quiet_ms = lease_ms / 2 if heartbeat_ms is None else min(1.5 * heartbeat_ms, lease_ms / 2)
     while True:

@@ -338,8 +338,8 @@ class Worker:
         return self._beats
 
     async def _heartbeat_loop(self) -> None:
-        """One beat per ``heartbeat_ms``: mostly one command, the full heartbeat when something
-        changed or every few beats (workers/heartbeat.py)."""
+        """One beat per ``heartbeat_ms`` (half as often with no session: workers/heartbeat.py):
+        mostly one command, the full heartbeat when something changed or every few beats."""
         while True:
             try:
                 load = pressure(self.engine.load(), running_jobs=self._active, capacity=self.settings.capacity)
@@ -353,7 +353,7 @@ class Worker:
                 self._beat_error = str(exc) or type(exc).__name__
                 if refusal_of(exc) is None:  # a refusal is logged once by metrics.refused
                     log.warning("heartbeat failed: %s", exc)
-            await asyncio.sleep(self.settings.heartbeat_ms / 1000.0)
+            await asyncio.sleep(self._beats_or_fail().interval_s(serving=bool(self._sessions or self._active)))
 
     async def _reincarnate(self) -> None:
         """We were declared dead (paused or cut off past the lease) and our sessions moved on. Drop
