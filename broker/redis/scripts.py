@@ -144,11 +144,15 @@ class Scripts:
     )
     stage_bytes = STAGE_BYTES  # results of this size or more are staged (bench.result_blobs varies it)
 
-    def __init__(self, redis: Redis, keys: CellKeys, *, coalesce: bool = True) -> None:
+    def __init__(self, redis: Redis, keys: CellKeys, *, coalesce: bool = True,
+                 sources: dict[str, str] | None = None) -> None:
+        """``sources``: script sources by name to run instead of this checkout's (bench.step_scripts
+        runs another revision's Lua through the same calls)."""
         self.redis = redis
         self.keys = keys
         self.coalesce = coalesce
-        self._scripts = {name: redis.register_script(lua_source(name)) for name in self.NAMES}
+        chosen = sources or {}
+        self._scripts = {name: redis.register_script(chosen.get(name) or lua_source(name)) for name in self.NAMES}
         self._pending: list[_Pending] = []
         self._flushing: set[asyncio.Task[None]] = set()
         # Told of every refused call (broker/redis/refusals.py): a worker counts and logs them.

@@ -1,0 +1,191 @@
+"""What a token step's two scripts cost a master: this checkout's Lua against a revision's.
+
+    python -m bench.step_scripts --size full --baseline 583cbfa
+
+The master's main thread is the one resource that does not scale inside a cell (docs/sizing.md),
+and most of a token step's share of it is the enqueue and commit scripts. This runs both the way a
+trainer and a worker call them (``Scripts.enqueue`` and ``Scripts.commit``, a batch of calls made
+in one event-loop turn leaving as one script call) on two private Redis servers side by side: one
+runs this checkout's ``enqueue.lua`` and ``commit.lua``, the other the revision's, through this
+checkout's calls (so the revision's scripts must take the same KEYS and ARGV). Rounds alternate
+between the two in short chunks, so a VM that slows down slows both.
+
+Each round: a batch of enqueues (one step of each of ``batch`` sessions), the worker's read of
+them, their commits, and a trim of the reply stream (standing in for the trainer's read). Rows per
+side: the scripts' time per step (INFO commandstats, ``EVALSHA`` with the commands it calls) and
+the master's main-thread CPU per step (the reads, the trims and the I/O included); then the ratio.
+Redis's own accounting is timed, so compare the two sides of one run, not runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from redis.asyncio import Redis
+
+from bench.common import Row, format_table, private_redis
+from broker.redis.connect import open_redis
+from broker.redis.keys import INBOX_GROUP, CellKeys
+from broker.redis.lua_files import PRELUDE_MARK
+from broker.redis.script_replies import Committed, Created, Queued
+from broker.redis.scripts import CommitCall, Scripts
+
+NAME = "step_scripts"
+REPO = Path(__file__).resolve().parent.parent
+SCRIPTS = ("enqueue", "commit")
+MODE, MODEL = "tokens", "null-lm"
+WORKER = "w-step-scripts"
+REPLY_TO = "t-step-scripts"
+PAYLOAD = b"\x85" * 120  # a 16-token step's encoded input
+RESULT = b"\x86" * 160  # its result: tokens and log probs
+RECORD = b"\x87" * 200  # the step record a new owner replays
+
+
+@dataclass(frozen=True)
+class Size:
+    sessions: int
+    chunks: int  # per side, alternated
+    rounds: int  # per chunk
+
+
+SIZE = {"smoke": Size(sessions=64, chunks=2, rounds=4), "full": Size(sessions=512, chunks=40, rounds=25)}
+
+
+def revision_sources(revision: str) -> dict[str, str]:
+    """The revision's enqueue and commit scripts as Redis runs them (its prelude prepended)."""
+    def show(name: str) -> str:
+        done = subprocess.run(["git", "-C", str(REPO), "show", f"{revision}:broker/redis/lua/{name}.lua"],
+                              capture_output=True, text=True, timeout=60)
+        if done.returncode != 0:
+            raise SystemExit(f"cannot read {name}.lua at {revision!r}: {done.stderr.strip()}")
+        return done.stdout
+
+    prelude = show("prelude")
+    return {name: (prelude + source if PRELUDE_MARK in source else source)
+            for name, source in ((name, show(name)) for name in SCRIPTS)}
+
+
+class Side:
+    """One private Redis with one worker, ``sessions`` token sessions and one version of the scripts."""
+
+    def __init__(self, redis: Redis, sources: dict[str, str] | None) -> None:
+        self.redis = redis
+        self.keys = CellKeys("rf", "bench")
+        self.scripts = Scripts(redis, self.keys, sources=sources)
+        self.sessions: list[str] = []
+        self.next_step: dict[str, int] = {}
+        self.turn = 0
+        self.steps = 0
+        self.steps_measured = 0
+        self.script_us = 0.0
+        self.main_us = 0.0
+
+    async def start(self, sessions: int) -> None:
+        await self.scripts.register(WORKER, capacity=sessions, pools=[self.keys.pool(MODE, MODEL)], ttl_ms=600_000,
+                                    fields={"state": "active"})
+        for i in range(sessions):
+            sid = f"s-{i:06d}-step-scripts"
+            created = await self.scripts.create(sid, MODE, MODEL, lease_ms=600_000, retention="full", result_window=1)
+            if not isinstance(created, Created) or created.owner != WORKER:
+                raise RuntimeError(f"session {sid} was not placed on the bench worker: {created}")
+            self.sessions.append(sid)
+            self.next_step[sid] = 0
+
+    async def round(self, batch: int) -> None:
+        """One batch of steps, enqueued, read and committed; raises unless every one commits."""
+        start = self.turn * batch % len(self.sessions)
+        self.turn += 1
+        group = [self.sessions[(start + i) % len(self.sessions)] for i in range(batch)]
+        queued = await asyncio.gather(*(
+            self.scripts.enqueue(sid, WORKER, step_id=self.next_step[sid], contextual=True,
+                                 job_id=f"j-{sid}-{self.next_step[sid]}", reply_to=REPLY_TO, payload=PAYLOAD)
+            for sid in group))
+        if not all(isinstance(reply, Queued) for reply in queued):
+            raise RuntimeError(f"an enqueue was refused: {queued}")
+        read = await self.redis.xreadgroup(INBOX_GROUP, WORKER, {self.keys.inbox(WORKER): ">"}, count=batch)
+        entries = read[0][1] if read else []
+        calls = [CommitCall(session_id=fields[b"session_id"].decode(), worker_id=WORKER, epoch=int(fields[b"epoch"]),
+                            step_id=int(fields[b"step_id"]), entry_id=entry_id.decode(), result=RESULT,
+                            context_length=int(fields[b"step_id"]) + 1, job_id=fields[b"job_id"].decode(),
+                            reply_to=REPLY_TO, reply_ttl_ms=60_000, record=RECORD)
+                 for entry_id, fields in entries]
+        committed = await asyncio.gather(*(self.scripts.commit(call) for call in calls))
+        if len(committed) != batch or not all(isinstance(reply, Committed) for reply in committed):
+            raise RuntimeError(f"a commit did not land: {committed}")
+        await self.redis.xtrim(self.keys.reply(REPLY_TO), maxlen=0)
+        for sid in group:
+            self.next_step[sid] += 1
+        self.steps += batch
+
+    async def counters(self) -> tuple[float, float]:
+        """(EVALSHA µs so far, main-thread CPU µs so far)."""
+        stats = await self.redis.info("commandstats")
+        cpu = await self.redis.info("cpu")
+        script = float(stats.get("cmdstat_evalsha", {}).get("usec", 0))
+        return script, 1e6 * (float(cpu["used_cpu_user_main_thread"]) + float(cpu["used_cpu_sys_main_thread"]))
+
+
+async def measure(size: str, baseline: str, batch: int) -> list[Row]:
+    cfg = SIZE[size]
+    sources = revision_sources(baseline)
+    with private_redis() as this_server, private_redis() as base_server:
+        clients = [open_redis(this_server.url, decode_responses=False), open_redis(base_server.url,
+                                                                                   decode_responses=False)]
+        try:
+            sides = {"this checkout": Side(clients[0], None), baseline: Side(clients[1], sources)}
+            for side in sides.values():
+                await side.start(cfg.sessions)
+                for _ in range(max(2, cfg.rounds)):  # warm: scripts loaded, streams and hashes grown
+                    await side.round(batch)
+            for _ in range(cfg.chunks):
+                for side in sides.values():
+                    script0, main0 = await side.counters()
+                    steps0 = side.steps
+                    for _ in range(cfg.rounds):
+                        await side.round(batch)
+                    script1, main1 = await side.counters()
+                    side.script_us += script1 - script0
+                    side.main_us += main1 - main0
+                    side.steps_measured += side.steps - steps0
+        finally:
+            for client in clients:
+                await client.aclose()
+    rows = []
+    per_step: dict[str, tuple[float, float]] = {}
+    for name, side in sides.items():
+        steps = side.steps_measured
+        per_step[name] = (side.script_us / steps, side.main_us / steps)
+        rows.append(Row(NAME, f"token step, batch of {batch}", f"scripts @ {name}",
+                        {"scripts_us": per_step[name][0], "main_thread_us": per_step[name][1], "steps": steps},
+                        unit="µs/step"))
+    this, base = per_step["this checkout"], per_step[baseline]
+    rows.append(Row(NAME, f"token step, batch of {batch}", f"this checkout / {baseline}",
+                    {"scripts": this[0] / base[0], "main_thread": this[1] / base[1]}, unit="ratio"))
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=f"python -m bench.{NAME}", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", choices=sorted(SIZE), default="smoke")
+    parser.add_argument("--baseline", default="HEAD", help="the revision whose enqueue.lua and commit.lua to compare")
+    parser.add_argument("--batch", type=int, default=8, help="steps per script call (one event-loop turn's)")
+    args = parser.parse_args(argv)
+    if args.batch < 1:
+        print(f"{NAME}: --batch must be at least 1", file=sys.stderr)
+        return 2
+    started = time.monotonic()
+    rows = asyncio.run(measure(args.size, args.baseline, args.batch))
+    print(format_table(rows))
+    print(f"({time.monotonic() - started:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,48 @@
+"""bench.step_scripts runs a revision's enqueue and commit scripts beside this checkout's, through
+the client's own batched calls. Benchmarks are not tests: no speed is asserted."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import step_scripts
+from bench.common import private_redis
+from broker.redis.connect import open_redis
+
+
+@pytest.mark.asyncio
+async def test_a_round_is_one_batched_call_of_each_script_and_commits_every_step() -> None:
+    with private_redis() as server:
+        redis = open_redis(server.url, decode_responses=False)
+        try:
+            side = step_scripts.Side(redis, step_scripts.revision_sources("HEAD"))
+            await side.start(16)
+            await side.round(8)  # the first call of each script loads it (NOSCRIPT), one by one
+            await redis.config_resetstat()
+            for _ in range(2):
+                await side.round(8)
+            stats = await redis.info("commandstats")
+            assert stats["cmdstat_evalsha"]["calls"] == 2 * 2  # one enqueue batch and one commit batch a round
+            assert stats["cmdstat_xadd"]["calls"] == 2 * 8 * 2  # an inbox entry and a reply per step
+            steps = [int(await redis.hget(side.keys.session(sid), "committed_step_id")) for sid in side.sessions]
+            assert sorted(steps) == [0] * 8 + [1] * 8  # 24 steps over 16 sessions, in order
+        finally:
+            await redis.aclose()
+
+
+@pytest.mark.asyncio
+async def test_both_sides_measure_the_same_steps() -> None:
+    rows = await step_scripts.measure("smoke", "HEAD", 4)
+    sides = [row for row in rows if row.system.startswith("scripts @")]
+    assert [row.system for row in sides] == ["scripts @ this checkout", "scripts @ HEAD"]
+    assert sides[0].values["steps"] == sides[1].values["steps"] > 0
+    assert all(row.values["scripts_us"] > 0 and row.values["main_thread_us"] > 0 for row in sides)
+    assert rows[-1].system == "this checkout / HEAD" and rows[-1].values["scripts"] > 0
+
+
+def test_a_revision_that_does_not_exist_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        step_scripts.revision_sources("no-such-revision")
+    assert "cannot read prelude.lua at 'no-such-revision'" in str(exc.value)
+    assert step_scripts.main(["--batch", "0"]) == 2
+    assert "--batch must be at least 1" in capsys.readouterr().err
