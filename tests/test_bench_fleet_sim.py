@@ -62,6 +62,8 @@ def test_meter_counts_the_commands_cpu_and_bytes_between_snapshots() -> None:
     (["--latent-bytes", "1001"], "multiple of 4"),
     (["--kinds", "token,video"], "kinds are latent, token"),
     (["--heartbeat-ms", "9000", "--lease-ms", "5000"], "heartbeat_ms must be below lease_ms"),
+    (["--io-threads", "0"], "io_threads must be positive"),
+    (["--io-threads", "2", "--redis-url", "redis://127.0.0.1:1/0"], "a --redis-url Redis keeps its own"),
 ])
 def test_bad_options_exit_2_with_the_reason(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert fleet_sim.main(argv) == 2
