@@ -82,8 +82,6 @@ class Side:
         self.sessions: list[str] = []
         self.next_step: dict[str, int] = {}
         self.turn = 0
-        self.steps = 0
-        self.steps_measured = 0
         self.script_us = 0.0
         self.main_us = 0.0
 
@@ -122,7 +120,6 @@ class Side:
         await self.redis.xtrim(self.keys.reply(REPLY_TO), maxlen=0)
         for sid in group:
             self.next_step[sid] += 1
-        self.steps += batch
 
     async def counters(self) -> tuple[float, float]:
         """(EVALSHA µs so far, main-thread CPU µs so far)."""
@@ -147,20 +144,18 @@ async def measure(size: str, baseline: str, batch: int) -> list[Row]:
             for _ in range(cfg.chunks):
                 for side in sides.values():
                     script0, main0 = await side.counters()
-                    steps0 = side.steps
                     for _ in range(cfg.rounds):
                         await side.round(batch)
                     script1, main1 = await side.counters()
                     side.script_us += script1 - script0
                     side.main_us += main1 - main0
-                    side.steps_measured += side.steps - steps0
         finally:
             for client in clients:
                 await client.aclose()
     rows = []
     per_step: dict[str, tuple[float, float]] = {}
+    steps = cfg.chunks * cfg.rounds * batch  # per side: a round commits its whole batch or raises
     for name, side in sides.items():
-        steps = side.steps_measured
         per_step[name] = (side.script_us / steps, side.main_us / steps)
         rows.append(Row(NAME, f"token step, batch of {batch}", f"scripts @ {name}",
                         {"scripts_us": per_step[name][0], "main_thread_us": per_step[name][1], "steps": steps},
