@@ -17,20 +17,29 @@ from broker.redis.layouts import ReplyEntry
 
 log = logging.getLogger(__name__)
 DELETE_WAIT_S = 1.0  # on stop, how long deletes of entries already read may take to finish
+TRIM_INTERVAL_S = 0.05  # entries read wait at most this long (or one idle block) for the XTRIM that deletes them
 
 
 class ReplyReader:
     """Reads one reply stream and hands each entry to the future registered for its job id.
 
-    Entries are deleted once read, so the stream only ever holds what no reader has seen yet.
-    Unknown job ids (a re-published duplicate, a caller that gave up) are dropped.
+    Entries are deleted once read: one ``XTRIM MINID`` past the last entry read, at most every
+    ``trim_interval_s`` (and when a read finds nothing new, and on stop), deletes every entry read
+    since the one before, instead of an ``XDEL`` per read. The stream holds what no reader has seen
+    yet and what it read in the last moment. One reader reads a stream, in the order of its ids,
+    so nothing below the last id read is unread. Unknown job ids (a re-published duplicate, a caller
+    that gave up) are dropped.
     """
 
-    def __init__(self, redis: Redis, stream: str, *, block_ms: int = 1000, batch: int = 512) -> None:
+    def __init__(self, redis: Redis, stream: str, *, block_ms: int = 1000, batch: int = 512,
+                 trim_interval_s: float = TRIM_INTERVAL_S) -> None:
         self.redis = redis
         self.stream = stream
         self.block_ms = block_ms
         self.batch = batch
+        self.trim_interval_s = trim_interval_s
+        self._untrimmed = False  # entries up to _last_id read and not yet trimmed
+        self._trimmed_at = float("-inf")  # the loop clock of the last trim sent
         self._waiters: dict[str, asyncio.Future[ReplyEntry]] = {}
         self._task: asyncio.Task[None] | None = None
         self._last_id = b"0-0"
@@ -60,13 +69,18 @@ class ReplyReader:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
-        # A delete still in flight would outlive the connection pool its owner closes next, and
-        # open a fresh connection nobody closes: let it finish (briefly), cancel what is left.
-        if self._deletes:
-            _, late = await asyncio.wait(set(self._deletes), timeout=DELETE_WAIT_S)
-            for task in late:
-                task.cancel()
-            await asyncio.gather(*late, return_exceptions=True)
+        # What was read last leaves with the reader, after a trim still in flight. A trim still in
+        # flight would outlive the connection pool its owner closes next, and open a fresh
+        # connection nobody closes: let it finish (briefly), cancel what is left.
+        deadline = asyncio.get_running_loop().time() + DELETE_WAIT_S
+        for _ in range(2):
+            if self._deletes:
+                await asyncio.wait(set(self._deletes), timeout=max(0.0, deadline - asyncio.get_running_loop().time()))
+            if not self._deletes:
+                self._trim(force=True)
+        for task in list(self._deletes):
+            task.cancel()
+        await asyncio.gather(*self._deletes, return_exceptions=True)
         for fut in self._waiters.values():
             if not fut.done():
                 fut.cancel()
@@ -87,16 +101,28 @@ class ReplyReader:
                 continue
             if entries:
                 await self._dispatch(entries[0][1])
+                self._trim(force=False)
+            else:  # nothing new for a whole block: what was read leaves now
+                self._trim(force=True)
 
     async def _dispatch(self, items: list[tuple[bytes, dict[bytes, bytes]]]) -> None:
-        ids: list[Any] = [entry_id for entry_id, _ in items]
         for reply in await self._resolved([ReplyEntry.from_fields(fields) for _, fields in items]):
             fut = self._waiters.pop(reply.job_id, None)
             if fut is not None and not fut.done():
                 fut.set_result(reply)
         self._last_id = items[-1][0]
-        # Fire-and-forget delete: the stream only keeps unread entries.
-        task = asyncio.create_task(self._delete(ids))
+        self._untrimmed = True
+
+    def _trim(self, *, force: bool) -> None:
+        """Fire-and-forget: delete every entry up to the last one read, unless a trim is still in
+        flight or (``force`` aside) the last one left less than ``trim_interval_s`` ago."""
+        if not self._untrimmed or self._deletes:
+            return
+        now = asyncio.get_running_loop().time()
+        if not force and now - self._trimmed_at < self.trim_interval_s:
+            return
+        self._untrimmed, self._trimmed_at = False, now
+        task = asyncio.create_task(self._delete_through(self._last_id))
         self._deletes.add(task)
         task.add_done_callback(self._deletes.discard)
 
@@ -123,6 +149,11 @@ class ReplyReader:
                 out[i] = dataclasses.replace(replies[i], result=bytes(data))
         return out
 
-    async def _delete(self, ids: list[Any]) -> None:
-        with contextlib.suppress(Exception):
-            await self.redis.xdel(self.stream, *ids)
+    async def _delete_through(self, last_id: bytes) -> None:
+        """``XTRIM MINID`` (exact) just past ``last_id``: every entry up to it goes, none after it. A
+        trim that fails (Redis unreachable) leaves them for the next one."""
+        ms, _, seq = (last_id.decode() if isinstance(last_id, bytes) else str(last_id)).partition("-")
+        try:
+            await self.redis.xtrim(self.stream, minid=f"{int(ms)}-{int(seq) + 1}", approximate=False)
+        except Exception:
+            self._untrimmed = True
