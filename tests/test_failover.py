@@ -67,6 +67,27 @@ async def test_queued_jobs_move_in_order_and_nothing_runs_twice(
     assert (await s.status()).committed_step_id == 7
 
 
+async def test_a_token_session_of_a_dead_null_worker_is_rebuilt_by_one_prefill_and_goes_on(
+    fleet: FleetClient, workers: WorkerPool, scripts: Scripts
+) -> None:
+    """The null engine counts a token session's context in tokens, as a real engine does: the new
+    owner's one prefill of the recorded ids holds what the committed step left, so the session goes
+    on where it was (no ``context_lost``), with one engine request for the rebuild."""
+    a = await workers.add(NullEngine(), **FAST)
+    t = await fleet.create_session(model="null-lm", mode="tokens")
+    for i in range(4):  # 2 ids in, the same 2 out: 4 tokens a step
+        r = await t.step(i, token_ids=[7, i])
+        assert r.ok and r.output["context"] == 4 * i and r.context_length == 4 * (i + 1)
+    await workers.kill(a)
+    b = await workers.add(NullEngine(), **FAST)
+    await reap_until_moved(scripts, a.id)
+    r = await t.step(4, token_ids=[7, 4])
+    assert r.ok and r.worker_id == b.id, r.error
+    assert r.output["context"] == 16 and r.context_length == 20
+    executor = b.worker.executor
+    assert (executor.rebuilt_steps, executor.rebuild_engine_calls, executor.replayed_steps) == (4, 1, 0)
+
+
 async def test_world_session_without_retained_inputs_reports_context_lost(
     fleet: FleetClient, workers: WorkerPool, scripts: Scripts
 ) -> None:

@@ -157,6 +157,11 @@ def _step(session: Any, i: int) -> dict[str, Any]:
     return world_step(i) if session.mode.value == "world_model_env" else {"token_ids": [1, 2, 3 + i]}
 
 
+def _context(session: Any, i: int) -> int:
+    """The null engine's context before step ``i``: steps run, or tokens held (3 ids in, 3 out a step)."""
+    return i if session.mode.value == "world_model_env" else 6 * i
+
+
 async def _epochs(admin: Redis, keys: CellKeys, sessions: list[Any]) -> list[Any]:
     return [await admin.hmget(keys.session(s.session_id), ["owner", "epoch"]) for s in sessions]
 
@@ -192,7 +197,7 @@ async def test_a_step_redis_refuses_answers_redis_unavailable_and_runs_once_it_w
         for i in (2, 3):  # the step refused runs now, once, and the session goes on
             results = await asyncio.gather(*(s.step(i, **_step(s, i)) for s in sessions))
             assert [r.error for r in results if not r.ok] == []
-            assert [r.output["context"] for r in results] == [i, i]
+            assert [r.output["context"] for r in results] == [_context(s, i) for s in sessions]
             assert not any(r.duplicate for r in results)
         assert _refusals(pool, reason) > 0  # counted (and logged once) by the workers
 
@@ -245,7 +250,7 @@ async def test_scripts_flushed_from_redis_are_loaded_again_without_the_trainer_s
             alone = await sessions[0].step(i, **_step(sessions[0], i))  # one call: the plain EVALSHA
             together = await asyncio.gather(*(s.step(i, **_step(s, i)) for s in sessions[1:]))  # one pipeline
             assert [r.error for r in (alone, *together) if not r.ok] == []
-            assert {r.output["context"] for r in (alone, *together)} == {i}
+            assert [r.output["context"] for r in (alone, *together)] == [_context(s, i) for s in sessions]
 
 
 

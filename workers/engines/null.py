@@ -1,7 +1,11 @@
 """An engine that does (almost) nothing: for tests of the fleet itself and for benchmarks.
 
-Each session's context is the list of step inputs it has seen, so the output tells whether the
-fleet delivered every step, once, in order: ``context`` is how many steps the session has run.
+Each output's ``context`` is the session's context before the step, so the outputs tell whether
+the fleet delivered every step, once, in order: a world-model session's context counts the steps
+it has run, a token session's the tokens it holds, as a real engine's does (each step's input ids
+and the ids it generated: the input echoed, nothing where ``max_tokens`` is 0). A token context
+rebuilt by one prefill of the recorded ids (workers/rebuild.py) so holds what the committed step
+left.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ class NullEngine(Engine):
 
     def __init__(self, config: NullEngineConfig | None = None) -> None:
         self.config = config or NullEngineConfig()
-        self._contexts: dict[str, int] = {}
+        self._contexts: dict[str, int] = {}  # steps (world model) or tokens (token session) per session
         self.batch_sizes: list[int] = []
         self._aborted = asyncio.Event()  # set (and replaced) by abort_running
         self._running = 0  # requests inside run_batch now (the load signal)
@@ -75,14 +79,17 @@ class NullEngine(Engine):
                 return InvalidRequestError("null engine rejects the prompt 'invalid'")
             latent = np.full(self.config.latent_shape, float(seen), dtype=np.float32)
             output: dict[str, object] = {"video_latent": latent, "context": seen}
+            length = seen + 1
         elif isinstance(step, TokenStep):
-            output = {"token_ids": list(step.token_ids), "logprobs": [0.0] * len(step.token_ids),
-                      "finish_reason": "length", "context": seen}
+            generated = list(step.token_ids) if step.sampling.max_tokens else []
+            output = {"token_ids": generated, "logprobs": [0.0] * len(generated), "finish_reason": "length",
+                      "context": seen}
+            length = seen + len(step.token_ids) + len(generated)
         else:  # pragma: no cover - schemas only build these two
             return InvalidRequestError(f"unsupported step {type(step).__name__}")
         if not req.stateless:
-            self._contexts[req.session_key] = seen + 1
-        return EngineOutput(output=output, context_length=seen + 1)
+            self._contexts[req.session_key] = length
+        return EngineOutput(output=output, context_length=length)
 
     async def load_weights(self, path: str, version: int) -> None:
         """The null engine has no weights; an update only changes the reported version."""
