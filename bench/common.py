@@ -14,6 +14,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import IO, Any
 
 import numpy as np
@@ -28,6 +29,7 @@ SIZES = ("smoke", "full")
 # in a VM every fresh page of a 450 KB buffer is a costly page fault (see docs/benchmarks.md).
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(64 << 20), "MALLOC_TRIM_THRESHOLD_": str(256 << 20)}
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameter numbers from <malloc.h>
+REPO = Path(__file__).resolve().parent.parent  # the checkout the benchmarks run from
 LATENT_SHAPE = (1, 16, 2, 44, 80)  # the DreamZero-sized world latent of the rollout API
 TINY_SHAPE = (1, 4)  # the null engine's default: a "tiny result"
 
@@ -209,6 +211,24 @@ class Children:
         self.procs.clear()
         self._log_of.clear()
         self._logs.close()
+
+
+@contextlib.contextmanager
+def checkout_of(revision: str) -> Iterator[Path]:
+    """A temporary git worktree of ``revision`` beside this checkout (removed after), for the
+    benchmarks that measure an earlier revision in the same run (bench.step_cpu,
+    bench.placement_scale)."""
+    with tempfile.TemporaryDirectory(prefix="bench-rev-") as parent:
+        path = Path(parent) / "checkout"
+        added = subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "--quiet", str(path),
+                                revision], capture_output=True, text=True, timeout=120)
+        if added.returncode != 0:  # not a git checkout, or no such revision
+            raise SystemExit(f"cannot check out {revision!r} beside {REPO}: {added.stderr.strip()}")
+        try:
+            yield path
+        finally:
+            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(path)],
+                           check=False, timeout=120)
 
 
 @contextlib.contextmanager

@@ -24,17 +24,15 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.common import SIZES, Row, format_table, new_prefix, private_redis
+from bench.common import REPO, SIZES, Row, checkout_of, format_table, new_prefix, private_redis
 from bench.step_cpu_child import CASES
 from broker.redis.embedded import RedisServer
 
 NAME = "step_cpu"
-REPO = Path(__file__).resolve().parent.parent
 CHILD = Path(__file__).resolve().parent / "step_cpu_child.py"
 _CHILD_SLACK_S = 120.0  # worker start and session creation, beyond warm-up and window
 
@@ -47,22 +45,6 @@ class Size:
 
 
 SIZE = {"smoke": Size(warmup_s=0.3, window_s=0.5, rounds=1), "full": Size(warmup_s=1.0, window_s=4.0, rounds=3)}
-
-
-@contextlib.contextmanager
-def checkout_of(revision: str) -> Iterator[Path]:
-    """A temporary worktree of ``revision`` (removed after)."""
-    with tempfile.TemporaryDirectory(prefix="step-cpu-") as parent:
-        path = Path(parent) / "checkout"
-        added = subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "--quiet", str(path),
-                                revision], capture_output=True, text=True, timeout=120)
-        if added.returncode != 0:  # not a git checkout, or no such revision
-            raise SystemExit(f"cannot check out {revision!r} beside {REPO}: {added.stderr.strip()}")
-        try:
-            yield path
-        finally:
-            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(path)],
-                           check=False, timeout=120)
 
 
 def measure(root: Path, server: RedisServer, case: str, size: Size) -> dict[str, float]:

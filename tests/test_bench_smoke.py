@@ -37,7 +37,7 @@ def test_step_cpu_measures_this_checkout_beside_a_worktree_of_a_revision() -> No
             assert row.values["steps_s"] > 0 and row.values["cpu_us_total"] > 0, row
     worktrees = subprocess.run(["git", "-C", str(step_cpu.REPO), "worktree", "list"], capture_output=True,
                                text=True, check=True).stdout
-    assert "step-cpu-" not in worktrees  # the temporary checkout is gone
+    assert "bench-rev-" not in worktrees  # the temporary checkout is gone
 
 
 

@@ -35,7 +35,7 @@ KEY_ARGS: dict[str, int | None] = {
     "GET": 1, "SET": 1, "STRLEN": 1, "PEXPIRE": 1, "PERSIST": 1,
     "HGET": 1, "HSET": 1, "HMGET": 1, "HDEL": 1, "HINCRBY": 1, "HSETNX": 1, "HKEYS": 1, "HGETALL": 1,
     "SADD": 1,
-    "ZADD": 1, "ZREM": 1, "ZSCORE": 1, "ZINCRBY": 1, "ZRANGE": 1, "ZCARD": 1,
+    "ZADD": 1, "ZREM": 1, "ZSCORE": 1, "ZMSCORE": 1, "ZINCRBY": 1, "ZRANGE": 1, "ZCARD": 1,
     "XADD": 1, "XACK": 1, "XDEL": 1, "XRANGE": 1, "XLEN": 1,
 }
 SUBCOMMAND_KEY_ARGS = {("XGROUP", "CREATE"): 1}  # XGROUP CREATE <key> ...

@@ -135,3 +135,25 @@ async def test_retire_drops_the_split_fields(scripts: Scripts) -> None:
     assert await scripts.redis.hget(k.capacity, field) == b"1"
     await scripts.retire("a", pools=[k.pool(*WORLD), k.pool(*LM)], lease_ms=5000, reason="drained")
     assert await scripts.redis.hget(k.capacity, field) is None
+
+
+async def test_a_pool_of_more_workers_than_one_lookup_slice_places_on_the_least_loaded(scripts: Scripts) -> None:
+    """A create reads its pool's heartbeats, capacities, splits, owned counts and pressures in
+    slices of a thousand: a worker past the first slice is found, with its own split and pressure."""
+    k = scripts.keys
+    for i in range(1200):
+        await scripts.register(f"w{i:04d}", capacity=4, pools=[k.pool(*LM)], ttl_ms=15000, fields={"state": "active"},
+                               pool_caps={k.pool(*LM): 1} if i == 1150 else None)
+    await scripts.redis.hset(k.pressure, mapping={f"w{i:04d}": "0.5" for i in range(1200) if i not in (1150, 1199)})
+    assert await _create(scripts, "s1", LM) == Created("w1150")  # no pressure, and room
+    assert await _create(scripts, "s2", LM) == Created("w1199")  # w1150's split of 1 is full
+    assert await _owned(scripts, "w1150") == 1 and await _owned(scripts, "w1199") == 1
+
+
+async def test_the_cell_wide_worker_hashes_are_hashtables_from_their_first_worker(scripts: Scripts) -> None:
+    """Redis would keep them as listpacks up to 512 fields, scanned by every lookup."""
+    await _register(scripts, "a", capacity=2)
+    k = scripts.keys
+    for key in (k.capacity, k.owned, k.pressure):
+        assert await scripts.redis.object("encoding", key) == b"hashtable", key
+    assert await scripts.redis.hget(k.capacity, "a") == b"2" and await _owned(scripts, "a") == 0

@@ -18,11 +18,13 @@ from broker.ops.cell_stats import record_failover
 from broker.redis.aio import resolve
 from broker.redis.connect import server_time_ms
 from broker.redis.layouts import SessionHash
+from broker.redis.pool_members import pool_members
 from broker.redis.refusals import RedisRefused, as_refused
 from broker.redis.script_replies import Alive, FailedOver, Gone, Retired, Skipped
 from broker.redis.scripts import Scripts
 
 log = logging.getLogger(__name__)
+SCAN_COUNT = 1000  # sessions hash fields per HSCAN page: a cell of 10,000 sessions in about 10 round trips
 
 
 @dataclass
@@ -51,7 +53,7 @@ async def expired_workers(scripts: Scripts, lease_ms: int) -> list[str]:
 
 async def sessions_of(scripts: Scripts, worker_id: str) -> list[str]:
     owned: list[str] = []
-    async for sid, owner in scripts.redis.hscan_iter(scripts.keys.sessions):
+    async for sid, owner in scripts.redis.hscan_iter(scripts.keys.sessions, count=SCAN_COUNT):
         if owner.decode() == worker_id:
             owned.append(sid.decode())
     return owned
@@ -76,45 +78,21 @@ class Candidate:
         return self.share + self.pressure
 
 
-def _number(raw: Any, default: float = 0.0) -> float:
-    try:
-        return default if raw is None else float(raw)
-    except ValueError:
-        return default
-
-
 async def live_members(scripts: Scripts, mode: str, model: str, *, exclude: str, lease_ms: int) -> int:
     """How many live workers (``exclude`` aside) serve the pool (mode, model), with room or not."""
-    redis, keys = scripts.redis, scripts.keys
+    members = await pool_members(scripts.redis, scripts.keys, mode=mode, model=model)
     now = await redis_now_ms(scripts)
-    members: Any = await redis.zrange(keys.pool(mode, model), 0, -1)
-    live = 0
-    for raw_wid in members:
-        beat = await redis.zscore(keys.workers, raw_wid)
-        live += raw_wid.decode() != exclude and beat is not None and now - beat <= lease_ms
-    return live
+    return sum(m.worker_id != exclude and m.live(now, lease_ms) for m in members)
 
 
 async def placement_candidates(scripts: Scripts, mode: str, model: str, *, exclude: str,
                                lease_ms: int) -> list[Candidate]:
     """Live workers of the pool (mode, model) with room for one more of its sessions (their own
     capacity and the pool's cap), least loaded first. Advisory: failover.lua checks again."""
-    redis, keys = scripts.redis, scripts.keys
+    members = await pool_members(scripts.redis, scripts.keys, mode=mode, model=model)
     now = await redis_now_ms(scripts)
-    pool = keys.pool(mode, model)
-    members: Any = await redis.zrange(pool, 0, -1, withscores=True)
-    out = []
-    for raw_wid, load in members:
-        wid = raw_wid.decode()
-        beat = await redis.zscore(keys.workers, wid)
-        if wid == exclude or beat is None or now - beat > lease_ms:
-            continue
-        cap, split = await resolve(redis.hmget(keys.capacity, [wid, keys.capacity_split_field(wid, pool)]))
-        owned = int(_number(await resolve(redis.hget(keys.owned, wid))))
-        capacity = int(_number(cap))
-        if owned >= capacity or (split is not None and load >= _number(split)):
-            continue
-        out.append(Candidate(wid, owned, capacity, _number(await resolve(redis.hget(keys.pressure, wid)))))
+    out = [Candidate(m.worker_id, m.owned, m.capacity, m.pressure) for m in members
+           if m.worker_id != exclude and m.live(now, lease_ms) and m.has_room()]
     return sorted(out, key=lambda c: c.score)  # stable: the pool's order breaks ties, as in create.lua
 
 

@@ -471,7 +471,8 @@ class Scripts:
         caps = [str((pool_caps or {}).get(pool, "")) for pool in pools]
         raw = await self._call(
             "register",
-            [k.workers, k.capacity, k.worker(worker_id), k.inbox(worker_id), k.pool_index, k.owned, *pools],
+            [k.workers, k.capacity, k.worker(worker_id), k.inbox(worker_id), k.pool_index, k.owned, k.pressure,
+             *pools],
             [worker_id, capacity, ttl_ms, INBOX_GROUP, *caps, *flat],
         )
         now = decode_integer("register", raw)

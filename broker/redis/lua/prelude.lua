@@ -205,19 +205,57 @@ local function flush_replies(streams)
   end
 end
 
+-- The cell-wide hashes keyed by worker id (capacity, owned, pressure) stay in Redis's hashtable
+-- encoding from their first worker on. Redis keeps a hash of at most hash-max-listpack-entries
+-- fields (512 by default) as a listpack, which every lookup scans: placement's lookups of a
+-- 333-worker pool cost a master ~0.5 ms per HMGET that way, ~25 us as a hashtable. One field with
+-- a value longer than hash-max-listpack-value (64 bytes by default) converts a hash for good. Its
+-- name starts with a NUL byte, which no worker id has; readers look fields up by worker id and
+-- never list these hashes (register.lua writes it).
+local HASHTABLE_FIELD = '\0encoding'
+local HASHTABLE_NOTE = 'keeps this hash in the hashtable encoding: a listpack would scan every field per lookup'
+local function keep_hashtable(key)
+  redis.call('HSETNX', key, HASHTABLE_FIELD, HASHTABLE_NOTE)
+end
+
 -- Per-worker capacity (create and failover): a worker's sessions over all its pools count against
 -- its one capacity, and a pool's own cap (capacity field worker@pool, set where the engine splits
--- its capacity by model) bounds that pool's share. Returns the worker's session share
+-- its capacity by model) bounds that pool's share. share_if_room takes the values as read (the
+-- capacity hash's worker and worker@pool fields, the owned hash's worker field, the worker's
+-- score in the pool; false or nil when absent) and returns the worker's session share
 -- (owned / capacity) when it has room for one more session of this pool, else nil.
-local function share_with_room(capacity_key, owned_key, pool_key, wid, pool_load)
-  local cap = tonumber(redis.call('HGET', capacity_key, wid) or '0') or 0
-  local owned = tonumber(redis.call('HGET', owned_key, wid) or '0') or 0
+local function share_if_room(cap, owned, split, pool_load)
+  cap = tonumber(cap or '0') or 0
+  owned = tonumber(owned or '0') or 0
   if owned >= cap then
     return nil
   end
-  local split = redis.call('HGET', capacity_key, wid .. '@' .. pool_key)
   if split and tonumber(pool_load) >= tonumber(split) then
     return nil
   end
   return owned / cap
+end
+local function share_with_room(capacity_key, owned_key, pool_key, wid, pool_load)
+  return share_if_room(redis.call('HGET', capacity_key, wid), redis.call('HGET', owned_key, wid),
+    redis.call('HGET', capacity_key, wid .. '@' .. pool_key), pool_load)
+end
+
+-- One command for many fields or members (HMGET, ZMSCORE), sent in slices: Lua's unpack holds
+-- at most a few thousand values at once. The replies, in the order of `names`.
+local MANY_SLICE = 1000
+local function in_slices(names, call)
+  local out = {}
+  for first = 1, #names, MANY_SLICE do
+    local part = call(first, math.min(#names, first + MANY_SLICE - 1))
+    for i = 1, #part do
+      out[#out + 1] = part[i]
+    end
+  end
+  return out
+end
+local function hmget_many(key, fields)
+  return in_slices(fields, function(first, last) return redis.call('HMGET', key, unpack(fields, first, last)) end)
+end
+local function zmscore_many(key, members)
+  return in_slices(members, function(first, last) return redis.call('ZMSCORE', key, unpack(members, first, last)) end)
 end
