@@ -7,7 +7,9 @@ import asyncio
 import contextlib
 import ctypes
 import ctypes.util
+import json
 import os
+import statistics
 import subprocess
 import tempfile
 import time
@@ -330,6 +332,55 @@ def module_main(name: str, run: BenchFn, argv: Sequence[str] | None = None) -> i
     args = parser.parse_args(argv)
     rows = asyncio.run(run(args.size))
     print(format_table(rows))
+    return 0
+
+
+def checkouts(stack: contextlib.ExitStack, baseline: str | None) -> dict[str, Path]:
+    """This checkout, and a worktree of ``baseline`` (removed when ``stack`` closes), by label."""
+    roots = {"this checkout": REPO}
+    if baseline is not None:
+        roots[baseline] = stack.enter_context(checkout_of(baseline))
+    return roots
+
+
+def run_child(root: Path, command: list[str], *, timeout: float, what: str) -> dict[str, float]:
+    """A child process that imports the fleet from ``root`` (its ``PYTHONPATH``) and prints its
+    figures as one JSON line, last; a failed child raises with the end of its stderr."""
+    done = subprocess.run(command, cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True,
+                          text=True, timeout=timeout)
+    if done.returncode != 0:
+        raise RuntimeError(f"{what} at {root} failed ({done.returncode}): {done.stderr[-2000:]}")
+    values: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
+    return values
+
+
+def revision_rows(bench: str, case: str, runs: dict[str, list[dict[str, float]]],
+                  ratios: dict[str, str]) -> list[Row]:
+    """One case measured at this checkout and at a revision (``runs``: label -> the alternated
+    rounds' values): each label's medians, then, for two labels, the first over the second of each
+    value ``ratios`` names (row key -> value key)."""
+    rows, medians = [], {}
+    for label, values in runs.items():
+        medians[label] = {key: statistics.median(v[key] for v in values) for key in values[0]}
+        rows.append(Row(bench, case, f"fleet @ {label}", medians[label], "",
+                        f"median of {len(values)} alternated round(s)"))
+    if len(medians) == 2:
+        now, then = medians.values()
+        rows.append(Row(bench, case, " / ".join(medians), {name: now[key] / then[key] for name, key in ratios.items()},
+                        "x"))
+    return rows
+
+
+def revision_main(name: str, doc: str | None, run: Callable[[str, str | None], Sequence[Row]],
+                  argv: Sequence[str] | None = None) -> int:
+    """``python -m bench.<name> --size smoke|full [--baseline REV]``: a benchmark that measures this
+    checkout beside a worktree of ``REV`` (``run(size, baseline)``), printed as one table."""
+    parser = argparse.ArgumentParser(prog=f"python -m bench.{name}", description=doc,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", choices=SIZES, default="smoke")
+    parser.add_argument("--baseline", metavar="REV", help="a git revision to measure beside this checkout")
+    args = parser.parse_args(argv)
+    print(format_table(run(args.size, args.baseline)))
     return 0
 
 

@@ -15,18 +15,13 @@ fresh private Redis, alternating between the two checkouts:
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
-import os
-import statistics
-import subprocess
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.common import REPO, SIZES, Row, checkout_of, format_table, new_prefix, private_redis
+from bench.common import Row, checkouts, new_prefix, private_redis, revision_main, revision_rows, run_child
 
 NAME = "placement_scale"
 CHILD = Path(__file__).resolve().parent / "placement_scale_child.py"
@@ -50,20 +45,13 @@ def measure(root: Path, workers: int, size: Size) -> dict[str, float]:
     with private_redis() as server:
         command = [sys.executable, str(CHILD), "--redis-url", server.url, "--prefix", new_prefix("place"),
                    "--workers", str(workers), "--creates", str(size.creates), "--moved", str(MOVED)]
-        done = subprocess.run(command, cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True,
-                              text=True, timeout=_CHILD_TIMEOUT_S)
-    if done.returncode != 0:
-        raise RuntimeError(f"{workers} workers at {root} failed ({done.returncode}): {done.stderr[-2000:]}")
-    values: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
-    return values
+        return run_child(root, command, timeout=_CHILD_TIMEOUT_S, what=f"{workers} workers")
 
 
 def run(size_name: str, baseline: str | None) -> list[Row]:
     size = SIZE[size_name]
     with contextlib.ExitStack() as stack:
-        roots = {"this checkout": REPO}
-        if baseline is not None:
-            roots[baseline] = stack.enter_context(checkout_of(baseline))
+        roots = checkouts(stack, baseline)
         samples: dict[tuple[int, str], list[dict[str, float]]] = {}
         for _ in range(size.rounds):
             for workers in size.pools:
@@ -72,28 +60,13 @@ def run(size_name: str, baseline: str | None) -> list[Row]:
     rows = []
     for workers in size.pools:
         case = f"pool of {workers} workers, {size.creates} creates, {MOVED} sessions handed over"
-        medians = {}
-        for label in roots:
-            runs = samples[(workers, label)]
-            medians[label] = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
-            rows.append(Row(NAME, case, f"fleet @ {label}", medians[label], "",
-                            f"median of {size.rounds} alternated round(s)"))
-        if len(roots) == 2:
-            now, then = (medians[label] for label in roots)
-            rows.append(Row(NAME, case, " / ".join(roots), {"create_us": now["create_us"] / then["create_us"],
-                                                            "handover_ms": now["handover_ms"] / then["handover_ms"]},
-                            "x"))
+        rows += revision_rows(NAME, case, {label: samples[(workers, label)] for label in roots},
+                              {"create_us": "create_us", "handover_ms": "handover_ms"})
     return rows
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.placement_scale", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size", choices=SIZES, default="smoke")
-    parser.add_argument("--baseline", metavar="REV", help="a git revision to measure beside this checkout")
-    args = parser.parse_args(argv)
-    print(format_table(run(args.size, args.baseline)))
-    return 0
+    return revision_main(NAME, __doc__, run, argv)
 
 
 if __name__ == "__main__":

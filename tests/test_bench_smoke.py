@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from bench import run_all
+from bench.common import REPO
 
 
 @pytest.mark.slow
@@ -35,7 +36,7 @@ def test_step_cpu_measures_this_checkout_beside_a_worktree_of_a_revision() -> No
     for row in rows:
         if row.system.startswith("fleet @"):
             assert row.values["steps_s"] > 0 and row.values["cpu_us_total"] > 0, row
-    worktrees = subprocess.run(["git", "-C", str(step_cpu.REPO), "worktree", "list"], capture_output=True,
+    worktrees = subprocess.run(["git", "-C", str(REPO), "worktree", "list"], capture_output=True,
                                text=True, check=True).stdout
     assert "bench-rev-" not in worktrees  # the temporary checkout is gone
 
