@@ -163,7 +163,8 @@ class Fleet:
         while not all(self.out_of(p).get("ready") for p in procs):
             self.children.check_alive()
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{what} not ready within {READY_TIMEOUT_S:.0f}s")
+                behind = [self.out_of(p) for p in procs if not self.out_of(p).get("ready")]
+                raise TimeoutError(f"{what} not ready within {READY_TIMEOUT_S:.0f}s; their progress: {behind}")
             time.sleep(0.2)
 
     def stop(self, procs: Sequence[Process]) -> list[dict[str, Any]]:

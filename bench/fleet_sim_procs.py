@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ from workers.worker import Worker
 START_BATCH = 50  # workers started at once: 1,000 registrations at a time would stall the loop
 CREATE_BATCH = 200  # session creations in flight per trainer
 STOP_TIMEOUT_S = 30.0
+PROGRESS_EVERY_S = 1.0  # how often a trainer that is not ready yet reports its progress
 
 
 def write_json(path: str, data: dict[str, Any]) -> None:
@@ -103,6 +105,7 @@ class Counters:
         self.steps = dict.fromkeys(cells, 0)
         self.errors = 0
         self.first_error = ""
+        self.error_kinds: Counter[str] = Counter()  # the failures by their first 60 characters
         self.warm = 0  # sessions past their first step (which also loads the session on its worker)
         self.marks: list[dict[str, int]] = []
 
@@ -143,6 +146,7 @@ async def _drive(session: Session, cell: str, spec: dict[str, Any], counters: Co
         else:  # the same step again; a failing fleet must not spin
             counters.errors += 1
             counters.first_error = counters.first_error or failure[:200]
+            counters.error_kinds[failure[:60]] += 1
             await asyncio.sleep(0.05)
 
 
@@ -164,7 +168,14 @@ async def run_trainer(spec: dict[str, Any]) -> None:
             sessions = await _create(fleet, spec["kind"], count)
             drives += [asyncio.create_task(_drive(s, cell, spec, counters, stop)) for s in sessions]
         # Ready once every session ran its first step: the window then sees the steady state only.
+        # Until then the progress goes to the out file, for the parent's error if it never gets there.
+        next_report = 0.0
         while counters.warm < len(drives) and not stop.is_set() and time.monotonic() < deadline:
+            if time.monotonic() >= next_report:
+                write_json(spec["out"], {"ready": False, "warm": counters.warm, "sessions": len(drives),
+                                         "steps": sum(counters.steps.values()), "errors": counters.errors,
+                                         "error_kinds": dict(counters.error_kinds.most_common(5))})
+                next_report = time.monotonic() + PROGRESS_EVERY_S
             await asyncio.sleep(0.1)
         write_json(spec["out"], {"ready": True})
         await _until(stop, deadline)
