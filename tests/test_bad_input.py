@@ -12,6 +12,7 @@ import pytest
 
 from broker import FleetClient
 from broker.ops.replay import list_dead, replay_ids, show
+from broker.redis.layouts import log_result_field
 from broker.redis.script_replies import Committed, Created, Queued, Refused, Stored
 from broker.redis.scripts import CommitCall, Scripts
 from schemas.codec import encode
@@ -244,7 +245,8 @@ async def test_large_contextual_step_ids_keep_exact_log_fields(scripts: Scripts)
     most a session's counters can reach exactly)."""
     await scripts.register("w1", capacity=4, pools=[scripts.keys.pool("tokens", "m")], ttl_ms=15000,
                            fields={"state": "active"})
-    assert await scripts.create("s1", "tokens", "m", lease_ms=5000, retention="full", result_window=2) == Created("w1")
+    # a window of 3: the result's slot (step mod 3) must be exact too
+    assert await scripts.create("s1", "tokens", "m", lease_ms=5000, retention="full", result_window=3) == Created("w1")
     for start in (10**15 + 3, LUA_EXACT_STEPS - 1):
         await scripts.redis.hset(scripts.keys.session("s1"),
                                  mapping={"committed_step_id": start - 1, "next_step_id": start})
@@ -260,8 +262,8 @@ async def test_large_contextual_step_ids_keep_exact_log_fields(scripts: Scripts)
                                              record=b"in", keep_records=1))
             assert committed == Committed()
         fields = sorted(await scripts.redis.hkeys(scripts.keys.log("s1")))
-        assert fields == sorted(f"{kind}:{step}".encode() for kind in ("result", "input")
-                                for step in (start, start + 1) if kind == "result" or step == start + 1)
+        assert fields == sorted([log_result_field(start, 3).encode(), log_result_field(start + 1, 3).encode(),
+                                 f"input:{start + 1}".encode()])
         again = await scripts.enqueue("s1", "w1", step_id=start, contextual=True, job_id="again", reply_to="c",
                                       payload=b"p")
         assert again == Stored(f"r{start}".encode(), start + 1)

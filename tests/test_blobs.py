@@ -15,7 +15,7 @@ from broker.client.replies import ReplyReader
 from broker.redis.blobs import BLOB_MARK, STAGE_BYTES, blob_key, unless_unstaged
 from broker.redis.durability import ReplicaWait
 from broker.redis.keys import INBOX_GROUP
-from broker.redis.layouts import ReplyBounds, ReplyEntry
+from broker.redis.layouts import ReplyBounds, ReplyEntry, log_result_field
 from broker.redis.script_replies import (
     Applied,
     CommitReply,
@@ -76,7 +76,7 @@ async def test_a_large_result_is_committed_as_a_reference_to_its_blobs(scripts: 
     redis, k = scripts.redis, scripts.keys
     await _session(scripts)
     assert await _commit(scripts, 0) == Committed()
-    stored = await redis.hget(k.log("s1"), "result:0")
+    stored = await redis.hget(k.log("s1"), log_result_field(0, 2))
     assert stored == BLOB_MARK + k.result_blob("s1", 0).encode()
     assert await redis.get(k.result_blob("s1", 0)) == big(0)
     assert await redis.pttl(k.result_blob("s1", 0)) == -1  # kept as long as its log field
@@ -87,7 +87,7 @@ async def test_a_large_result_is_committed_as_a_reference_to_its_blobs(scripts: 
     assert not await redis.exists(k.staged_result("s1", 0, "w1", 1))
     # a small result keeps the inline path
     assert await _commit(scripts, 1, result=b"small") == Committed()
-    assert await redis.hget(k.log("s1"), "result:1") == b"small" and await _last_reply(scripts) == b"small"
+    assert await redis.hget(k.log("s1"), log_result_field(1, 2)) == b"small" and await _last_reply(scripts) == b"small"
 
 
 async def test_a_duplicate_republishes_the_stored_blob_and_a_resend_reads_it(scripts: Scripts) -> None:
@@ -112,7 +112,7 @@ async def test_a_fenced_zombie_never_publishes_its_staged_result(scripts: Script
     assert await _commit(scripts, 0, worker="zombie", epoch=1) == StaleOwner("w1", 1)
     assert await _commit(scripts, 0, worker="w1", epoch=0) == StaleOwner("w1", 1)
     assert await _blob_keys(scripts) == set()  # both stagings deleted, nothing stored
-    assert await redis.hget(k.log("s1"), "result:0") is None and await redis.xlen(k.reply("c")) == 0
+    assert await redis.hget(k.log("s1"), log_result_field(0, 2)) is None and await redis.xlen(k.reply("c")) == 0
     assert await redis.hget(k.session("s1"), "committed_step_id") == b"-1"
 
 
@@ -143,12 +143,16 @@ async def test_window_eviction_reset_and_close_leave_no_blobs(scripts: Scripts) 
 async def test_a_branch_owns_copies_of_the_blobs_it_forks(scripts: Scripts) -> None:
     redis, k = scripts.redis, scripts.keys
     await _session(scripts)
-    assert await _commit(scripts, 0) == Committed()
-    assert await scripts.fork("s1", "w1", mode="tokens", model="m", branches=["b1"]) == Forked(0)
-    assert await redis.hget(k.log("b1"), "result:0") == BLOB_MARK + k.result_blob("b1", 0).encode()
-    await redis.delete(k.result_blob("s1", 0))  # the parent's reset or close never reaches the branch
-    stored = await scripts.enqueue("b1", "w1", step_id=0, contextual=True, job_id="r", reply_to="c", payload=b"p")
-    assert stored == Stored(big(0), 0)
+    for step in range(3):  # a window of 2 that went round: steps 1 and 2 in its slots
+        assert await _commit(scripts, step) == Committed()
+    assert await scripts.fork("s1", "w1", mode="tokens", model="m", branches=["b1"]) == Forked(2)
+    for step in (1, 2):
+        copied = BLOB_MARK + k.result_blob("b1", step).encode()
+        assert await redis.hget(k.log("b1"), log_result_field(step, 2)) == copied
+        await redis.delete(k.result_blob("s1", step))  # the parent's reset or close never reaches the branch
+        stored = await scripts.enqueue("b1", "w1", step_id=step, contextual=True, job_id="r", reply_to="c",
+                                       payload=b"p")
+        assert stored == Stored(big(step), 2)
 
 
 async def test_a_replicated_commit_publishes_its_blob_only_on_the_second_call(scripts: Scripts) -> None:
@@ -172,7 +176,7 @@ async def test_a_latent_round_trip_goes_through_the_blob_path(fleet: FleetClient
     latent = first.output["video_latent"]
     assert latent.shape == LATENT and latent.nbytes >= STAGE_BYTES
     keys = fleet.keys_of(s.session_id)
-    stored = await fleet.redis.hget(keys.log(s.session_id), "result:0")
+    stored = await fleet.redis.hget(keys.log(s.session_id), log_result_field(0, 2))
     assert blob_key(stored) == keys.result_blob(s.session_id, 0)
     again = await s.step(0, **world_step(0))
     assert again.ok and again.duplicate

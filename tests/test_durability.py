@@ -18,6 +18,7 @@ from redis.asyncio import Redis
 from broker import FleetClient
 from broker.redis.embedded import RedisServer
 from broker.redis.keys import INBOX_GROUP, CellKeys
+from broker.redis.layouts import log_result_field
 from schemas.errors import ErrorCode
 from tests.support import RunningWorker, equals, until, worker_pool, world_step
 from workers.engines.null import NullEngine
@@ -157,7 +158,7 @@ async def test_a_commit_redis_lost_is_answered_out_of_order_and_the_trainer_can_
             assert (await asyncio.wait_for(s.step(i, **world_step(i)), BOUND_S)).ok
         # what the promoted replica holds when step 1's commit never reached it
         await redis.hset(keys.session(s.session_id), mapping={"committed_step_id": 0, "next_step_id": 1})
-        await redis.hdel(keys.log(s.session_id), "result:1", "input:1")
+        await redis.hdel(keys.log(s.session_id), log_result_field(1, 1), "input:1")
         lost = await asyncio.wait_for(s.step(1, **world_step(1)), BOUND_S)
         assert not lost.ok and lost.error is not None and lost.error.code is ErrorCode.STEP_OUT_OF_ORDER
         assert "commit was lost" in lost.error.message
@@ -167,7 +168,7 @@ async def test_a_commit_redis_lost_is_answered_out_of_order_and_the_trainer_can_
         assert (await asyncio.wait_for(s.step(2, **world_step(2)), BOUND_S)).output["context"] == 2
         # lost again, and the trainer's next step is the one after it: the commit finds Redis behind
         await redis.hset(keys.session(s.session_id), "committed_step_id", 1)
-        await redis.hdel(keys.log(s.session_id), "result:2", "input:2")
+        await redis.hdel(keys.log(s.session_id), log_result_field(2, 1), "input:2")
         behind = await asyncio.wait_for(s.step(3, **world_step(3)), BOUND_S)
         assert not behind.ok and behind.error is not None and behind.error.code is ErrorCode.STEP_OUT_OF_ORDER
         assert behind.committed_step_id == 1 and "send the steps again from 2" in behind.error.message

@@ -64,7 +64,7 @@ async def test_commit_writes_a_reply_entry_and_the_log_fields_named_here(scripts
     published = await scripts.redis.xrange(scripts.keys.reply("c"))
     assert ReplyEntry.from_fields(published[0][1]) == ReplyEntry("step", "j0", 0, b"r")
     log = await scripts.redis.hgetall(scripts.keys.log("s1"))
-    assert log == {log_result_field(0).encode(): b"r", log_input_field(0).encode(): b"rec"}
+    assert log == {log_result_field(0, 1).encode(): b"r", log_input_field(0).encode(): b"rec"}
 
 
 async def test_ack_result_marks_the_handled_field_named_here(scripts: Scripts) -> None:

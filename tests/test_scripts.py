@@ -7,16 +7,19 @@ import asyncio
 import pytest
 
 from broker.redis.keys import INBOX_GROUP
+from broker.redis.layouts import log_result_field, log_result_steps
 from broker.redis.script_replies import (
     CommitReply,
     Committed,
     Created,
     Duplicate,
+    DuplicateUnstored,
     Moved,
     OutOfOrder,
     Queued,
     Refused,
     StaleOwner,
+    Stored,
 )
 from broker.redis.scripts import CommitCall, Scripts, lua_source
 from schemas.errors import ErrorCode
@@ -74,17 +77,52 @@ async def test_commit_never_skips_a_step(scripts: Scripts) -> None:
     assert await _commit(scripts, worker="w1", epoch=1, step=0, entry=entry) == Committed()
 
 
-async def test_result_window_keeps_only_the_latest_results(scripts: Scripts) -> None:
-    sid, entry = await _session_with_job(scripts)
-    for step in range(4):
+async def _commit_steps(scripts: Scripts, sid: str, entry: str, steps: range) -> None:
+    """Commit these steps of session s1 (step 0's entry already queued), each with result r<step>."""
+    for step in steps:
         if step:
             q = await scripts.enqueue(sid, "w1", step_id=step, contextual=True, job_id=f"j{step}", reply_to="c",
                                       payload=b"p")
             assert isinstance(q, Queued)
             entry = q.entry_id
-        assert await _commit(scripts, worker="w1", epoch=1, step=step, entry=entry) == Committed()
-    fields = sorted(await scripts.redis.hkeys(scripts.keys.log(sid)))
-    assert fields == [b"result:2", b"result:3"]  # window of 2
+        reply = await scripts.commit(CommitCall(session_id=sid, worker_id="w1", epoch=1, step_id=step, entry_id=entry,
+                                                result=b"r%d" % step, context_length=3, job_id=f"j{step}",
+                                                reply_to="c", reply_ttl_ms=60000))
+        assert reply == Committed()
+
+
+async def test_result_window_keeps_only_the_latest_results(scripts: Scripts) -> None:
+    sid, entry = await _session_with_job(scripts)
+    await _commit_steps(scripts, sid, entry, range(4))
+    log = await scripts.redis.hgetall(scripts.keys.log(sid))
+    # a window of 2 is two fields: each commit overwrote the slot of the result that fell out
+    assert log == {log_result_field(2, 2).encode(): b"r2", log_result_field(3, 2).encode(): b"r3"}
+    assert log_result_steps(log, 3, 2) == [2, 3]
+    resent = await scripts.enqueue(sid, "w1", step_id=2, contextual=True, job_id="r", reply_to="c", payload=b"p")
+    assert resent == Stored(b"r2", 3)
+    # step 1 fell out: its slot holds step 3's result, which must never answer for step 1
+    gone = await scripts.enqueue(sid, "w1", step_id=1, contextual=True, job_id="r", reply_to="c", payload=b"p")
+    assert isinstance(gone, Refused) and gone.code is ErrorCode.STEP_ALREADY_COMMITTED
+    again = CommitCall(session_id=sid, worker_id="w1", epoch=1, step_id=1, entry_id="0-1", result=b"x",
+                       context_length=3, job_id="j1", reply_to="c", reply_ttl_ms=60000)
+    assert await scripts.commit(again) == DuplicateUnstored(3)
+
+
+async def test_a_log_written_before_the_ring_still_answers_inside_the_window(scripts: Scripts) -> None:
+    sid, entry = await _session_with_job(scripts)
+    await _commit_steps(scripts, sid, entry, range(2))
+    # the earlier layout: a field per step, result:<step>
+    log = scripts.keys.log(sid)
+    await scripts.redis.delete(log)
+    await scripts.redis.hset(log, mapping={"result:0": b"old0", "result:1": b"old1"})
+    resent = await scripts.enqueue(sid, "w1", step_id=1, contextual=True, job_id="r", reply_to="c", payload=b"p")
+    assert resent == Stored(b"old1", 1)
+    await _commit_steps(scripts, sid, "", range(2, 3))
+    assert log_result_steps(await scripts.redis.hkeys(log), 2, 2) == [1, 2]
+    assert await scripts.enqueue(sid, "w1", step_id=1, contextual=True, job_id="r", reply_to="c",
+                                 payload=b"p") == Stored(b"old1", 2)
+    gone = await scripts.enqueue(sid, "w1", step_id=0, contextual=True, job_id="r", reply_to="c", payload=b"p")
+    assert isinstance(gone, Refused) and gone.code is ErrorCode.STEP_ALREADY_COMMITTED  # its field is left, unread
 
 
 async def test_placement_prefers_the_least_loaded_live_worker(scripts: Scripts) -> None:

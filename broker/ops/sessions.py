@@ -21,7 +21,7 @@ from broker.redis.blobs import resolved
 from broker.redis.config import CellConfig
 from broker.redis.connect import server_time_ms
 from broker.redis.keys import CellKeys, check_session_id
-from broker.redis.layouts import LayoutError, SessionHash, log_result_field
+from broker.redis.layouts import LayoutError, SessionHash, log_result_field, log_result_steps
 from schemas.codec import decode
 from schemas.errors import ErrorCode, error_for
 from schemas.limits import DEFAULT_LIMITS
@@ -127,15 +127,20 @@ async def show_session(redis: Redis, keys: CellKeys, session_id: str) -> Session
     indexed = bool(await resolve(redis.hexists(keys.sessions, sid)))
     names: Any = await resolve(redis.hkeys(keys.log(sid)))
     version = None
-    if h.committed_step_id >= 0:
-        stored: Any = await resolve(redis.hget(keys.log(sid), log_result_field(h.committed_step_id)))
+    results = log_result_steps(names, h.committed_step_id, h.result_window)
+    if h.committed_step_id in results:
+        field = log_result_field(h.committed_step_id, h.result_window)
+        if f"result:{h.committed_step_id}".encode() in names:  # a log written before the window's ring
+            field = f"result:{h.committed_step_id}"
+        stored: Any = await resolve(redis.hget(keys.log(sid), field))
         stored = await resolved(redis, stored) if stored else None  # a blob gone: no version to show
         if stored:
             version = StepResult.from_wire(decode(stored, DEFAULT_LIMITS)).policy_version
     now = await _now_ms(redis, keys)
     return SessionDetail(**_row(sid, h, indexed, now), gen=h.gen, context_length=h.context_length,
                          retention=h.retention, result_window=h.result_window, created_ms=h.created_ms,
-                         results=_span(names, "result"), inputs=_span(names, "input"), policy_version=version)
+                         results=(results[0], results[-1]) if results else None, inputs=_span(names, "input"),
+                         policy_version=version)
 
 
 async def close_session(config: CellConfig, session_id: str) -> SessionDetail:

@@ -8,8 +8,8 @@ worker as ``SET <staged key> <bytes> PX STAGE_TTL_MS`` pipelined right before th
 the same connection (the same slot: every key carries the cell's hash tag). commit.lua moves it
 with RENAME / COPY, commands that never bring the bytes into Lua: into the step's result blob
 (``CellKeys.result_blob``, kept like the log hash field it stands for) and, for the reply, into a
-reply blob (``CellKeys.reply_blob``, with the reply stream's TTL). The log field ``result:<step>``
-and the reply entry's ``result`` then hold a reference: ``BLOB_MARK`` followed by the key name.
+reply blob (``CellKeys.reply_blob``, with the reply stream's TTL). The step's log field
+(``result@<slot>``) and the reply entry's ``result`` then hold a reference: ``BLOB_MARK`` followed by the key name.
 0xc1 is the one byte msgpack never uses, and a ``schemas.codec`` frame (which starts with it) has a
 version byte after it that is never 0: a reference can never be mistaken for a result.
 

@@ -7,7 +7,7 @@ Inbox entries live in :mod:`broker.redis.inbox`. Fields arrive as redis-py gives
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -151,10 +151,33 @@ def max_staleness_of(max_staleness: object) -> int | None:
 
 # ---------------------------------------------------------------------- rf:{c}:log:<sid> HASH
 
-def log_result_field(step_id: int) -> str:
-    """The stored result of a committed step (kept for the session's result window); a large one
-    as a reference to its blob (broker/redis/blobs.py, CellKeys.result_blob)."""
-    return f"result:{step_id}"
+def log_result_field(step_id: int, result_window: int) -> str:
+    """The stored result of a committed step, a large one as a reference to its blob
+    (broker/redis/blobs.py, CellKeys.result_blob). The result window is a ring of ``result_window``
+    fields (prelude.lua result_field): a commit overwrites the slot of the result that falls out,
+    so a field holds this step's result only while the step is inside the window
+    (``log_result_steps``). A log written before the ring named a field per step (``result:<step>``)."""
+    return f"result@{step_id % result_window}"
+
+
+def log_result_steps(fields: Iterable[bytes | str], committed_step_id: int, result_window: int) -> list[int]:
+    """The steps whose results a log hash with these field names holds, for a session at this
+    committed step (prelude.lua slot_step): the window's slots and any field of the earlier
+    layout still inside the window."""
+    low = committed_step_id - result_window
+    steps = set()
+    for raw in fields:
+        name = raw.decode() if isinstance(raw, bytes) else raw
+        kind, sep, number = name.partition("@")
+        if kind == "result" and sep and number.isdigit():
+            step = committed_step_id - (committed_step_id - int(number)) % result_window
+        elif name.startswith("result:") and name[7:].isdigit():
+            step = int(name[7:])
+        else:
+            continue
+        if low < step <= committed_step_id and step >= 0:
+            steps.add(step)
+    return sorted(steps)
 
 
 def log_input_field(step_id: int) -> str:

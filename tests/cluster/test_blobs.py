@@ -13,6 +13,7 @@ import pytest
 from broker import FleetClient
 from broker.redis.blobs import STAGE_BYTES, blob_key
 from broker.redis.inputs import STAGED, read_record_inputs
+from broker.redis.layouts import log_result_field
 from tests.support import WorkerPool, world_step
 from tests.test_input_blobs import large_step
 from workers.engines.null import NullEngine, NullEngineConfig
@@ -32,7 +33,8 @@ async def test_latent_results_travel_as_blobs(fleet: FleetClient, workers: Worke
     assert all(r.output["video_latent"].nbytes >= STAGE_BYTES for r in results)
     s = sessions[0]
     keys = fleet.keys_of(s.session_id)
-    assert blob_key(await fleet.redis.hget(keys.log(s.session_id), "result:2")) == keys.result_blob(s.session_id, 2)
+    stored = await fleet.redis.hget(keys.log(s.session_id), log_result_field(2, 2))
+    assert blob_key(stored) == keys.result_blob(s.session_id, 2)
     assert not await fleet.redis.exists(keys.result_blob(s.session_id, 0))  # left the window of 2
     again = await s.step(2, **world_step(2))
     assert again.ok and again.duplicate

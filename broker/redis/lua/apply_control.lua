@@ -7,13 +7,14 @@
 -- KEYS: 1 session hash, 2 log hash, 3 inbox, 4 reply stream, 5 pool zset, 6 sessions hash, 7 owned hash,
 --       8 trainer open hash (a close counts the session's trainer down, as it counts the owner down)
 -- Derived keys (docs/architecture.md, "Keys in Lua scripts"): the blobs the log hash refers to,
---       one per result:<step> and input:<step> field its HKEYS lists (prelude.lua log_blobs): the
+--       one per result field and input:<step> field its HKEYS lists (prelude.lua log_blobs): the
 --       caller cannot know the steps the log holds; each is the log key's name plus a suffix, in
 --       its hash tag and slot.
 -- ARGV: 1 worker id, 2 job epoch, 3 inbox entry id, 4 job_id, 5 kind, 6 grace ttl ms,
 --       7 reply ttl ms, 8 inbox group, 9 session_id, 10-12 reply stream bounds (ReplyBounds),
 --       13 closed retention ms (the session hash's TTL after a close; the grace TTL when absent)
--- Fields (broker/redis/layouts.py): reads session owner, epoch, committed_step_id, reset_pending, trainer;
+-- Fields (broker/redis/layouts.py): reads session owner, epoch, committed_step_id, reset_pending, trainer,
+--       result_window;
 --       writes session committed_step_id, context_length, reset_pending (reset), drops first_version
 --       (reset: the next committed step starts a new trajectory, docs/async_rl.md); drops the log
 --       and its result blobs (reset; a close expires them with the log, prelude.lua log_blobs);
@@ -43,11 +44,13 @@ local stream_bytes = ARGV[10]
 local large_bytes = ARGV[11]
 local large_ttl_ms = ARGV[12]
 local closed_retention_ms = ARGV[13]
-local s = redis.call('HMGET', session_key, 'owner', 'epoch', 'committed_step_id', 'reset_pending', 'trainer')
+local s = redis.call('HMGET', session_key, 'owner', 'epoch', 'committed_step_id', 'reset_pending', 'trainer',
+  'result_window')
 if s[1] and fenced(s[1], s[2], worker_id, job_epoch) then
   return {'fenced', s[1], s[2]}
 end
 local committed = tonumber(s[3] or '-1')
+local window = tonumber(s[6] or '1')
 if #redis.call('XRANGE', inbox_key, entry_id, entry_id) == 0 then
   -- The entry is gone: this is the retry of a call that went through (its reply was lost).
   -- Applying again would count the reset or the close twice.
@@ -58,11 +61,11 @@ if s[1] and kind == 'reset' and s[4] == '0' then
 end
 if s[1] then
   if kind == 'reset' then
-    committed = -1
-    for _, blob in ipairs(log_blobs(log_key)) do
+    for _, blob in ipairs(log_blobs(log_key, committed, window)) do
       redis.call('DEL', blob)
     end
     redis.call('DEL', log_key)
+    committed = -1
     local pending = tonumber(s[4] or '1') - 1
     if pending < 0 then pending = 0 end
     redis.call('HSET', session_key, 'committed_step_id', -1, 'context_length', 0, 'reset_pending', pending)
@@ -82,7 +85,7 @@ if s[1] then
     end
     redis.call('HDEL', sessions_key, session_id)
     redis.call('PEXPIRE', session_key, closed_retention_ms or grace_ttl_ms)
-    for _, blob in ipairs(log_blobs(log_key)) do
+    for _, blob in ipairs(log_blobs(log_key, committed, window)) do
       redis.call('PEXPIRE', blob, grace_ttl_ms)
     end
     redis.call('PEXPIRE', log_key, grace_ttl_ms)

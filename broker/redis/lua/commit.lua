@@ -1,5 +1,6 @@
 -- Commit step k of a session: the exactly-once point. Fenced by owner and lease epoch.
--- Uses: prelude.lua (now_text, now_from_id, fenced, add_reply, step_text, result_blob, reply_value)
+-- Uses: prelude.lua (now_text, now_from_id, fenced, add_reply, step_text, result_blob, reply_value,
+--       result_field, stored_result)
 -- KEYS: 1 session hash, 2 log hash, 3 inbox, 4 reply stream, 5 staged result (CellKeys.staged_result),
 --       6 this step's result blob, 7 this job's reply blob (broker/redis/blobs.py), 8 the record blob
 --       that falls out of the records kept (CellKeys.record_blob of step_id - ARGV 11; touched only
@@ -36,9 +37,9 @@
 --       absent means unknown); writes last_blob_step with a blob's commit; writes first_version (when
 --       absent and max_staleness is set); writes session next_step_id (raised to step + 1 when it is not
 --       past the step and no reset is pending: see below), committed_step_id, context_length, updated_ms, unconfirmed_step (deferred: the
---       lowest step committed and not yet confirmed; any publish clears it); log result:<step> (the
---       last result_window kept, a large one as a reference to its blob) and input:<step> (per
---       ARGV 11); adds a reply entry (kind, job_id, committed, result: a large one as a reference)
+--       lowest step committed and not yet confirmed; any publish clears it); log result@<slot> (the
+--       result window as a ring, prelude.lua result_field: the step's result overwrites the one
+--       that falls out; a large one as a reference to its blob) and input:<step> (per ARGV 11); adds a reply entry (kind, job_id, committed, result: a large one as a reference)
 -- Returns {'committed'} | {'duplicate'} | {'duplicate_unstored', committed}
 --       | {'fenced', owner, epoch} | {'out_of_order', committed} | {'cancelled', committed}
 --       | {'unstaged', committed} (ARGV 18 '1' and KEYS[5] missing: nothing changed, call again)
@@ -116,12 +117,13 @@ local function commit_one(KEYS, ARGV)
     if input_key then
       redis.call('DEL', input_key)
     end
-    local stored = redis.call('HGET', log_key, 'result:' .. step_text(step))
+    local window = tonumber(s[4] or '1')
+    local stored = stored_result(log_key, step, committed, window)
     if not stored then
       return {'duplicate_unstored', committed}
     end
     if deferred then
-      redis.call('HSET', log_key, 'result:' .. step_text(step), stored)
+      redis.call('HSET', log_key, result_field(step, window), stored)
       return {'duplicate'}
     end
     if not publish(stored, s[3]) then  -- the reference outlived its blob: not stored either
@@ -161,19 +163,19 @@ local function commit_one(KEYS, ARGV)
   if s[6] and not s[7] and version and version ~= '' then
     fields[#fields + 1], fields[#fields + 2] = 'first_version', version
   end
-  -- the log: this step's result and record in one HSET, the fields that fall out in one HDEL
+  -- the log: this step's result (in the slot of the one that falls out) and record in one HSET,
+  -- the record that falls out of the records kept in an HDEL
+  local window = tonumber(s[4] or '1')
   local keeps_record = record ~= '' and keep ~= 0
   if keeps_record then
-    redis.call('HSET', log_key, 'result:' .. step_id, result, 'input:' .. step_id, record)
+    redis.call('HSET', log_key, result_field(step, window), result, 'input:' .. step_id, record)
   else
-    redis.call('HSET', log_key, 'result:' .. step_id, result)
+    redis.call('HSET', log_key, result_field(step, window), result)
   end
-  local evicted = {}
-  local window = tonumber(s[4] or '1')
   if step - window >= 0 then
-    evicted[#evicted + 1] = 'result:' .. step_text(step - window)
-    -- its blob, unless no result from that step on was stored as one (last_blob_step: the highest
-    -- step committed with a blob; absent, as in a forked session, means unknown)
+    -- the blob of the result that falls out, unless no result from that step on was stored as one
+    -- (last_blob_step: the highest step committed with a blob; absent, as in a forked session, means
+    -- unknown)
     local last_blob = tonumber(s[11] or '')
     if last_blob == nil or last_blob >= step - window then
       redis.call('DEL', result_blob(log_key, committed + 1 - window))  -- committed is step - 1 here
@@ -184,14 +186,11 @@ local function commit_one(KEYS, ARGV)
       redis.call('RENAME', input_key, record_key)
     end
     if keep > 0 and step - keep >= 0 then
-      evicted[#evicted + 1] = 'input:' .. step_text(step - keep)
+      redis.call('HDEL', log_key, 'input:' .. step_text(step - keep))
       redis.call('DEL', evicted_record_key)
     end
   elseif input_key then
     redis.call('DEL', input_key)
-  end
-  if #evicted > 0 then
-    redis.call('HDEL', log_key, unpack(evicted))
   end
   if deferred then
     local unconfirmed = tonumber(s[5])

@@ -1,5 +1,5 @@
 -- Enqueue one step job into its owner's inbox, enforcing the step-id rules atomically.
--- Uses: prelude.lua (now_text, session_refusal, step_text, BLOB_MARK)
+-- Uses: prelude.lua (now_text, session_refusal, step_text, BLOB_MARK, stored_result)
 -- A session with max_staleness refuses a new contextual step with stale_policy once the version
 -- announced for its model passed first_version + max_staleness (docs/async_rl.md); nothing changes.
 -- KEYS: 1 session hash, 2 inbox of the owner the client believes in, 3 log hash, 4 announced hash
@@ -13,14 +13,14 @@
 -- Fields (broker/redis/layouts.py, inbox.py): reads session owner, epoch, committed_step_id,
 --       next_step_id, context_length, closed, gen, reset_pending, mode, model, retention,
 --       max_staleness, first_version, priority, unconfirmed_step (a committed step no replica has
---       confirmed yet, commit.lua: a re-sent step
---       from there on is queued for its owner, who answers it once a replica has it); writes
---       session next_step_id and updated_ms (a step is activity: the idle timeout starts again); reads log result:<step> and announced <model>; adds an inbox entry (kind, job_id,
---       session_id, step_id, contextual, epoch, gen, mode, model, reply_to, enqueued_ms, attempt,
---       retention, min_version, priority (the worker serves interactive steps first),
-
---       cancels (the session's cancel count: commit.lua refuses the step
---       once a cancel raised it), payload)
+--       confirmed yet, commit.lua: a re-sent step from there on is queued for its owner, who
+--       answers it once a replica has it), and for a re-sent committed step result_window and its
+--       stored result (prelude.lua stored_result); writes session next_step_id and updated_ms (a
+--       step is activity: the idle timeout starts again); reads announced <model>; adds an inbox
+--       entry (kind, job_id, session_id, step_id, contextual, epoch, gen, mode, model, reply_to,
+--       enqueued_ms, attempt, retention, min_version, priority (the worker serves interactive steps
+--       first), cancels (the session's cancel count: commit.lua refuses the step once a cancel
+--       raised it), payload)
 -- Returns {'queued', entry_id, committed} | {'stored', result, committed}
 --       | {'error', code, message, committed, context_length[, 'in_flight']} | {'moved', owner}
 --       | {'unstaged', committed} (KEYS[5] given and missing: nothing changed, call again)
@@ -75,7 +75,8 @@ local function enqueue_one(KEYS, ARGV)
       end
       if step ~= nxt then
         if step <= committed and s[8] == '0' then
-          local stored = redis.call('HGET', log_key, 'result:' .. step_text(step))
+          local window = tonumber(redis.call('HGET', session_key, 'result_window') or '1')  -- a re-send only
+          local stored = stored_result(log_key, step, committed, window)
           if stored then
             return {'stored', stored, committed}
           end

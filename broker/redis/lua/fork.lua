@@ -9,7 +9,7 @@
 -- fork point is its committed step, here and on the worker): otherwise step_out_of_order. A `fork`
 -- entry in the owner's inbox lets the worker copy the parent's engine state into the branches
 -- (workers/fork_cancel.py); without it a branch rebuilds from its records on its first step.
--- Uses: prelude.lua (now_ms, session_refusal, result_blob, record_blob)
+-- Uses: prelude.lua (now_ms, session_refusal, result_blob, record_blob, slot_step)
 -- KEYS: 1 parent session hash, 2 parent log hash, 3 sessions hash, 4 owned hash, 5 capacity hash,
 --       6 pool zset (mode, model), 7 owner's inbox, 8 trainer caps hash, 9 trainer open hash, then
 --       per branch: its session hash, its log hash
@@ -95,7 +95,10 @@ for i = 1, n do
     redis.call('HSET', child, 'first_version', s[17])
   end
   for j = 1, #log, 2 do  -- a branch owns its blobs: a reset or close of one never touches another's
-    local kind, step = string.match(log[j], '^(%a+):(%-?%d+)$')
+    local kind, sep, step = string.match(log[j], '^(%a+)([:@])(%-?%d+)$')
+    if kind == 'result' and sep == '@' then  -- a slot of the window: the branch keeps the parent's steps
+      step = slot_step(tonumber(step), committed, tonumber(s[12] or '1'))
+    end
     if kind == 'result' and is_blob(log[j + 1]) then
       local blob = result_blob(child_log, step)
       redis.call('COPY', result_blob(log_key, step), blob, 'REPLACE')

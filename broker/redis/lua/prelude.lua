@@ -95,17 +95,52 @@ local function record_blob(log_key, step)
   return log_step_key(log_key, 'inrec', step)
 end
 
--- The blob keys a log hash may refer to: one per result:<step> field and one per input:<step>
--- field (a key that does not exist, for a result or an input stored inline, costs a DEL or
--- PEXPIRE nothing).
-local function log_blobs(log_key)
+-- The result window (layouts.py log_result_field): a ring of result_window fields, result@<slot>,
+-- a step's result in slot step mod result_window. A commit overwrites the slot of the step that
+-- falls out of the window (no HDEL); a reader checks that the step is still inside the window,
+-- since its slot then holds a later step's result. The slot's step follows from the session's
+-- committed step: the one step of the window (committed - window, committed] with that remainder.
+-- math.fmod is exact for doubles (Lua's % is a - floor(a/b)*b, whose division rounds near 2^53).
+local function remainder(a, b)
+  local r = math.fmod(a, b)
+  if r < 0 then
+    r = r + b
+  end
+  return r
+end
+local function result_field(step, window)
+  return 'result@' .. step_text(remainder(step, window))
+end
+local function slot_step(slot, committed, window)
+  return committed - remainder(committed - slot, window)
+end
+-- The stored result of a committed step (nil once it fell out of the window); a log written
+-- before the ring (result:<step>, evicted by HDEL) is read as it was.
+local function stored_result(log_key, step, committed, window)
+  if step > committed or step <= committed - window then
+    return nil
+  end
+  return redis.call('HGET', log_key, result_field(step, window))
+    or redis.call('HGET', log_key, 'result:' .. step_text(step))
+end
+
+-- The blob keys a log hash may refer to: one per result@<slot> field (its step from the session's
+-- committed step and result window), per result:<step> field (a log written before the ring) and
+-- per input:<step> field (a key that does not exist, for a result or an input stored inline, costs
+-- a DEL or PEXPIRE nothing).
+local function log_blobs(log_key, committed, window)
   local blobs = {}
   for _, field in ipairs(redis.call('HKEYS', log_key)) do
-    local kind, step = string.match(field, '^(%a+):(%-?%d+)$')
-    if kind == 'result' then
-      blobs[#blobs + 1] = result_blob(log_key, step)
+    local kind, sep, n = string.match(field, '^(%a+)([:@])(%-?%d+)$')
+    if kind == 'result' and sep == '@' then
+      local step = slot_step(tonumber(n), committed, window)
+      if step >= 0 then
+        blobs[#blobs + 1] = result_blob(log_key, step)
+      end
+    elseif kind == 'result' then
+      blobs[#blobs + 1] = result_blob(log_key, n)
     elseif kind == 'input' then
-      blobs[#blobs + 1] = record_blob(log_key, step)
+      blobs[#blobs + 1] = record_blob(log_key, n)
     end
   end
   return blobs
