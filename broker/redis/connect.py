@@ -87,7 +87,23 @@ class _FleetCluster(RedisCluster):
 
     And stream reads are routed by their keys here: redis-py finds the keys of XREAD/XREADGROUP
     (they follow ``STREAMS``) by asking one fixed node ``COMMAND GETKEYS`` before every read, so at
-    fleet scale that one node pays for every worker's blocked read (docs/sizing.md)."""
+    fleet scale that one node pays for every worker's blocked read (docs/sizing.md).
+
+    And an XREADGROUP is sent once: redis-py sends a command again after a ConnectionError or
+    TimeoutError (and after any error closes the client's connections, every blocked read of the
+    client fails so), but the read that failed may have delivered entries, which Redis then holds
+    as pending for this consumer while the second read only asks for new ones: steps a live worker
+    never sees. The error reaches the caller instead, whose next read starts from its pending
+    entries (workers/worker.py). Redirections (MOVED, ASK) are still followed."""
+
+    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        name = args[0].decode() if args and isinstance(args[0], bytes) else str(args[0]) if args else ""
+        if name.upper() != "XREADGROUP" or "target_nodes" in kwargs:
+            return await super().execute_command(*args, **kwargs)
+        if self._initialize:
+            await self.initialize()
+        node = self.nodes_manager.get_node_from_slot(await self._determine_slot(*args))
+        return await super().execute_command(*args, target_nodes=node, **kwargs)  # a named node: no retries
 
     async def initialize(self) -> RedisCluster:
         try:
