@@ -11,6 +11,7 @@ import pytest
 
 from broker import FleetClient
 from broker.redis.embedded import RedisServer
+from broker.redis.keys import INBOX_GROUP
 from schemas.errors import ErrorCode, SessionNotFoundError
 from tests.procs import Fleet
 from tests.support import FAST, WorkerPool, world_step
@@ -113,3 +114,32 @@ async def test_two_worker_processes_no_supervisor_sigkill_one_and_every_session_
                 assert (await s.status()).committed_step_id == 29
     finally:
         procs.close()
+
+
+async def test_a_step_delivered_to_a_live_worker_but_never_received_runs_at_its_pending_check(
+        fleet: FleetClient, workers: WorkerPool) -> None:
+    """Redis can deliver inbox entries on a connection that fails before the reply arrives (a cluster
+    client used to send the read again, for new entries only): they are pending for a live worker
+    that never saw them. Made here the same way, by one read as the worker's consumer while its
+    reader waits for room (one job in flight, a backlog of one)."""
+    w = await workers.add(NullEngine(NullEngineConfig(delay_ms=1500)), max_inflight=1, read_count=1,
+                          block_ms=200, pending_check_s=0.5)
+    a, b, c = [await fleet.create_session(model="null-world", mode="world_model_env") for _ in range(3)]
+    first = asyncio.ensure_future(a.step(0, **world_step(0)))
+    await asyncio.sleep(0.3)  # a's step runs in the engine: the one slot is taken
+    second = asyncio.ensure_future(b.step(0, **world_step(0)))
+    await asyncio.sleep(0.3)  # the reader took b's step into its backlog and waits for room
+    third = asyncio.ensure_future(c.step(0, **world_step(0)))
+    inbox = fleet.keys.inbox(w.id)
+
+    async def c_queued() -> bool:
+        return any(fields[b"session_id"] == c.session_id.encode() for _, fields in await fleet.redis.xrange(inbox))
+
+    deadline = time.monotonic() + 1.0
+    while not await c_queued():
+        assert time.monotonic() < deadline, "c's step was not queued"
+        await asyncio.sleep(0.01)
+    stolen = await fleet.redis.xreadgroup(INBOX_GROUP, w.id, {inbox: ">"})
+    assert [fields[b"session_id"] for _, fields in stolen[0][1]] == [c.session_id.encode()]  # the reader never got it
+    results = await asyncio.wait_for(asyncio.gather(first, second, third), 15)
+    assert [(r.ok, r.committed_step_id) for r in results] == [(True, 0)] * 3

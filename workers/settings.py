@@ -34,6 +34,11 @@ class WorkerSettings:
     # read at once.
     block_ms: int = 15_000
     max_inflight: int = 4096  # jobs read but not finished (backpressure on the reader)
+    # How often the reader reads its own pending entries again (from the start of its inbox): an
+    # entry Redis delivered to this worker whose reply never reached it (a connection that failed
+    # after the delivery), or a job a Redis error ended here before its commit, runs then instead of
+    # waiting for ever. At most one extra read per interval, and only between blocked reads.
+    pending_check_s: float = 30.0
     batch_wait_ms: float = 0.0  # extra wait to fill a batch; 0 takes what is queued now
     max_attempts: int = 3  # engine attempts per step for transient errors
     retry_backoff_ms: float = 50.0
@@ -68,9 +73,10 @@ class WorkerSettings:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
         self.reply_bounds()  # validated here, at the edge
-        if self.version_wait_s <= 0 or self.idle_sweep_s <= 0 or not 0 < self.closed_retention_hours < 1e6:
-            raise ValueError("version_wait_s, idle_sweep_s and closed_retention_hours must be positive (and "
-                             "closed_retention_hours under 1e6)")
+        if (self.version_wait_s <= 0 or self.idle_sweep_s <= 0 or self.pending_check_s <= 0
+                or not 0 < self.closed_retention_hours < 1e6):
+            raise ValueError("version_wait_s, idle_sweep_s, pending_check_s and closed_retention_hours must be "
+                             "positive (and closed_retention_hours under 1e6)")
         if self.rebalance_interval_s < 0 or not 0 < self.rebalance_threshold <= 1:
             raise ValueError("rebalance_interval_s must be >= 0 (0: off) and rebalance_threshold in (0, 1]")
         if self.cell_config.any_cell:

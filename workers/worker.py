@@ -400,13 +400,21 @@ class Worker:
     async def _read_loop(self, stop: asyncio.Event) -> None:
         """XREADGROUP our inbox. We start, and restart after every read error, with our own
         pending entries (cursor "0", paged): a reply lost in a Redis crash leaves entries delivered
-        to us but never received, and only a history read finds them. Entries already running
-        here are skipped."""
+        to us but never received, and only a history read finds them. So does a read whose
+        connection failed without an error reaching us, and a job a Redis error ended here before
+        its commit: every ``pending_check_s`` the next read is a history read too. Entries already
+        running here are skipped."""
         redis = self._redis_or_fail()
         cursor = "0"
         backoff = Backoff()
+        loop = asyncio.get_running_loop()
+        history_due = loop.time() + self.settings.pending_check_s
         while not stop.is_set():
             inbox = self.keys.inbox(self.id)  # changes when the worker re-registers as a new incarnation
+            if cursor == ">" and loop.time() >= history_due:
+                cursor = "0"
+            if cursor == "0":
+                history_due = loop.time() + self.settings.pending_check_s
             try:
                 resp: Any = await self._read_inbox(redis, inbox, cursor)
                 backoff.reset()
