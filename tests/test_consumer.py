@@ -6,9 +6,11 @@ import asyncio
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 from redis.asyncio import Redis
+from redis.exceptions import ResponseError
 
 from broker import FleetClient
 from broker.client.consumer import Delivery, ResultConsumer
@@ -151,3 +153,35 @@ async def test_enqueue_refuses_a_keyword_it_does_not_know_and_honours_min_policy
     async with ResultConsumer(fleet, "rollouts", group="g", consumer="c1") as results:
         deliveries = await results.read(block_ms=500)
     assert deliveries == [] or all(not d.result.ok for d in deliveries)
+
+
+async def test_a_read_while_redis_is_down_is_empty_and_reads_go_on_once_it_is_back() -> None:
+    """No exception out of read(): an outage is an empty read after at most block_ms (and a backoff
+    between failed reads); once Redis is back (empty: no persistence here) the group is made again."""
+    server = RedisServer().start()
+    port = server.port
+    try:
+        async with FleetClient(server.url, prefix="t") as fleet, \
+                ResultConsumer(fleet, "rollouts", consumer="c1") as results:
+            assert await results.read(block_ms=100) == []
+            server.stop(kill=True)
+            for _ in range(3):
+                started = time.monotonic()
+                assert await results.read(block_ms=300) == []  # a failed read, not an exception
+                assert time.monotonic() - started < 5.0
+            server.cleanup()
+            server = RedisServer(port=port).start()
+            deadline = time.monotonic() + 10.0
+            while not await _group_exists(fleet, results):
+                assert time.monotonic() < deadline, "the consumer never read again"
+                assert await results.read(block_ms=100) == []
+    finally:
+        server.cleanup()
+
+
+async def _group_exists(fleet: FleetClient, results: ResultConsumer) -> bool:
+    try:
+        groups = await fleet.redis.xinfo_groups(fleet.keys.reply("rollouts"))
+    except ResponseError:  # the stream is not there yet
+        return False
+    return any(g["name"] in ("trainers", b"trainers") for g in groups)

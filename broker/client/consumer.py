@@ -31,6 +31,7 @@ from redis.exceptions import ResponseError
 
 from broker.client.fleet import MAX_BLOCK_MS, FleetClient
 from broker.redis.aio import resolve
+from broker.redis.backoff import REDIS_ERRORS, Backoff, raise_if_cancelling
 from broker.redis.blobs import blob_key, read_blobs
 from broker.redis.keys import CellKeys, check_stream_name
 from broker.redis.layouts import LayoutError, ReplyEntry, handled_field
@@ -86,6 +87,7 @@ class ResultConsumer:
         self._handled = keys.handled(stream, group)
         self._cursor = "0"  # our own pending entries first (after a restart), then new ones
         self._next_claim = 0.0
+        self._backoff = Backoff()  # between reads that failed (Redis unreachable)
 
     async def __aenter__(self) -> ResultConsumer:
         await self._create_group()
@@ -103,9 +105,24 @@ class ResultConsumer:
 
     async def read(self, count: int = 64, block_ms: int = 1000) -> list[Delivery]:
         """Up to ``count`` results not yet handled by the group (may be empty after ``block_ms``:
-        1 to MAX_BLOCK_MS; Redis reads 0 as "for ever")."""
+        1 to MAX_BLOCK_MS; Redis reads 0 as "for ever"). While Redis cannot be reached the read is
+        empty, after a wait of at most ``block_ms`` (logged, not raised); the next read starts from
+        this consumer's pending entries, so a result a failed read delivered is not left behind."""
         if isinstance(block_ms, bool) or not isinstance(block_ms, int) or not 1 <= block_ms <= MAX_BLOCK_MS:
             raise ValueError(f"block_ms must be whole milliseconds in 1..{MAX_BLOCK_MS}, got {block_ms!r}")
+        try:
+            deliveries = await self._read(count, block_ms)
+        except REDIS_ERRORS as exc:
+            raise_if_cancelling()
+            wait = min(self._backoff.take(), block_ms / 1000.0)
+            log.warning("results stream %s could not be read (%s); reading again in %.2fs", self._key, exc, wait)
+            self._cursor = "0"
+            await asyncio.sleep(wait)
+            return []
+        self._backoff.reset()
+        return deliveries
+
+    async def _read(self, count: int, block_ms: int) -> list[Delivery]:
         try:
             raw = await self._claim(count) if time.monotonic() >= self._next_claim else []
             if not raw:

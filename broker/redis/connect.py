@@ -33,7 +33,7 @@ from redis.asyncio.client import Pipeline
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.connection import AbstractConnection, ConnectionPool, DefaultParser, parse_url
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisClusterException
+from redis.exceptions import RedisClusterException, SlotNotCoveredError
 
 from broker.redis.refusals import refusing
 
@@ -102,7 +102,11 @@ class _FleetCluster(RedisCluster):
             return await super().execute_command(*args, **kwargs)
         if self._initialize:
             await self.initialize()
-        node = self.nodes_manager.get_node_from_slot(await self._determine_slot(*args))
+        try:
+            node = self.nodes_manager.get_node_from_slot(await self._determine_slot(*args))
+        except SlotNotCoveredError:
+            self._initialize = True  # the next call learns the slot map again, as redis-py's retry would
+            raise
         return await super().execute_command(*args, target_nodes=node, **kwargs)  # a named node: no retries
 
     async def initialize(self) -> RedisCluster:
