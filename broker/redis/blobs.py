@@ -9,9 +9,10 @@ the same connection (the same slot: every key carries the cell's hash tag). comm
 with RENAME / COPY, commands that never bring the bytes into Lua: into the step's result blob
 (``CellKeys.result_blob``, kept like the log hash field it stands for) and, for the reply, into a
 reply blob (``CellKeys.reply_blob``, with the reply stream's TTL). The step's log field
-(``result@<slot>``) and the reply entry's ``result`` then hold a reference: ``BLOB_MARK`` followed by the key name.
-0xc1 is the one byte msgpack never uses, and a ``schemas.codec`` frame (which starts with it) has a
-version byte after it that is never 0: a reference can never be mistaken for a result.
+(``result@<slot>``) and the reply entry's ``result`` then hold a reference: ``BLOB_MARK`` followed
+by the key name. 0xc1 is the one byte msgpack never uses, and a ``schemas.codec`` frame (which
+starts with it) has a version byte after it that is never 0: a reference can never be mistaken for
+a result.
 
 Readers resolve a reference with one GET; a blob that is gone (its TTL passed, its session was
 reset) reads as ``None``, which each reader answers like a result that was not stored.

@@ -36,10 +36,12 @@
 --       step committed with its result in a blob: a token session's eviction then deletes no blob;
 --       absent means unknown); writes last_blob_step with a blob's commit; writes first_version (when
 --       absent and max_staleness is set); writes session next_step_id (raised to step + 1 when it is not
---       past the step and no reset is pending: see below), committed_step_id, context_length, updated_ms, unconfirmed_step (deferred: the
---       lowest step committed and not yet confirmed; any publish clears it); log result@<slot> (the
---       result window as a ring, prelude.lua result_field: the step's result overwrites the one
---       that falls out; a large one as a reference to its blob) and input:<step> (per ARGV 11); adds a reply entry (kind, job_id, committed, result: a large one as a reference)
+--       past the step and no reset is pending: see below), committed_step_id, context_length,
+--       updated_ms, unconfirmed_step (deferred: the lowest step committed and not yet confirmed; any
+--       publish clears it); log result@<slot> (the result window as a ring, prelude.lua
+--       result_field: the step's result overwrites the one that falls out; a large one as a
+--       reference to its blob) and input:<step> (per ARGV 11); adds a reply entry (kind, job_id,
+--       committed, result: a large one as a reference)
 -- Returns {'committed'} | {'duplicate'} | {'duplicate_unstored', committed}
 --       | {'fenced', owner, epoch} | {'out_of_order', committed} | {'cancelled', committed}
 --       | {'unstaged', committed} (ARGV 18 '1' and KEYS[5] missing: nothing changed, call again)
