@@ -25,6 +25,7 @@ from workers.worker import Worker
 
 FAST = {"heartbeat_ms": 100, "lease_ms": 500}  # worker settings for quick failover in tests
 STOP_TIMEOUT_S = 60.0  # drain (30 s at most) plus handover, with room for a loaded machine
+KILL_TIMEOUT_S = 10.0  # a killed worker's tasks are cancelled: they end at once or never
 
 
 def task_stacks() -> str:
@@ -105,7 +106,8 @@ class WorkerPool:
             await asyncio.wait_for(running.worker.shutdown(), timeout_s)
         except TimeoutError:
             stacks = task_stacks()
-            await self.kill(running)
+            with contextlib.suppress(TimeoutError):  # a task that ignores its cancel must not hide the stacks
+                await asyncio.wait_for(self.kill(running), KILL_TIMEOUT_S)
             raise AssertionError(f"worker {running.id} did not stop within {timeout_s}s; tasks:\n{stacks}") from None
         self.running.remove(running)
 
