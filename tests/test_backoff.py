@@ -5,9 +5,10 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from broker.redis.backoff import Backoff, until_redis_answers
+from broker.redis.backoff import Backoff, cancel_and_wait, until_redis_answers
 
 
 async def test_delays_double_from_50ms_up_to_the_cap_and_reset_after_a_success() -> None:
@@ -61,3 +62,67 @@ async def test_a_cancellation_turned_into_a_connection_error_still_ends_the_retr
     done, _ = await asyncio.wait({task}, timeout=5)
     assert task in done and task.cancelled()
     assert calls == 1
+
+
+async def slow_to_stop(stopped: asyncio.Event, after_s: float = 0.3) -> None:
+    """A task that takes ``after_s`` to end once cancelled (a read closing its connection)."""
+    try:
+        await asyncio.sleep(30)
+    except asyncio.CancelledError:
+        await asyncio.sleep(after_s)
+        stopped.set()
+        raise
+
+
+async def test_cancel_and_wait_ends_the_tasks_cancellation_not_the_callers() -> None:
+    stopped = asyncio.Event()
+    child = asyncio.create_task(slow_to_stop(stopped, after_s=0.01))
+    await asyncio.sleep(0)
+    await cancel_and_wait(child)  # the child's CancelledError ends here
+    assert child.cancelled() and stopped.is_set()
+
+    stopped = asyncio.Event()
+    child = asyncio.create_task(slow_to_stop(stopped))
+    await asyncio.sleep(0)
+
+    async def caller() -> str:
+        await cancel_and_wait(child)
+        return "went on as if not cancelled"
+
+    outer = asyncio.create_task(caller())
+    await asyncio.sleep(0.05)  # the caller waits for the child to end
+    outer.cancel()
+    done, _ = await asyncio.wait({outer}, timeout=5)
+    assert outer in done and outer.cancelled()  # suppress(CancelledError) here would have returned
+
+
+async def test_cancel_and_wait_in_the_cleanup_of_a_cancelled_caller_waits_for_the_tasks() -> None:
+    stopped = asyncio.Event()
+    child = asyncio.create_task(slow_to_stop(stopped, after_s=0.05))
+
+    async def caller() -> None:
+        try:
+            await asyncio.sleep(30)
+        finally:
+            await cancel_and_wait(child)
+
+    outer = asyncio.create_task(caller())
+    await asyncio.sleep(0.01)
+    outer.cancel()
+    done, _ = await asyncio.wait({outer}, timeout=5)
+    assert outer in done and outer.cancelled() and child.cancelled() and stopped.is_set()
+
+
+async def test_cancel_and_wait_raises_a_tasks_own_error_after_waiting_for_all() -> None:
+    async def fails_on_cancel() -> None:
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            raise RuntimeError("close failed") from None
+
+    stopped = asyncio.Event()
+    failing, slow = asyncio.create_task(fails_on_cancel()), asyncio.create_task(slow_to_stop(stopped, 0.05))
+    await asyncio.sleep(0)
+    with pytest.raises(RuntimeError, match="close failed"):
+        await cancel_and_wait(failing, slow)
+    assert slow.cancelled() and stopped.is_set()

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import logging
 
+from broker.redis.backoff import cancel_and_wait
 from schemas.sharing import DEFAULT_PRIORITY, Priority
 from workers.engines.base import Engine, EngineOutput, EngineRequest
 from workers.worker_metrics import WorkerMetrics
@@ -65,11 +65,7 @@ class Batcher:
 
     async def close(self) -> None:
         tasks = [*self._running, *([self._task] if self._task is not None else [])]
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(*tasks)
         self._task = None
 
     async def _collect(self) -> list[_Item]:

@@ -15,7 +15,6 @@ they move once a worker has room, after this one's lease expires.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from typing import Any
 
 from broker.ops.failover import FailoverReport, fail_over
 from broker.ops.metrics import FleetMetrics
+from broker.redis.backoff import cancel_and_wait
 from broker.redis.scripts import Scripts
 
 log = logging.getLogger(__name__)
@@ -64,9 +64,7 @@ class Drain:
                     report = await self.hand_over(final=False)
                     moved, jobs = moved + len(report.moved), jobs + report.jobs_moved
             finally:
-                reader.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await reader
+                await cancel_and_wait(reader)
         if report.stuck:
             report = await self.hand_over(final=True)
             moved, jobs = moved + len(report.moved), jobs + report.jobs_moved

@@ -19,7 +19,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from broker.redis.aio import resolve
-from broker.redis.backoff import REDIS_ERRORS, Backoff, raise_if_cancelling, until_redis_answers
+from broker.redis.backoff import REDIS_ERRORS, Backoff, cancel_and_wait, raise_if_cancelling, until_redis_answers
 from broker.redis.connect import open_redis
 from broker.redis.inbox import BadEntry, InboxEntry, JobKind, parse_inbox_entry
 from broker.redis.keys import INBOX_GROUP
@@ -263,9 +263,7 @@ class Worker:
         self.state = WorkerState.DRAINING
         with contextlib.suppress(Exception):
             await self._scripts_or_fail().leave_pools(self.id, pools=self._pools, state=WorkerState.DRAINING)
-        reader.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await reader
+        await cancel_and_wait(reader)
         self.executor.stop_gate_waits()  # steps waiting for a policy version do not hold the drain
         try:  # (wait_for with no time left gives up even on a set event: ask it first)
             if not self._idle.is_set():
@@ -284,11 +282,10 @@ class Worker:
 
     async def shutdown(self) -> None:
         self._stop.set()
-        for task in list(self._tasks):
+        tasks = list(self._tasks)
+        for task in tasks:
             task.cancel()
-        for task in list(self._tasks):
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await asyncio.gather(*tasks, return_exceptions=True)  # a cancel of shutdown itself still lands
         await asyncio.gather(*(batcher.close() for batcher in self._batchers.values()))
         if self._redis is not None:
             with contextlib.suppress(Exception):

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 from typing import Any
 
 from redis.asyncio import Redis
 
-from broker.redis.backoff import REDIS_ERRORS, Backoff
+from broker.redis.backoff import REDIS_ERRORS, Backoff, cancel_and_wait
 from broker.redis.blobs import blob_key, read_blobs
 from broker.redis.connect import cluster_client_errors
 from broker.redis.layouts import ReplyEntry
@@ -65,9 +64,7 @@ class ReplyReader:
     async def stop(self) -> None:
         self._stopping = True
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
             self._task = None
         # What was read last leaves with the reader, after a trim still in flight. A trim still in
         # flight would outlive the connection pool its owner closes next, and open a fresh

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import random
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from redis.exceptions import (
     AskError,
@@ -51,6 +51,19 @@ def raise_if_cancelling() -> None:
     task = asyncio.current_task()
     if task is not None and task.cancelling():
         raise asyncio.CancelledError
+
+
+async def cancel_and_wait(*tasks: asyncio.Future[Any]) -> None:
+    """Cancel ``tasks`` and wait until each has ended. Their cancellation ends here; one of the
+    caller's own that arrives meanwhile does not: it raises ``CancelledError``
+    (``suppress(CancelledError)`` around the await would swallow both, and whoever cancelled the
+    caller, a shutdown or a deadline, would wait on a caller that no longer stops). A cleanup in a
+    ``finally`` of a cancelled caller still waits for them all. A task's own exception propagates."""
+    for task in tasks:
+        task.cancel()
+    for outcome in await asyncio.gather(*tasks, return_exceptions=True):
+        if isinstance(outcome, Exception):  # CancelledError is a BaseException: theirs ends here
+            raise outcome
 
 
 class Backoff:
