@@ -35,6 +35,7 @@ from workers.ray_fleet.spec import DEFAULT_NAME, NAMESPACE, FleetSpec, check_nam
 CALL_TIMEOUT_S = 60.0  # a controller call that neither places nor drains
 CONNECT_TIMEOUT_S = 10.0  # a Ray address given as host:port must accept a connection within this
 RETRY_S = 1.0  # between two tries of a call while the controller restarts
+GONE_TIMEOUT_S = 30.0  # a killed controller's name is free again within this (Ray frees it asynchronously)
 HEAD_NODE = "node:__internal_head__"  # the controller lives on the head node, the one the cluster cannot lose
 CONTROLLER_CONCURRENCY = 4  # status answers while a scale waits on placement or drains
 
@@ -129,7 +130,7 @@ class RayFleet:
             self._call("set_count", workers, timeout=_placing_bound(spec), controller=controller)
         except RayFleetError:  # no room: nothing of the fleet stays behind
             self._call("set_count", 0, timeout=_draining_bound(spec), controller=controller)
-            ray.kill(controller, no_restart=True)
+            self._kill(controller)
             raise
         return self.status()
 
@@ -152,13 +153,28 @@ class RayFleet:
     def down(self) -> dict[int, int | str | None]:
         """Drain and stop every worker, give their bundles back, stop the controller; each
         worker's drain outcome."""
-        import ray
-
         spec = FleetSpec.from_plain(self._call("spec_plain"))
         done: dict[str, Any] = self._call("set_count", 0, timeout=_draining_bound(spec))
         outcome: dict[int, int | str | None] = done["drained"]
-        ray.kill(self._controller(), no_restart=True)
+        self._kill(self._controller())
         return outcome
+
+    def _kill(self, controller: Any) -> None:
+        """Kill the controller and return once its name is free: Ray marks a killed actor dead
+        asynchronously, and until then the fleet still looks up (an ``up`` of the same name right
+        after a ``down`` would be refused as "already up")."""
+        import ray
+
+        ray.kill(controller, no_restart=True)
+        deadline = time.monotonic() + GONE_TIMEOUT_S
+        while time.monotonic() < deadline:
+            try:
+                ray.get_actor(self.name, namespace=NAMESPACE)
+            except ValueError:
+                return
+            time.sleep(0.1)
+        raise RayFleetError(f"fleet {self.name!r}: its controller was killed but its name is still taken after "
+                            f"{GONE_TIMEOUT_S:g} s")
 
 
 def reachable(address: str) -> None:
