@@ -29,13 +29,26 @@ KILL_TIMEOUT_S = 10.0  # a killed worker's tasks are cancelled: they end at once
 
 
 def task_stacks() -> str:
-    """Where every asyncio task of this loop is waiting (for a hang's failure message)."""
+    """Where every asyncio task of this loop is waiting (for a hang's failure message): each task's
+    chain of awaits, outermost first, down to the future it is suspended on."""
     lines: list[str] = []
     for task in asyncio.all_tasks():
-        frames = task.get_stack(limit=8)
-        where = " <- ".join(f"{f.f_code.co_name}:{f.f_lineno}" for f in reversed(frames)) or "(no frames)"
-        lines.append(f"  {task.get_name()}: {where}")
+        lines.append(f"  {task.get_name()}: {' -> '.join(_await_chain(task.get_coro())) or '(no frames)'}")
     return "\n".join(sorted(lines))
+
+
+def _await_chain(coro: Any, depth: int = 40) -> list[str]:
+    where: list[str] = []
+    while coro is not None and depth > 0:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is None:
+            if isinstance(coro, asyncio.Future):
+                where.append(f"<{type(coro).__name__}>")
+            break
+        where.append(f"{frame.f_code.co_name}:{frame.f_lineno}")
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+        depth -= 1
+    return where
 
 
 async def until(check: Callable[[], Awaitable[bool]], what: str | Callable[[], Awaitable[Any]],
@@ -101,15 +114,20 @@ class WorkerPool:
         """SIGTERM path, bounded: a worker that does not stop in time is killed and the test fails
         with every task's stack, so a hang names itself instead of eating the run's timeout."""
         running.worker.request_stop()
-        try:
-            await asyncio.wait_for(asyncio.shield(running.task), timeout_s)
-            await asyncio.wait_for(running.worker.shutdown(), timeout_s)
-        except TimeoutError:
-            stacks = task_stacks()
-            with contextlib.suppress(TimeoutError):  # a task that ignores its cancel must not hide the stacks
-                await asyncio.wait_for(self.kill(running), KILL_TIMEOUT_S)
-            raise AssertionError(f"worker {running.id} did not stop within {timeout_s}s; tasks:\n{stacks}") from None
+        await self._within(running, running.task, "serve", timeout_s)
+        await self._within(running, asyncio.ensure_future(running.worker.shutdown()), "shutdown", timeout_s)
         self.running.remove(running)
+
+    async def _within(self, running: RunningWorker, step: asyncio.Future[None], phase: str, timeout_s: float) -> None:
+        await asyncio.wait({step}, timeout=timeout_s)
+        if step.done():
+            step.result()
+            return
+        stacks = task_stacks()  # before any cancel: it would unwind the very frames that hang
+        step.cancel()
+        with contextlib.suppress(TimeoutError):  # a task that ignores its cancel must not hide the stacks
+            await asyncio.wait_for(self.kill(running), KILL_TIMEOUT_S)
+        raise AssertionError(f"worker {running.id} did not stop within {timeout_s}s ({phase}); tasks:\n{stacks}")
 
     async def kill(self, running: RunningWorker) -> None:
         """Die like SIGKILL: no drain, no handover, no deregistration; the heartbeat just stops."""
