@@ -8,7 +8,7 @@ import time
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from broker.redis.backoff import Backoff, cancel_and_wait, until_redis_answers
+from broker.redis.backoff import Backoff, cancel_and_wait, until_redis_answers, wait_set
 
 
 async def test_delays_double_from_50ms_up_to_the_cap_and_reset_after_a_success() -> None:
@@ -126,3 +126,26 @@ async def test_cancel_and_wait_raises_a_tasks_own_error_after_waiting_for_all() 
     with pytest.raises(RuntimeError, match="close failed"):
         await cancel_and_wait(failing, slow)
     assert slow.cancelled() and stopped.is_set()
+
+
+async def test_wait_set_passes_on_a_cancel_that_arrives_as_the_event_is_set() -> None:
+    """The turn that sets the event also cancels the waiter: the waiter must end cancelled.
+    ``asyncio.wait_for(event.wait(), ...)`` returns True there on Python 3.11, and a loop around it
+    goes on for ever (what made a worker's shutdown hang)."""
+    event = asyncio.Event()
+    waiter = asyncio.create_task(wait_set(event, 5.0))
+    await asyncio.sleep(0)  # the waiter is now blocked on the event
+    event.set()
+    waiter.cancel()
+    done, _ = await asyncio.wait({waiter}, timeout=5.0)
+    assert done and waiter.cancelled()
+
+
+async def test_wait_set_says_whether_the_event_was_set_in_time() -> None:
+    event = asyncio.Event()
+    started = time.monotonic()
+    assert await wait_set(event, 0.05) is False
+    assert time.monotonic() - started >= 0.04
+    asyncio.get_running_loop().call_later(0.01, event.set)
+    assert await wait_set(event, 5.0) is True
+    assert await wait_set(event, 0.0) is True  # already set: no time needed

@@ -11,15 +11,19 @@ import httpx
 import pytest
 
 from broker import FleetClient
+from broker.ops.metrics import FleetMetrics
 from broker.ops.status import cell_status, format_status
 from broker.ops.weights import update_weights, workers_at_version
+from broker.redis.connect import open_redis
 from broker.redis.embedded import RedisServer
+from broker.redis.keys import CellKeys
 from broker.redis.scripts import Scripts
 from schemas.errors import CapacityExhaustedError
 from tests.support import FAST, WorkerPool, until, world_step
 from workers.engines.null import NullEngine
 from workers.engines.vllm_http import VLLMHTTPConfig, VLLMHTTPEngine
 from workers.engines.vllm_omni_http import VLLMOmniHTTPConfig, VLLMOmniHTTPEngine
+from workers.readiness import Readiness
 
 WORLD = "null-world"
 
@@ -151,3 +155,38 @@ async def test_an_http_engine_without_its_server_is_not_ready() -> None:
             await engine.ready()
     finally:
         await engine.close()
+
+
+class CancelledAsReady(NullEngine):
+    """Ready at once, and cancels ``victim`` in the same turn: the cancel lands while the probe's
+    awaitable has finished and the probe has not yet resumed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.victim: asyncio.Task[None] | None = None
+
+    async def ready(self) -> bool:
+        if self.victim is not None:
+            asyncio.get_running_loop().call_soon(self.victim.cancel)
+        return True
+
+
+async def test_a_readiness_loop_cancelled_as_the_engine_answers_still_stops(redis_server: RedisServer,
+                                                                           prefix: str) -> None:
+    """A worker's shutdown cancels its readiness loop and waits for it. With the probe bounded by
+    asyncio.wait_for (Python 3.11) a cancel arriving in the turn the engine answered was swallowed:
+    the loop probed on, and the shutdown waited for ever (a teardown hang seen under load)."""
+    engine = CancelledAsReady()
+    readiness = Readiness(engine, capacity=1, metrics=FleetMetrics())
+    redis = open_redis(redis_server.url)
+    try:
+        loop = asyncio.create_task(readiness.follow(Scripts(redis, CellKeys(prefix)), lambda: "w-ready", 10))
+        engine.victim = loop
+        done, _ = await asyncio.wait({loop}, timeout=5.0)
+        if not done:  # stop it the plain way, so that a failure does not hang the test run
+            engine.victim = None
+            loop.cancel()
+            await asyncio.wait({loop}, timeout=5.0)
+        assert done and loop.cancelled(), "the readiness loop swallowed its cancel"
+    finally:
+        await redis.aclose()

@@ -47,7 +47,8 @@ class Readiness:
         the engine, at the probe's start or end, is not recorded."""
         busy_at_start = self.busy()
         try:
-            ok = await asyncio.wait_for(self.engine.ready(), READY_TIMEOUT_S)
+            async with asyncio.timeout(READY_TIMEOUT_S):
+                ok = await self.engine.ready()
             reason = "" if ok else "the engine reports it is not ready"
         except TimeoutError:
             ok, reason = False, f"readiness check took over {READY_TIMEOUT_S:g}s"

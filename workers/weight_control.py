@@ -21,7 +21,7 @@ from typing import Any
 from redis.asyncio import Redis
 
 from broker.ops.weights import WeightUpdate, weights_error_prefix
-from broker.redis.backoff import REDIS_ERRORS, raise_if_cancelling
+from broker.redis.backoff import REDIS_ERRORS, raise_if_cancelling, wait_set
 from broker.redis.keys import CellKeys
 from workers.engines.base import Engine
 
@@ -147,8 +147,7 @@ class WeightGate:
                 log.info("the %s engine cannot abort steps; waiting for %d to finish",
                          self.engine.kind, self._running)
                 return
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._idle.wait(), ABORT_REPEAT_S)
+            await wait_set(self._idle, ABORT_REPEAT_S)
 
 
 

@@ -19,7 +19,14 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from broker.redis.aio import resolve
-from broker.redis.backoff import REDIS_ERRORS, Backoff, cancel_and_wait, raise_if_cancelling, until_redis_answers
+from broker.redis.backoff import (
+    REDIS_ERRORS,
+    Backoff,
+    cancel_and_wait,
+    raise_if_cancelling,
+    until_redis_answers,
+    wait_set,
+)
 from broker.redis.connect import open_redis
 from broker.redis.inbox import BadEntry, InboxEntry, JobKind, parse_inbox_entry
 from broker.redis.keys import INBOX_GROUP
@@ -265,10 +272,7 @@ class Worker:
             await self._scripts_or_fail().leave_pools(self.id, pools=self._pools, state=WorkerState.DRAINING)
         await cancel_and_wait(reader)
         self.executor.stop_gate_waits()  # steps waiting for a policy version do not hold the drain
-        try:  # (wait_for with no time left gives up even on a set event: ask it first)
-            if not self._idle.is_set():
-                await asyncio.wait_for(self._idle.wait(), self.settings.drain_timeout_s)
-        except TimeoutError:
+        if not await wait_set(self._idle, self.settings.drain_timeout_s):
             # Their jobs are still pending in our inbox: they move with the handover and run again
             # on the new owner; a late commit from here is refused by the epoch fence.
             log.warning("drain timeout: %d jobs still running; handing over anyway", self._active)

@@ -153,7 +153,8 @@ async def linger(receive: Receive, *, quiet_s: float, bound_s: float, max_bytes:
         if left <= 0:
             break
         try:
-            message = await asyncio.wait_for(receive(), min(quiet_s, left))
+            async with asyncio.timeout(min(quiet_s, left)):
+                message = await receive()
         except TimeoutError:
             break
         if message["type"] != "http.request":

@@ -12,7 +12,6 @@ claim lapses with the period, and every move of a pass is a fenced, idempotent s
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
@@ -21,7 +20,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from broker.redis.backoff import REDIS_ERRORS, Backoff
+from broker.redis.backoff import REDIS_ERRORS, Backoff, wait_set
 
 log = logging.getLogger(__name__)
 PASS_TIMEOUT_S = 60.0  # the bound arq puts on each cron job (timeout=60), kept here
@@ -58,8 +57,7 @@ async def run_passes(ctx: dict[str, Any], passes: list[Pass], stop: asyncio.Even
         except REDIS_ERRORS as exc:
             log.warning("supervisor pass: redis unavailable (%s); retrying in %.2fs", exc, backoff.delay)
             pause = backoff.take()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), pause)
+        await wait_set(stop, pause)
 
 
 async def _run_claimed(ctx: dict[str, Any], redis: Redis, key: str, p: Pass) -> None:

@@ -33,7 +33,7 @@ from broker.ops.metrics import FleetMetrics, serve_metrics
 from broker.ops.pass_loop import Pass, run_passes
 from broker.ops.replay import list_dead, replay
 from broker.redis.aio import resolve
-from broker.redis.backoff import REDIS_ERRORS
+from broker.redis.backoff import REDIS_ERRORS, wait_set
 from broker.redis.cells import cells_of
 from broker.redis.config import CellConfig
 from broker.redis.connect import is_cluster_url, open_redis
@@ -245,8 +245,7 @@ def _supervise(settings: SupervisorSettings, stop: asyncio.Event, metrics: Fleet
             log.warning("supervisor lost redis (%s); starting again in %.0fs", exc, RESTART_PAUSE_S)
         worker.loop.run_until_complete(_abandon(worker))
         # A signal during the pause still reaches on_stop: the loop runs while we wait.
-        with contextlib.suppress(TimeoutError):
-            worker.loop.run_until_complete(asyncio.wait_for(stop.wait(), RESTART_PAUSE_S))
+        worker.loop.run_until_complete(wait_set(stop, RESTART_PAUSE_S))
 
 
 async def _supervise_cluster(settings: SupervisorSettings, stop: asyncio.Event, metrics: FleetMetrics) -> None:

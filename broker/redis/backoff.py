@@ -8,6 +8,7 @@ a fleet of workers does not hammer a Redis that is coming back.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 from collections.abc import Awaitable, Callable
@@ -64,6 +65,19 @@ async def cancel_and_wait(*tasks: asyncio.Future[Any]) -> None:
     for outcome in await asyncio.gather(*tasks, return_exceptions=True):
         if isinstance(outcome, Exception):  # CancelledError is a BaseException: theirs ends here
             raise outcome
+
+
+async def wait_set(event: asyncio.Event, timeout_s: float) -> bool:
+    """Wait until ``event`` is set, at most ``timeout_s`` seconds; whether it is. A cancellation of
+    the caller always propagates: ``asyncio.wait_for`` on Python 3.11 returns normally instead when
+    the cancel arrives in the turn its awaitable finishes, and a loop around it then never stops
+    (tests/test_backoff.py). ``asyncio.timeout`` has no such window."""
+    if event.is_set():
+        return True
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(timeout_s):
+            await event.wait()
+    return event.is_set()
 
 
 class Backoff:

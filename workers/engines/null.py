@@ -57,8 +57,9 @@ class NullEngine(Engine):
     async def _run(self, requests: Sequence[EngineRequest]) -> list[EngineOutput | BaseException]:
         if self.config.delay_ms:
             aborted = self._aborted
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(aborted.wait(), self.config.delay_ms / 1000.0)
+            with contextlib.suppress(TimeoutError):  # not wait_for: on 3.11 it can swallow a cancel
+                async with asyncio.timeout(self.config.delay_ms / 1000.0):
+                    await aborted.wait()
             if aborted.is_set():
                 return [StepAborted("aborted during its simulated compute") for _ in requests]
         return [self._one(req) for req in requests]
