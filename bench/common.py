@@ -234,9 +234,10 @@ def checkout_of(revision: str) -> Iterator[Path]:
 
 
 @contextlib.contextmanager
-def private_redis() -> Iterator[RedisServer]:
-    """A fresh redis-server on a free port (never the system one), no persistence."""
-    server = RedisServer(appendfsync="no").start()
+def private_redis(wrapper: Sequence[str] = ()) -> Iterator[RedisServer]:
+    """A fresh redis-server on a free port (never the system one), no persistence; ``wrapper``:
+    a command it runs under (valgrind), given time to start."""
+    server = RedisServer(appendfsync="no", wrapper=list(wrapper)).start(timeout=60.0 if wrapper else 10.0)
     try:
         yield server
     finally:

@@ -15,14 +15,26 @@ them, their commits, and a trim of the reply stream (standing in for the trainer
 side: the scripts' time per step (INFO commandstats, ``EVALSHA`` with the commands it calls) and
 the master's main-thread CPU per step (the reads, the trims and the I/O included); then the ratio.
 Redis's own accounting is timed, so compare the two sides of one run, not runs.
+
+``--callgrind`` runs both servers under valgrind's callgrind instead and counts the instructions
+each runs for the measured rounds: the same count for the same work on any VM, however busy, so a
+change of a few percent shows (a timed run swings by up to 2x). Rows per side: instructions per
+step in all, in the scripts (``evalShaCommand`` with what it calls), in the commands the scripts
+call (``scriptCall``), the scripts' own work (the difference: the Lua interpreter, the conversion of
+arguments and replies) and outside the scripts (reading requests, writing replies, the worker's
+read, the trims). Needs valgrind (``callgrind_control``, ``callgrind_annotate``); ~2 minutes at
+``--size full``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,6 +44,7 @@ from redis.asyncio import Redis
 
 from bench.common import Row, format_table, private_redis
 from broker.redis.connect import open_redis
+from broker.redis.embedded import RedisServer
 from broker.redis.keys import INBOX_GROUP, CellKeys
 from broker.redis.lua_files import PRELUDE_MARK
 from broker.redis.script_replies import Committed, Created, Queued
@@ -70,6 +83,56 @@ def revision_sources(revision: str) -> dict[str, str]:
     prelude = show("prelude")
     return {name: (prelude + source if PRELUDE_MARK in source else source)
             for name, source in ((name, show(name)) for name in SCRIPTS)}
+
+
+def _pid(server: RedisServer) -> int:
+    if server.process is None:
+        raise RuntimeError("the private Redis is not running")
+    return server.process.pid
+
+
+class Callgrind:
+    """Instruction counts of private Redis servers run under callgrind, counted from :meth:`on`."""
+
+    # Inclusive counts read from the profile: the scripts, and the commands they call.
+    FUNCTIONS = {"scripts": "evalShaCommand", "commands_in_scripts": "scriptCall"}
+    _LINE = re.compile(r"^\s*([\d,]+)\s+\([^)]*\)\s+(?:\S*:)?([A-Za-z_]\w*)\b")
+
+    def __init__(self, directory: str) -> None:
+        self.directory = Path(directory)
+
+    def wrapper(self) -> list[str]:
+        return ["valgrind", "--tool=callgrind", "--instr-atstart=no",
+                f"--callgrind-out-file={self.directory}/callgrind.%p"]
+
+    @staticmethod
+    def _control(pid: int, *args: str) -> None:
+        subprocess.run(["callgrind_control", *args, str(pid)], check=True, capture_output=True, timeout=120)
+
+    def on(self, pid: int) -> None:
+        """Count from now on."""
+        self._control(pid, "--instr=on")
+        self._control(pid, "--zero")
+
+    def counts(self, pid: int) -> dict[str, int]:
+        """Instructions since :meth:`on`: ``total`` and :attr:`FUNCTIONS` (inclusive)."""
+        self._control(pid, "--dump")
+        dumps = sorted(self.directory.glob(f"callgrind.{pid}.*"), key=lambda p: int(p.suffix[1:]))
+        if not dumps:
+            raise RuntimeError(f"callgrind wrote no profile for pid {pid} in {self.directory}")
+        text = subprocess.run(["callgrind_annotate", "--inclusive=yes", "--threshold=100", str(dumps[-1])],
+                              check=True, capture_output=True, text=True, timeout=300).stdout
+        counts = {"total": 0, **dict.fromkeys(self.FUNCTIONS, 0)}
+        names = {function: name for name, function in self.FUNCTIONS.items()}
+        for line in text.splitlines():
+            if "PROGRAM TOTALS" in line:
+                counts["total"] = int(line.split()[0].replace(",", ""))
+                continue
+            match = self._LINE.match(line)
+            if match and match.group(2) in names:
+                name = names[match.group(2)]
+                counts[name] = max(counts[name], int(match.group(1).replace(",", "")))
+        return counts
 
 
 class Side:
@@ -129,10 +192,12 @@ class Side:
         return script, 1e6 * (float(cpu["used_cpu_user_main_thread"]) + float(cpu["used_cpu_sys_main_thread"]))
 
 
-async def measure(size: str, baseline: str, batch: int) -> list[Row]:
+async def measure(size: str, baseline: str, batch: int, callgrind: Callgrind | None = None) -> list[Row]:
     cfg = SIZE[size]
     sources = revision_sources(baseline)
-    with private_redis() as this_server, private_redis() as base_server:
+    wrapper = callgrind.wrapper() if callgrind is not None else []
+    with private_redis(wrapper) as this_server, private_redis(wrapper) as base_server:
+        pids = {"this checkout": _pid(this_server), baseline: _pid(base_server)}
         clients = [open_redis(this_server.url, decode_responses=False), open_redis(base_server.url,
                                                                                    decode_responses=False)]
         try:
@@ -141,6 +206,9 @@ async def measure(size: str, baseline: str, batch: int) -> list[Row]:
                 await side.start(cfg.sessions)
                 for _ in range(max(2, cfg.rounds)):  # warm: scripts loaded, streams and hashes grown
                     await side.round(batch)
+            if callgrind is not None:
+                for pid in pids.values():
+                    callgrind.on(pid)
             for _ in range(cfg.chunks):
                 for side in sides.values():
                     script0, main0 = await side.counters()
@@ -149,12 +217,20 @@ async def measure(size: str, baseline: str, batch: int) -> list[Row]:
                     script1, main1 = await side.counters()
                     side.script_us += script1 - script0
                     side.main_us += main1 - main0
+            counted = {name: callgrind.counts(pid) for name, pid in pids.items()} if callgrind is not None else {}
         finally:
             for client in clients:
                 await client.aclose()
+    steps = cfg.chunks * cfg.rounds * batch  # per side: a round commits its whole batch or raises
+    if callgrind is not None:
+        return instruction_rows(counted, steps, batch, baseline)
+    return timed_rows(sides, steps, batch, baseline)
+
+
+def timed_rows(sides: dict[str, Side], steps: int, batch: int, baseline: str) -> list[Row]:
+    """Per step and side: the scripts' time and the master's main-thread CPU; then the ratio."""
     rows = []
     per_step: dict[str, tuple[float, float]] = {}
-    steps = cfg.chunks * cfg.rounds * batch  # per side: a round commits its whole batch or raises
     for name, side in sides.items():
         per_step[name] = (side.script_us / steps, side.main_us / steps)
         rows.append(Row(NAME, f"token step, batch of {batch}", f"scripts @ {name}",
@@ -166,17 +242,44 @@ async def measure(size: str, baseline: str, batch: int) -> list[Row]:
     return rows
 
 
+def instruction_rows(counted: dict[str, dict[str, int]], steps: int, batch: int, baseline: str) -> list[Row]:
+    """Per step and side: instructions in all, in the scripts and in what they call, the scripts'
+    own, outside the scripts; then this checkout's over the baseline's."""
+    rows, per_step = [], {}
+    for name, c in counted.items():
+        values = {"total": c["total"] / steps, "scripts": c["scripts"] / steps,
+                  "commands_in_scripts": c["commands_in_scripts"] / steps,
+                  "scripts_own": (c["scripts"] - c["commands_in_scripts"]) / steps,
+                  "outside_scripts": (c["total"] - c["scripts"]) / steps}
+        per_step[name] = values
+        rows.append(Row(NAME, f"token step, batch of {batch}", f"instructions @ {name}", {**values, "steps": steps},
+                        unit="instructions/step"))
+    this, base = per_step["this checkout"], per_step[baseline]
+    rows.append(Row(NAME, f"token step, batch of {batch}", f"this checkout / {baseline}",
+                    {key: this[key] / base[key] for key in this if base[key]}, unit="ratio"))
+    return rows
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=f"python -m bench.{NAME}", description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", choices=sorted(SIZE), default="smoke")
     parser.add_argument("--baseline", default="HEAD", help="the revision whose enqueue.lua and commit.lua to compare")
     parser.add_argument("--batch", type=int, default=8, help="steps per script call (one event-loop turn's)")
+    parser.add_argument("--callgrind", action="store_true",
+                        help="count the servers' instructions under valgrind's callgrind instead of timing them")
     args = parser.parse_args(argv)
     if args.batch < 1:
         print(f"{NAME}: --batch must be at least 1", file=sys.stderr)
         return 2
+    if args.callgrind and not all(shutil.which(tool) for tool in ("valgrind", "callgrind_control",
+                                                                   "callgrind_annotate")):
+        print(f"{NAME}: --callgrind needs valgrind (callgrind_control, callgrind_annotate) on the PATH",
+              file=sys.stderr)
+        return 2
     started = time.monotonic()
-    rows = asyncio.run(measure(args.size, args.baseline, args.batch))
+    with tempfile.TemporaryDirectory(prefix="rollout-fleet-callgrind-") as directory:
+        rows = asyncio.run(measure(args.size, args.baseline, args.batch,
+                                   Callgrind(directory) if args.callgrind else None))
     print(format_table(rows))
     print(f"({time.monotonic() - started:.0f} s)")
     return 0

@@ -3,6 +3,8 @@ the client's own batched calls. Benchmarks are not tests: no speed is asserted."
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from bench import step_scripts
@@ -46,3 +48,16 @@ def test_a_revision_that_does_not_exist_is_one_line(capsys: pytest.CaptureFixtur
     assert "cannot read prelude.lua at 'no-such-revision'" in str(exc.value)
     assert step_scripts.main(["--batch", "0"]) == 2
     assert "--batch must be at least 1" in capsys.readouterr().err
+
+
+@pytest.mark.asyncio
+async def test_callgrind_counts_the_same_instructions_for_the_same_scripts(tmp_path: Path) -> None:
+    """Under callgrind both sides run the same Lua: their counts agree to well under a percent
+    (a timed run of the same pair swings by several), and the parts add up."""
+    rows = await step_scripts.measure("smoke", "HEAD", 4, step_scripts.Callgrind(str(tmp_path)))
+    this, base, ratio = (row.values for row in rows)
+    for side in (this, base):
+        assert side["total"] > side["scripts"] > side["commands_in_scripts"] > 0
+        assert side["scripts_own"] == pytest.approx(side["scripts"] - side["commands_in_scripts"])
+        assert side["outside_scripts"] == pytest.approx(side["total"] - side["scripts"])
+    assert ratio["scripts"] == pytest.approx(1.0, abs=0.01)

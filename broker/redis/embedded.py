@@ -137,6 +137,7 @@ class RedisServer:
     appendonly: bool = False
     appendfsync: str = "always"
     extra_args: list[str] = field(default_factory=list)
+    wrapper: list[str] = field(default_factory=list)  # a command the server runs under (valgrind: bench/)
     process: subprocess.Popen[bytes] | None = None
     _tmp: tempfile.TemporaryDirectory[str] | None = None
     _log: IO[bytes] | None = None
@@ -175,7 +176,8 @@ class RedisServer:
             self._tmp = tempfile.TemporaryDirectory(prefix="rollout-fleet-redis-")
             self.directory = self._tmp.name
         args = [
-            find_redis_server(), "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.directory,
+            *self.wrapper, find_redis_server(), "--port", str(self.port), "--bind", "127.0.0.1",
+            "--dir", self.directory,
             "--save", "", "--appendonly", "yes" if self.appendonly else "no",
             "--appendfsync", self.appendfsync, "--daemonize", "no", "--loglevel", "warning",
             *self.extra_args,
