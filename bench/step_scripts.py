@@ -7,7 +7,8 @@ and most of a token step's share of it is the enqueue and commit scripts. This r
 trainer and a worker call them (``Scripts.enqueue`` and ``Scripts.commit``, a batch of calls made
 in one event-loop turn leaving as one script call) on two private Redis servers side by side: one
 runs this checkout's ``enqueue.lua`` and ``commit.lua``, the other the revision's, through this
-checkout's calls (so the revision's scripts must take the same KEYS and ARGV). Rounds alternate
+checkout's calls (so the revision's scripts must take the same KEYS and ARGV); each side's sessions
+are made by its own ``create.lua`` (which decides the session hash's encoding). Rounds alternate
 between the two in short chunks, so a VM that slows down slows both.
 
 Each round: a batch of enqueues (one step of each of ``batch`` sessions), the worker's read of
@@ -52,7 +53,7 @@ from broker.redis.scripts import CommitCall, Scripts
 
 NAME = "step_scripts"
 REPO = Path(__file__).resolve().parent.parent
-SCRIPTS = ("enqueue", "commit")
+SCRIPTS = ("create", "enqueue", "commit")  # the sessions made, and the step's two scripts
 MODE, MODEL = "tokens", "null-lm"
 WORKER = "w-step-scripts"
 REPLY_TO = "t-step-scripts"
@@ -72,7 +73,7 @@ SIZE = {"smoke": Size(sessions=64, chunks=2, rounds=4), "full": Size(sessions=51
 
 
 def revision_sources(revision: str) -> dict[str, str]:
-    """The revision's enqueue and commit scripts as Redis runs them (its prelude prepended)."""
+    """The revision's :data:`SCRIPTS` as Redis runs them (its prelude prepended)."""
     def show(name: str) -> str:
         done = subprocess.run(["git", "-C", str(REPO), "show", f"{revision}:broker/redis/lua/{name}.lua"],
                               capture_output=True, text=True, timeout=60)
@@ -263,7 +264,7 @@ def instruction_rows(counted: dict[str, dict[str, int]], steps: int, batch: int,
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=f"python -m bench.{NAME}", description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", choices=sorted(SIZE), default="smoke")
-    parser.add_argument("--baseline", default="HEAD", help="the revision whose enqueue.lua and commit.lua to compare")
+    parser.add_argument("--baseline", default="HEAD", help="the revision whose create.lua, enqueue.lua and commit.lua to compare")
     parser.add_argument("--batch", type=int, default=8, help="steps per script call (one event-loop turn's)")
     parser.add_argument("--callgrind", action="store_true",
                         help="count the servers' instructions under valgrind's callgrind instead of timing them")

@@ -4,7 +4,7 @@
 -- over the pool: O(pool size) in Redis's own lookups, but a fixed number of commands (the pool, then
 -- every member's heartbeat, capacity, pool cap, owned count and pressure, each in one ZMSCORE or
 -- HMGET): a command per member and lookup cost a master ~3.7 ms per create at 333 workers.
--- Uses: prelude.lua (now_ms, share_if_room, hmget_many, zmscore_many, step_text)
+-- Uses: prelude.lua (now_ms, share_if_room, hmget_many, zmscore_many, step_text, keep_hashtable)
 -- The trainer's cap (KEYS[9] field trainer, else field '*'; none: no cap) is checked first: a
 -- trainer with as many open sessions as its cap (KEYS[10]) is refused before placement.
 -- Admission (docs/async_rl.md): with ARGV 11 set, the session is a new trajectory of a producer
@@ -22,7 +22,8 @@
 -- Fields (broker/redis/layouts.py SessionHash): writes the whole session hash: mode, model, owner,
 --       epoch, committed_step_id, next_step_id, context_length, closed, gen, reset_pending,
 --       retention, result_window, idle_timeout_ms, idle_closed, cancels, forked_from, created_ms,
---       updated_ms, priority, trainer, max_staleness (only when set); reads announced <model>; reads
+--       updated_ms, priority, trainer, max_staleness (only when set), and the encoding field
+--       (prelude.lua keep_hashtable); reads announced <model>; reads
 --       and moves admission <model>
 -- Returns {'created', owner} | {'error', code, message}
 local workers_key = KEYS[1]
@@ -108,6 +109,7 @@ end
 redis.call('ZINCRBY', pool_key, 1, chosen)
 redis.call('HINCRBY', owned_key, chosen, 1)
 redis.call('HINCRBY', trainer_open_key, trainer, 1)
+keep_hashtable(session_key)  -- first, so the fields below go straight into the hashtable
 redis.call('HSET', session_key,
   'mode', mode, 'model', model, 'owner', chosen, 'epoch', 1,
   'committed_step_id', -1, 'next_step_id', 0, 'context_length', 0, 'closed', 0,

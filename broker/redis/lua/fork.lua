@@ -9,7 +9,7 @@
 -- fork point is its committed step, here and on the worker): otherwise step_out_of_order. A `fork`
 -- entry in the owner's inbox lets the worker copy the parent's engine state into the branches
 -- (workers/fork_cancel.py); without it a branch rebuilds from its records on its first step.
--- Uses: prelude.lua (now_ms, session_refusal, result_blob, record_blob, slot_step)
+-- Uses: prelude.lua (now_ms, session_refusal, result_blob, record_blob, slot_step, keep_hashtable)
 -- KEYS: 1 parent session hash, 2 parent log hash, 3 sessions hash, 4 owned hash, 5 capacity hash,
 --       6 pool zset (mode, model), 7 owner's inbox, 8 trainer caps hash, 9 trainer open hash, then
 --       per branch: its session hash, its log hash
@@ -21,7 +21,8 @@
 -- Fields (broker/redis/layouts.py SessionHash, inbox.py): reads the parent's owner, epoch,
 --       committed_step_id, next_step_id, context_length, closed, gen, reset_pending, mode, model,
 --       retention, result_window, idle_timeout_ms, priority, trainer, max_staleness, first_version;
---       writes each branch's whole session hash (as create.lua, plus forked_from) and log (a result
+--       writes each branch's whole session hash (as create.lua, plus forked_from, with its encoding
+--       field) and log (a result
 --       stored as a blob reference, and a record's input blob, get the branch's own copy: COPY,
 --       never read); adds
 --       an inbox entry (the fields of enqueue.lua's,
@@ -82,6 +83,7 @@ local now = now_ms()
 local log = redis.call('HGETALL', log_key)
 for i = 1, n do
   local child, child_log = KEYS[first_branch_key + 2 * (i - 1)], KEYS[first_branch_key + 2 * (i - 1) + 1]
+  keep_hashtable(child)
   redis.call('HSET', child,
     'mode', s[9], 'model', s[10], 'owner', owner, 'epoch', 1,
     'committed_step_id', committed, 'next_step_id', committed + 1, 'context_length', ctx, 'closed', 0,

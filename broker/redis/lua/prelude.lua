@@ -240,13 +240,17 @@ local function flush_replies(streams)
   end
 end
 
--- The cell-wide hashes keyed by worker id (capacity, owned, pressure) stay in Redis's hashtable
--- encoding from their first worker on. Redis keeps a hash of at most hash-max-listpack-entries
--- fields (512 by default) as a listpack, which every lookup scans: placement's lookups of a
--- 333-worker pool cost a master ~0.5 ms per HMGET that way, ~25 us as a hashtable. One field with
--- a value longer than hash-max-listpack-value (64 bytes by default) converts a hash for good. Its
--- name starts with a NUL byte, which no worker id has; readers look fields up by worker id and
--- never list these hashes (register.lua writes it).
+-- The cell-wide hashes keyed by worker id (capacity, owned, pressure) and every session hash stay in
+-- Redis's hashtable encoding from their first field on. Redis keeps a hash of at most
+-- hash-max-listpack-entries fields (512 by default) as a listpack, which every lookup scans:
+-- placement's lookups of a 333-worker pool cost a master ~0.5 ms per HMGET that way, ~25 us as a
+-- hashtable; a session's ~21 fields, looked up 27 times per token step (enqueue.lua's and
+-- commit.lua's HMGETs, a missing field scanning them all), cost its master 9% of the step
+-- (docs/sizing.md). One field with a value longer than hash-max-listpack-value (64 bytes by
+-- default) converts a hash for good, and keeps it converted when an RDB or a replica loads it. Its
+-- name starts with a NUL byte, which no worker id or session field has; readers look fields up by
+-- name (broker/redis/layouts.py SessionHash takes the fields it knows) and never list the worker
+-- hashes (register.lua, create.lua and fork.lua write it).
 local HASHTABLE_FIELD = '\0encoding'
 local HASHTABLE_NOTE = 'keeps this hash in the hashtable encoding: a listpack would scan every field per lookup'
 local function keep_hashtable(key)
