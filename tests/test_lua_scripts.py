@@ -116,8 +116,24 @@ def _split_args(text: str, start: int) -> list[str]:
 
 
 # A script that also runs in batches (prelude.lua run_batch) opens with the function of one call,
-# whose parameters KEYS and ARGV are that call's; its opening block of named locals follows.
+# whose parameters KEYS and ARGV are that call's; its opening block of named locals follows. Its
+# helpers may come before it: top-level functions of named values that never read KEYS or ARGV (a
+# closure made inside the one call for each call costs its master more than the call does).
 _ONE_CALL = re.compile(r"^local function \w+\(KEYS, ARGV\)$")
+_HELPER = re.compile(r"^local function \w+\([\w\s,]*\)?$")  # its parameters may go on over lines
+
+
+def _after_helpers(lines: list[str], i: int) -> int:
+    """The index of the first code line after the helpers that start at ``i`` (none: ``i``); a
+    function that reads KEYS or ARGV is no helper, and the opening block ends before it."""
+    while i < len(lines) and _HELPER.match(_code(lines[i])) and not _ONE_CALL.match(_code(lines[i])):
+        end = next((j for j in range(i + 1, len(lines)) if lines[j].rstrip() == "end"), None)
+        if end is None or any(re.search(r"\b(KEYS|ARGV)\b", _code(line)) for line in lines[i:end + 1]):
+            return i
+        i = end + 1
+        while i < len(lines) and not _code(lines[i]):
+            i += 1
+    return i
 _BLOCK_WORDS = {"KEYS", "ARGV", "tonumber", "or", "and", "not", "nil", "true", "false"}
 
 
@@ -128,8 +144,9 @@ def _opening_block(lines: list[str]) -> int:
     i, named = 0, set()
     while i < len(lines) and (not _code(lines[i])):
         i += 1
-    if i < len(lines) and _ONE_CALL.match(_code(lines[i])):  # a batched script's one call
-        i += 1
+    helpers_end = _after_helpers(lines, i)
+    if helpers_end < len(lines) and _ONE_CALL.match(_code(lines[helpers_end])):  # a batched script's one call
+        i = helpers_end + 1
     while i < len(lines):
         code = _code(lines[i])
         match = _LOCAL.match(code)
@@ -322,6 +339,16 @@ def test_checker_reads_the_opening_block_of_a_batched_scripts_one_call() -> None
                 "  return ARGV[2]\nend\n")
     assert [str(v) for v in check(one_call)] == [
         "line 5: KEYS/ARGV by a literal position after the opening block: return ARGV[2]"]
+
+
+def test_checker_takes_helpers_before_the_one_call_only_when_they_never_read_keys_or_argv() -> None:
+    helper = ("local function unstage(staged, staged_key)\n  if staged then\n    redis.call('DEL', staged_key)\n"
+              "  end\nend\n\nlocal function commit_one(KEYS, ARGV)\n  local staged_key = KEYS[5]\n"
+              "  unstage(true, staged_key)\nend\n")
+    assert check(helper) == []
+    reads_keys = helper.replace("redis.call('DEL', staged_key)", "redis.call('DEL', KEYS[5])")
+    found = [str(v) for v in check(reads_keys)]
+    assert any(v.startswith("line 3: KEYS/ARGV by a literal position") for v in found), found
 
 
 def test_checker_refuses_a_command_it_has_no_key_positions_for() -> None:

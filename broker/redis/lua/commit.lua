@@ -49,6 +49,42 @@
 --       runs as above and answers in its place; the inbox entries they publish are acknowledged and
 --       deleted with one XACK and one XDEL per inbox at the end, each reply stream's length is read
 --       once and its TTL set once, and the batch reads TIME once.
+-- commit_one's helpers: functions of named values, not closures over its locals (a closure made per
+-- commit costs its master more than its call does).
+-- Drop a staged result (staged_key, when staged) that the call does not commit.
+local function unstage(staged, staged_key)
+  if staged then
+    redis.call('DEL', staged_key)
+  end
+end
+-- Publish a stored result: acknowledge the inbox entry and add the reply entry (`current`: the
+-- committed step it carries). False when a stored reference outlived its blob (nothing done).
+-- `unconfirmed`: the session's unconfirmed_step as read.
+local function publish(stored, current, unconfirmed, session_key, inbox_key, inbox_group, entry_id, reply_key,
+                       reply_blob_key, job_id, reply_ttl_ms, stream_bytes, large_bytes, large_ttl_ms)
+  local result, size, blob = reply_value(stored, reply_blob_key)
+  if not result then
+    return false
+  end
+  if unconfirmed then  -- published after a replica confirmed every earlier write of this master
+    redis.call('HDEL', session_key, 'unconfirmed_step')
+  end
+  if batch_state then  -- one XACK and one XDEL per inbox for the whole batch (at the end of the script)
+    local ids = batch_state.acks[inbox_key]
+    if not ids then
+      ids = {}
+      batch_state.acks[inbox_key] = ids
+      batch_state.groups[inbox_key] = inbox_group
+    end
+    ids[#ids + 1] = entry_id
+  else
+    redis.call('XACK', inbox_key, inbox_group, entry_id)
+    redis.call('XDEL', inbox_key, entry_id)
+  end
+  return add_reply(reply_key, reply_ttl_ms, stream_bytes, large_bytes, large_ttl_ms, 'step', job_id, current,
+    result, size, blob, batch_state and batch_state.streams)
+end
+
 local function commit_one(KEYS, ARGV)
   local session_key = KEYS[1]
   local log_key = KEYS[2]
@@ -81,45 +117,17 @@ local function commit_one(KEYS, ARGV)
   local staged = ARGV[18] == '1'
   local s = redis.call('HMGET', session_key, 'owner', 'epoch', 'committed_step_id', 'result_window', 'unconfirmed_step',
     'max_staleness', 'first_version', 'cancels', 'next_step_id', 'reset_pending', 'last_blob_step')
-  local function unstage()
-    if staged then
-      redis.call('DEL', staged_key)
-    end
-  end
   if fenced(s[1], s[2], worker_id, job_epoch) then
-    unstage()
+    unstage(staged, staged_key)
     return {'fenced', s[1] or '', s[2] or ''}
   end
   local committed = tonumber(s[3])
-  local function publish(stored, current)
-    local result, size, blob = reply_value(stored, reply_blob_key)
-    if not result then
-      return false
-    end
-    if s[5] then  -- published after a replica confirmed every earlier write of this master
-      redis.call('HDEL', session_key, 'unconfirmed_step')
-    end
-    if batch_state then  -- one XACK and one XDEL per inbox for the whole batch (at the end of the script)
-      local ids = batch_state.acks[inbox_key]
-      if not ids then
-        ids = {}
-        batch_state.acks[inbox_key] = ids
-        batch_state.groups[inbox_key] = inbox_group
-      end
-      ids[#ids + 1] = entry_id
-    else
-      redis.call('XACK', inbox_key, inbox_group, entry_id)
-      redis.call('XDEL', inbox_key, entry_id)
-    end
-    return add_reply(reply_key, reply_ttl_ms, stream_bytes, large_bytes, large_ttl_ms, 'step', job_id, current,
-      result, size, blob, batch_state and batch_state.streams)
-  end
+  local window = tonumber(s[4] or '1')
   if committed >= step then
-    unstage()
+    unstage(staged, staged_key)
     if input_key then
       redis.call('DEL', input_key)
     end
-    local window = tonumber(s[4] or '1')
     local stored = stored_result(log_key, step, committed, window)
     if not stored then
       return {'duplicate_unstored', committed}
@@ -128,17 +136,19 @@ local function commit_one(KEYS, ARGV)
       redis.call('HSET', log_key, result_field(step, window), stored)
       return {'duplicate'}
     end
-    if not publish(stored, s[3]) then  -- the reference outlived its blob: not stored either
+    -- false: the reference outlived its blob, so it is not stored either
+    if not publish(stored, s[3], s[5], session_key, inbox_key, inbox_group, entry_id, reply_key, reply_blob_key,
+      job_id, reply_ttl_ms, stream_bytes, large_bytes, large_ttl_ms) then
       return {'duplicate_unstored', committed}
     end
     return {'duplicate'}
   end
   if job_cancels and job_cancels ~= '' and job_cancels ~= (s[8] or '0') then
-    unstage()
+    unstage(staged, staged_key)
     return {'cancelled', committed}
   end
   if committed ~= step - 1 or (result_arg == '' and not staged) then  -- an empty result only re-publishes
-    unstage()
+    unstage(staged, staged_key)
     return {'out_of_order', committed}
   end
   local result = result_arg
@@ -167,7 +177,6 @@ local function commit_one(KEYS, ARGV)
   end
   -- the log: this step's result (in the slot of the one that falls out) and record in one HSET,
   -- the record that falls out of the records kept in an HDEL
-  local window = tonumber(s[4] or '1')
   local keeps_record = record ~= '' and keep ~= 0
   if keeps_record then
     redis.call('HSET', log_key, result_field(step, window), result, 'input:' .. step_id, record)
@@ -202,7 +211,8 @@ local function commit_one(KEYS, ARGV)
     redis.call('HSET', session_key, 'updated_ms', now_text(), unpack(fields))
     return {'committed'}
   end
-  local id = publish(result, step_id)
+  local id = publish(result, step_id, s[5], session_key, inbox_key, inbox_group, entry_id, reply_key,
+    reply_blob_key, job_id, reply_ttl_ms, stream_bytes, large_bytes, large_ttl_ms)
   if id then
     now_from_id(id)
   end

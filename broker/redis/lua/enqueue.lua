@@ -26,6 +26,79 @@
 --       | {'unstaged', committed} (KEYS[5] given and missing: nothing changed, call again)
 -- Batch (prelude.lua run_batch; Scripts sends the enqueues of one event-loop turn so): each runs as
 --       above and answers in its place; the batch reads TIME once.
+
+-- One enqueue, with a staged payload (staged_input_key) still where the client put it: queued (and
+-- the payload renamed to input_blob_key) or refused. A function of named values, not a closure over
+-- enqueue_one's locals: a closure made per step costs its master more than its call does.
+local function enqueue_step(session_key, inbox_key, log_key, announced_key, staged_input_key, input_blob_key,
+                            believed_owner, step_id, contextual, job_id, reply_to, inline_payload, session_id,
+                            attempt, min_version, staged)
+  local step = tonumber(step_id)  -- for comparisons only: above 2^53 the double is rounded
+  local advanced = nil  -- next_step_id after this step (decimal text), written with updated_ms
+  local s = redis.call('HMGET', session_key, 'owner', 'epoch', 'committed_step_id', 'next_step_id',
+    'context_length', 'closed', 'gen', 'reset_pending', 'mode', 'model', 'retention', 'unconfirmed_step',
+    'max_staleness', 'first_version', 'priority', 'cancels')
+  local owner, committed, ctx = s[1], tonumber(s[3]), s[5]
+  local refusal = session_refusal(owner, s[6], committed, ctx, believed_owner, session_id)
+  if refusal then
+    return refusal
+  end
+  local unconfirmed = tonumber(s[12] or '')
+  local awaits_replica = contextual == '1' and unconfirmed ~= nil and step >= unconfirmed and step <= committed
+    and s[8] == '0'
+  if contextual == '1' and not awaits_replica then
+    local nxt = tonumber(s[4])
+    -- Any step of a trajectory past its bound, in order or not: not a re-sent committed one (its
+    -- stored result still answers) nor one behind a pending reset (it starts a new trajectory).
+    if s[13] and s[14] and step > committed and s[8] == '0' then
+      local announced = tonumber(redis.call('HGET', announced_key, s[10]) or '0') or 0
+      local first = tonumber(s[14])
+      if announced > first + tonumber(s[13]) then
+        return {'error', 'stale_policy', 'the trajectory started on policy version ' .. step_text(first)
+          .. ' and version ' .. step_text(announced) .. ' of ' .. s[10] .. ' is announced, more than max_staleness '
+          .. s[13] .. ' ahead: drop the trajectory or reset the session', committed, ctx}
+      end
+    end
+    if step ~= nxt then
+      if step <= committed and s[8] == '0' then
+        local window = tonumber(redis.call('HGET', session_key, 'result_window') or '1')  -- a re-send only
+        local stored = stored_result(log_key, step, committed, window)
+        if stored then
+          return {'stored', stored, committed}
+        end
+        return {'error', 'step_already_committed',
+                'Step ' .. step_id .. ' is already committed; highest committed step is ' .. step_text(committed) .. '.',
+                committed, ctx}
+      end
+      if step < nxt then
+        return {'error', 'step_out_of_order',
+                'step ' .. step_id .. ' is already queued; expected step_id ' .. step_text(nxt), committed, ctx, 'in_flight'}
+      end
+      return {'error', 'step_out_of_order', 'Expected step_id ' .. step_text(nxt) .. ', got ' .. step_id .. '.', committed, ctx}
+    end
+    advanced = step_text(nxt + 1)
+  end
+  local now = now_text()
+  if advanced then
+    redis.call('HSET', session_key, 'next_step_id', advanced, 'updated_ms', now)
+  else
+    redis.call('HSET', session_key, 'updated_ms', now)
+  end
+  local payload = inline_payload
+  if staged then
+    redis.call('RENAME', staged_input_key, input_blob_key)
+    redis.call('PERSIST', input_blob_key)
+    payload = BLOB_MARK
+  end
+  local id = redis.call('XADD', inbox_key, '*',
+    'kind', 'step', 'job_id', job_id, 'session_id', session_id, 'step_id', step_id,
+    'contextual', contextual, 'epoch', s[2], 'gen', s[7], 'mode', s[9], 'model', s[10],
+    'reply_to', reply_to, 'enqueued_ms', now, 'attempt', attempt, 'retention', s[11] or 'full',
+    'min_version', min_version or '0', 'priority', s[15] or 'bulk', 'cancels', s[16] or '0',
+    'payload', payload)
+  return {'queued', id, committed}
+end
+
 local function enqueue_one(KEYS, ARGV)
   local session_key = KEYS[1]
   local inbox_key = KEYS[2]
@@ -35,7 +108,6 @@ local function enqueue_one(KEYS, ARGV)
   local input_blob_key = KEYS[6]
   local believed_owner = ARGV[1]
   local step_id = ARGV[2]  -- the id exactly as the client sent it (decimal text), written back as is
-  local step = tonumber(step_id)  -- for comparisons only: above 2^53 the double is rounded
   local contextual = ARGV[3]
   local job_id = ARGV[4]
   local reply_to = ARGV[5]
@@ -47,73 +119,8 @@ local function enqueue_one(KEYS, ARGV)
   if staged and redis.call('EXISTS', staged_input_key) == 0 then
     return {'unstaged', -1}
   end
-  local function enqueue()
-    local advanced = nil  -- next_step_id after this step (decimal text), written with updated_ms
-    local s = redis.call('HMGET', session_key, 'owner', 'epoch', 'committed_step_id', 'next_step_id',
-      'context_length', 'closed', 'gen', 'reset_pending', 'mode', 'model', 'retention', 'unconfirmed_step',
-      'max_staleness', 'first_version', 'priority', 'cancels')
-    local owner, committed, ctx = s[1], tonumber(s[3]), s[5]
-    local refusal = session_refusal(owner, s[6], committed, ctx, believed_owner, session_id)
-    if refusal then
-      return refusal
-    end
-    local unconfirmed = tonumber(s[12] or '')
-    local awaits_replica = contextual == '1' and unconfirmed ~= nil and step >= unconfirmed and step <= committed
-      and s[8] == '0'
-    if contextual == '1' and not awaits_replica then
-      local nxt = tonumber(s[4])
-      -- Any step of a trajectory past its bound, in order or not: not a re-sent committed one (its
-      -- stored result still answers) nor one behind a pending reset (it starts a new trajectory).
-      if s[13] and s[14] and step > committed and s[8] == '0' then
-        local announced = tonumber(redis.call('HGET', announced_key, s[10]) or '0') or 0
-        local first = tonumber(s[14])
-        if announced > first + tonumber(s[13]) then
-          return {'error', 'stale_policy', 'the trajectory started on policy version ' .. step_text(first)
-            .. ' and version ' .. step_text(announced) .. ' of ' .. s[10] .. ' is announced, more than max_staleness '
-            .. s[13] .. ' ahead: drop the trajectory or reset the session', committed, ctx}
-        end
-      end
-      if step ~= nxt then
-        if step <= committed and s[8] == '0' then
-          local window = tonumber(redis.call('HGET', session_key, 'result_window') or '1')  -- a re-send only
-          local stored = stored_result(log_key, step, committed, window)
-          if stored then
-            return {'stored', stored, committed}
-          end
-          return {'error', 'step_already_committed',
-                  'Step ' .. step_id .. ' is already committed; highest committed step is ' .. step_text(committed) .. '.',
-                  committed, ctx}
-        end
-        if step < nxt then
-          return {'error', 'step_out_of_order',
-                  'step ' .. step_id .. ' is already queued; expected step_id ' .. step_text(nxt), committed, ctx, 'in_flight'}
-        end
-        return {'error', 'step_out_of_order', 'Expected step_id ' .. step_text(nxt) .. ', got ' .. step_id .. '.', committed, ctx}
-      end
-      advanced = step_text(nxt + 1)
-    end
-    local now = now_text()
-    if advanced then
-      redis.call('HSET', session_key, 'next_step_id', advanced, 'updated_ms', now)
-    else
-      redis.call('HSET', session_key, 'updated_ms', now)
-    end
-    local payload = inline_payload
-    if staged then
-      redis.call('RENAME', staged_input_key, input_blob_key)
-      redis.call('PERSIST', input_blob_key)
-      payload = BLOB_MARK
-    end
-    local id = redis.call('XADD', inbox_key, '*',
-      'kind', 'step', 'job_id', job_id, 'session_id', session_id, 'step_id', step_id,
-      'contextual', contextual, 'epoch', s[2], 'gen', s[7], 'mode', s[9], 'model', s[10],
-      'reply_to', reply_to, 'enqueued_ms', now, 'attempt', attempt, 'retention', s[11] or 'full',
-      'min_version', min_version or '0', 'priority', s[15] or 'bulk', 'cancels', s[16] or '0',
-      'payload', payload)
-    return {'queued', id, committed}
-  end
-
-  local reply = enqueue()
+  local reply = enqueue_step(session_key, inbox_key, log_key, announced_key, staged_input_key, input_blob_key,
+    believed_owner, step_id, contextual, job_id, reply_to, inline_payload, session_id, attempt, min_version, staged)
   if staged and reply[1] ~= 'queued' then
     redis.call('DEL', staged_input_key)
   end
