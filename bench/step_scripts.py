@@ -264,7 +264,8 @@ def instruction_rows(counted: dict[str, dict[str, int]], steps: int, batch: int,
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=f"python -m bench.{NAME}", description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", choices=sorted(SIZE), default="smoke")
-    parser.add_argument("--baseline", default="HEAD", help="the revision whose create.lua, enqueue.lua and commit.lua to compare")
+    parser.add_argument("--baseline", default="HEAD",
+                        help="the revision whose create.lua, enqueue.lua and commit.lua to compare")
     parser.add_argument("--batch", type=int, default=8, help="steps per script call (one event-loop turn's)")
     parser.add_argument("--callgrind", action="store_true",
                         help="count the servers' instructions under valgrind's callgrind instead of timing them")

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from broker.ops.failover import fail_over, placement_candidates
-from broker.redis.script_replies import Applied, Created, FailedOver, Queued, Refused, Retry
+from broker.redis.layouts import SessionHash
+from broker.redis.script_replies import Applied, Created, FailedOver, Forked, Queued, Refused, Retry
 from broker.redis.scripts import Scripts
 from schemas.errors import ErrorCode
 
@@ -148,6 +149,20 @@ async def test_a_pool_of_more_workers_than_one_lookup_slice_places_on_the_least_
     assert await _create(scripts, "s1", LM) == Created("w1150")  # no pressure, and room
     assert await _create(scripts, "s2", LM) == Created("w1199")  # w1150's split of 1 is full
     assert await _owned(scripts, "w1150") == 1 and await _owned(scripts, "w1199") == 1
+
+
+async def test_session_hashes_are_hashtables_and_read_as_before(scripts: Scripts) -> None:
+    """A token step looks a session's fields up 27 times; a listpack would scan them for each.
+    The encoding field is no session field: the hash reads as a session as it did."""
+    await _register(scripts, "a", capacity=4)
+    k = scripts.keys
+    assert await _create(scripts, "s1", LM) == Created("a")
+    assert await scripts.fork("s1", "a", mode=LM[0], model=LM[1], branches=["b1"]) == Forked(-1)
+    for sid in ("s1", "b1"):
+        assert await scripts.redis.object("encoding", k.session(sid)) == b"hashtable", sid
+        hashed = SessionHash.from_fields(await scripts.redis.hgetall(k.session(sid)))
+        assert (hashed.owner, hashed.committed_step_id, hashed.next_step_id) == ("a", -1, 0)
+    assert (SessionHash.from_fields(await scripts.redis.hgetall(k.session("b1")))).forked_from == "s1"
 
 
 async def test_the_cell_wide_worker_hashes_are_hashtables_from_their_first_worker(scripts: Scripts) -> None:
