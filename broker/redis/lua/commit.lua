@@ -1,6 +1,6 @@
 -- Commit step k of a session: the exactly-once point. Fenced by owner and lease epoch.
 -- Uses: prelude.lua (now_text, now_from_id, fenced, add_reply, step_text, result_blob, reply_value,
---       result_field, stored_result)
+--       result_field, stored_result, memo_number)
 -- KEYS: 1 session hash, 2 log hash, 3 inbox, 4 reply stream, 5 staged result (CellKeys.staged_result),
 --       6 this step's result blob, 7 this job's reply blob (broker/redis/blobs.py), 8 the record blob
 --       that falls out of the records kept (CellKeys.record_blob of step_id - ARGV 11; touched only
@@ -107,7 +107,7 @@ local function commit_one(KEYS, ARGV)
   local reply_ttl_ms = ARGV[8]
   local inbox_group = ARGV[9]
   local record = ARGV[10]
-  local keep = tonumber(ARGV[11])
+  local keep = memo_number(ARGV[11])
   local stream_bytes = ARGV[12]
   local large_bytes = ARGV[13]
   local large_ttl_ms = ARGV[14]
@@ -122,7 +122,7 @@ local function commit_one(KEYS, ARGV)
     return {'fenced', s[1] or '', s[2] or ''}
   end
   local committed = tonumber(s[3])
-  local window = tonumber(s[4] or '1')
+  local window = memo_number(s[4] or '1')
   if committed >= step then
     unstage(staged, staged_key)
     if input_key then
@@ -169,7 +169,7 @@ local function commit_one(KEYS, ARGV)
   -- ran it. The session then expects this step next for ever (every later step is out of order, the
   -- step itself answers its stored result): it expects the one after it instead. Not while a reset
   -- is queued behind this step: its enqueue already moved next_step_id to the new generation's 0.
-  if (tonumber(s[10]) or 0) == 0 and (tonumber(s[9]) or 0) <= step then
+  if (memo_number(s[10]) or 0) == 0 and (tonumber(s[9]) or 0) <= step then
     fields[#fields + 1], fields[#fields + 2] = 'next_step_id', step_text(step + 1)
   end
   if s[6] and not s[7] and version and version ~= '' then
@@ -187,7 +187,7 @@ local function commit_one(KEYS, ARGV)
     -- the blob of the result that falls out, unless no result from that step on was stored as one
     -- (last_blob_step: the highest step committed with a blob; absent, as in a forked session, means
     -- unknown)
-    local last_blob = tonumber(s[11] or '')
+    local last_blob = memo_number(s[11] or '')  -- -1 for a session that never stored a blob
     if last_blob == nil or last_blob >= step - window then
       redis.call('DEL', result_blob(log_key, committed + 1 - window))  -- committed is step - 1 here
     end
