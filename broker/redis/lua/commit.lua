@@ -49,6 +49,7 @@
 --       runs as above and answers in its place; the inbox entries they publish are acknowledged and
 --       deleted with one XACK and one XDEL per inbox at the end, each reply stream's length is read
 --       once and its TTL set once, and the batch reads TIME once.
+
 -- commit_one's helpers: functions of named values, not closures over its locals (a closure made per
 -- commit costs its master more than its call does).
 -- Drop a staged result (staged_key, when staged) that the call does not commit.

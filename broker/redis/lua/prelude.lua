@@ -30,13 +30,6 @@ local function now_from_id(id)
   end
 end
 
--- A batch call (commit.lua, enqueue.lua): ARGV is BATCH_MARK, the number of calls, then per call
--- its number of KEYS, its number of ARGV and those ARGV; KEYS are the calls' KEYS one after the
--- other. `one(keys, argv)` runs one call as the script runs it alone; a call that raises answers
--- its error in its place, and the calls after it still run. The reply is the list of the calls'
--- replies. Calls in one batch touch one cell (one hash tag), as one call does.
--- `batch_state`: what a batch's calls share (commit.lua: the entries to acknowledge per inbox,
--- the reply streams' lengths and TTLs); nil outside a batch.
 -- tonumber of a text that repeats through one script call (a batch's key and argument counts, its
 -- reply bounds and TTLs, a session's result window): parsed once per call. tonumber goes through
 -- strtod, ~1,000 instructions a call, and a batch of 8 commits passes the same few texts 8 times.
@@ -53,6 +46,13 @@ local function memo_number(text)
   return n
 end
 
+-- A batch call (commit.lua, enqueue.lua): ARGV is BATCH_MARK, the number of calls, then per call
+-- its number of KEYS, its number of ARGV and those ARGV; KEYS are the calls' KEYS one after the
+-- other. `one(keys, argv)` runs one call as the script runs it alone; a call that raises answers
+-- its error in its place, and the calls after it still run. The reply is the list of the calls'
+-- replies. Calls in one batch touch one cell (one hash tag), as one call does.
+-- `batch_state`: what a batch's calls share (commit.lua: the entries to acknowledge per inbox,
+-- the reply streams' lengths and TTLs); nil outside a batch.
 local BATCH_MARK, BATCH_MARK_AT, BATCH_COUNT_AT = '\0batch', 1, 2
 local batch_state = nil
 local function is_batch()
