@@ -55,6 +55,37 @@ async def test_an_inbox_entry_enqueue_writes_reads_back(scripts: Scripts) -> Non
     assert (entry.attempt, entry.payload, entry.retention, entry.min_version) == (2, b"p", "last:2", 5)
 
 
+_DEFAULTED = (b"retention", b"min_version", b"priority", b"cancels")
+
+
+@pytest.mark.parametrize("differs", ["none", "retention", "min_version", "priority", "cancels"])
+async def test_an_entry_leaves_out_the_four_fields_only_when_all_hold_their_defaults(scripts: Scripts,
+                                                                                     differs: str) -> None:
+    """enqueue.lua writes retention, min_version, priority and cancels only when one differs from
+    its default (full, 0, bulk, 0); either way the worker reads the same values."""
+    await scripts.register("w1", capacity=2, pools=[scripts.keys.pool("tokens", "m")], ttl_ms=15000,
+                           fields={"state": "active"})
+    await scripts.create("s1", "tokens", "m", lease_ms=5000, result_window=1,
+                         retention="last:2" if differs == "retention" else "full",
+                         priority="interactive" if differs == "priority" else "bulk")
+    if differs == "cancels":
+        await scripts.cancel("s1", "w1")
+    queued = await scripts.enqueue("s1", "w1", step_id=0, contextual=True, job_id="j0", reply_to="c",
+                                   payload=b"p", min_version=7 if differs == "min_version" else 0)
+    assert isinstance(queued, Queued)
+    [(entry_id, fields)] = await scripts.redis.xrange(scripts.keys.inbox("w1"), queued.entry_id, queued.entry_id)
+    entry = parse_inbox_entry(entry_id, fields)
+    assert isinstance(entry, InboxEntry)
+    assert (entry.retention, entry.min_version, entry.priority.value, entry.cancels) == (
+        "last:2" if differs == "retention" else "full", 7 if differs == "min_version" else 0,
+        "interactive" if differs == "priority" else "bulk", 1 if differs == "cancels" else 0)
+    if differs == "none":
+        assert not set(_DEFAULTED) & set(fields) and len(fields) == 13
+    else:
+        assert set(_DEFAULTED) <= set(fields) and len(fields) == 17
+    assert entry == InboxEntry._checked(entry_id, fields)  # the one-pass read and the field-by-field one agree
+
+
 async def test_commit_writes_a_reply_entry_and_the_log_fields_named_here(scripts: Scripts) -> None:
     entry = await _queued_step(scripts)
     reply = await scripts.commit(CommitCall(session_id="s1", worker_id="w1", epoch=1, step_id=0,

@@ -20,7 +20,8 @@
 --       entry (kind, job_id, session_id, step_id, contextual, epoch, gen, mode, model, reply_to,
 --       enqueued_ms, attempt, retention, min_version, priority (the worker serves interactive steps
 --       first), cancels (the session's cancel count: commit.lua refuses the step once a cancel
---       raised it), payload)
+--       raised it), payload); retention, min_version, priority and cancels are left out when all
+--       four hold their defaults (full, 0, bulk, 0), as the worker reads a missing one
 -- Returns {'queued', entry_id, committed} | {'stored', result, committed}
 --       | {'error', code, message, committed, context_length[, 'in_flight']} | {'moved', owner}
 --       | {'unstaged', committed} (KEYS[5] given and missing: nothing changed, call again)
@@ -90,12 +91,23 @@ local function enqueue_step(session_key, inbox_key, log_key, announced_key, stag
     redis.call('PERSIST', input_blob_key)
     payload = BLOB_MARK
   end
-  local id = redis.call('XADD', inbox_key, '*',
-    'kind', 'step', 'job_id', job_id, 'session_id', session_id, 'step_id', step_id,
-    'contextual', contextual, 'epoch', s[2], 'gen', s[7], 'mode', s[9], 'model', s[10],
-    'reply_to', reply_to, 'enqueued_ms', now, 'attempt', attempt, 'retention', s[11] or 'full',
-    'min_version', min_version or '0', 'priority', s[15] or 'bulk', 'cancels', s[16] or '0',
-    'payload', payload)
+  local retention, priority, cancels = s[11] or 'full', s[15] or 'bulk', s[16] or '0'
+  min_version = min_version or '0'
+  local id
+  if retention == 'full' and priority == 'bulk' and cancels == '0' and min_version == '0' then
+    -- The common step: its four default fields left out (the worker reads them as these defaults),
+    -- a smaller entry to write, keep and send.
+    id = redis.call('XADD', inbox_key, '*',
+      'kind', 'step', 'job_id', job_id, 'session_id', session_id, 'step_id', step_id,
+      'contextual', contextual, 'epoch', s[2], 'gen', s[7], 'mode', s[9], 'model', s[10],
+      'reply_to', reply_to, 'enqueued_ms', now, 'attempt', attempt, 'payload', payload)
+  else
+    id = redis.call('XADD', inbox_key, '*',
+      'kind', 'step', 'job_id', job_id, 'session_id', session_id, 'step_id', step_id,
+      'contextual', contextual, 'epoch', s[2], 'gen', s[7], 'mode', s[9], 'model', s[10],
+      'reply_to', reply_to, 'enqueued_ms', now, 'attempt', attempt, 'retention', retention,
+      'min_version', min_version, 'priority', priority, 'cancels', cancels, 'payload', payload)
+  end
   return {'queued', id, committed}
 end
 
