@@ -304,8 +304,8 @@ async def test_a_commit_whose_staging_is_missing_changes_nothing_and_is_retried(
     and the wrapper raises it as a lost connection, which the worker's retry stages again."""
     redis, k = scripts.redis, scripts.keys
     await _session(scripts)
-    keys = [k.session("s1"), k.log("s1"), k.inbox("w1"), k.reply("c"), k.staged_result("s1", 0, "w1", 1),
-            k.result_blob("s1", 0), k.reply_blob("c", "j0")]
+    keys = [k.session("s1"), k.log("s1"), k.inbox("w1"), k.reply("c"), k.reply_blob("c", "j0"),
+            k.staged_result("s1", 0, "w1", 1), k.result_blob("s1", 0), k.record_blob("s1", 1)]
     args = ["w1", 1, 0, "0-1", "", 1, "j0", 60000, INBOX_GROUP, "", -1, *ReplyBounds().args(), "0", "", "", "1"]
     raw = await redis.eval(lua_source("commit"), len(keys), *keys, *args)
     assert raw == [b"unstaged", -1]

@@ -7,6 +7,7 @@ import dataclasses
 import re
 
 import pytest
+from redis.exceptions import ResponseError
 
 from broker.redis.inbox import BadEntry, InboxEntry, parse_inbox_entry
 from broker.redis.layouts import (
@@ -96,6 +97,48 @@ async def test_commit_writes_a_reply_entry_and_the_log_fields_named_here(scripts
     assert ReplyEntry.from_fields(published[0][1]) == ReplyEntry("step", "j0", 0, b"r")
     log = await scripts.redis.hgetall(scripts.keys.log("s1"))
     assert log == {log_result_field(0, 1).encode(): b"r", log_input_field(0).encode(): b"rec"}
+
+
+def test_a_commit_passes_the_keys_it_may_touch_and_no_more(scripts: Scripts) -> None:
+    """commit.lua's KEYS: the common commit passes 5; a staged result or records kept by count add
+    the staging, result blob and evicted record keys (8); a staged payload its two blobs (10)."""
+    k = scripts.keys
+    call = CommitCall(session_id="s1", worker_id="w1", epoch=2, step_id=7, entry_id="1-0", result=b"r",
+                      context_length=3, job_id="j7", reply_to="c", reply_ttl_ms=60000)
+    common = [k.session("s1"), k.log("s1"), k.inbox("w1"), k.reply("c"), k.reply_blob("c", "j7")]
+    tail = [k.staged_result("s1", 7, "w1", 2), k.result_blob("s1", 7)]
+    assert scripts._commit_call(call)[0] == common
+    assert scripts._commit_call(dataclasses.replace(call, keep_records=0))[0] == common
+    assert scripts._commit_call(dataclasses.replace(call, keep_records=3))[0] == [*common, *tail,
+                                                                                  k.record_blob("s1", 4)]
+    large = dataclasses.replace(call, result=b"x" * scripts.stage_bytes)
+    keys, args, before = scripts._commit_call(large)
+    assert keys == [*common, *tail, k.record_blob("s1", 8)] and before is not None and args[17] == "1"
+    assert scripts._commit_call(dataclasses.replace(call, input_staged=True))[0] == [
+        *common, *tail, k.record_blob("s1", 8), k.input_blob("s1", "j7"), k.record_blob("s1", 7)]
+
+
+@pytest.mark.parametrize("staged", [True, False])
+async def test_a_commit_missing_keys_it_needs_is_refused_before_any_write(scripts: Scripts, staged: bool) -> None:
+    """A staged result (ARGV 18) or records kept by count (ARGV 11) with only the 5 common KEYS: an
+    error names it, and the session, log and inbox are as they were."""
+    entry = await _queued_step(scripts)
+    call = CommitCall(session_id="s1", worker_id="w1", epoch=1, step_id=0, entry_id=entry.entry_id, result=b"r",
+                      context_length=3, job_id="j0", reply_to="c", reply_ttl_ms=60000,
+                      keep_records=-1 if staged else 2)
+    keys, args, _ = scripts._commit_call(call)
+    if staged:
+        args[4], args[17] = "", "1"
+    redis, k = scripts.redis, scripts.keys
+
+    async def state() -> tuple[object, ...]:
+        return (await redis.hgetall(k.session("s1")), await redis.hgetall(k.log("s1")),
+                await redis.xrange(k.inbox("w1")), await redis.exists(k.reply("c")))
+
+    before = await state()
+    with pytest.raises(ResponseError, match="a staged result or records kept by count need KEYS 6-8"):
+        await redis.eval(lua_source("commit"), 5, *keys[:5], *args)
+    assert await state() == before and before[0][b"committed_step_id"] == b"-1" and before[3] == 0
 
 
 async def test_ack_result_marks_the_handled_field_named_here(scripts: Scripts) -> None:

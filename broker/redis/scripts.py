@@ -375,14 +375,19 @@ class Scripts:
         """commit.lua's KEYS and ARGV (in the order its header names them), and the staging SET of a
         large result to pipeline before it."""
         k = self.keys
-        stage = k.staged_result(c.session_id, c.step_id, c.worker_id, c.epoch)
-        before = stage_command(stage, c.result) if len(c.result) >= self.stage_bytes else None
-        inputs = ([k.input_blob(c.session_id, c.job_id), k.record_blob(c.session_id, c.step_id)]
-                  if c.input_staged else [])
+        keys = [k.session(c.session_id), k.log(c.session_id), k.inbox(c.worker_id), k.reply(c.reply_to),
+                k.reply_blob(c.reply_to, c.job_id)]
+        staged = len(c.result) >= self.stage_bytes
+        before = None
+        if staged or c.keep_records > 0 or c.input_staged:  # the keys only these calls touch (commit.lua)
+            stage = k.staged_result(c.session_id, c.step_id, c.worker_id, c.epoch)
+            before = stage_command(stage, c.result) if staged else None
+            keys += [stage, k.result_blob(c.session_id, c.step_id),
+                     k.record_blob(c.session_id, c.step_id - c.keep_records)]
+        if c.input_staged:
+            keys += [k.input_blob(c.session_id, c.job_id), k.record_blob(c.session_id, c.step_id)]
         return (
-            [k.session(c.session_id), k.log(c.session_id), k.inbox(c.worker_id), k.reply(c.reply_to), stage,
-             k.result_blob(c.session_id, c.step_id), k.reply_blob(c.reply_to, c.job_id),
-             k.record_blob(c.session_id, c.step_id - c.keep_records), *inputs],
+            keys,
             [c.worker_id, c.epoch, c.step_id, c.entry_id, b"" if before else c.result, c.context_length, c.job_id,
              c.reply_ttl_ms, INBOX_GROUP, c.record, c.keep_records, *c.reply_bounds.args(),
              "1" if c.deferred else "0", "" if c.version is None else c.version,

@@ -1,11 +1,15 @@
 -- Commit step k of a session: the exactly-once point. Fenced by owner and lease epoch.
 -- Uses: prelude.lua (now_text, now_from_id, fenced, add_reply, step_text, result_blob, reply_value,
 --       result_field, stored_result, memo_number)
--- KEYS: 1 session hash, 2 log hash, 3 inbox, 4 reply stream, 5 staged result (CellKeys.staged_result),
---       6 this step's result blob, 7 this job's reply blob (broker/redis/blobs.py), 8 the record blob
---       that falls out of the records kept (CellKeys.record_blob of step_id - ARGV 11; touched only
---       when ARGV 11 > 0), and for a job whose payload was staged (broker/redis/inputs.py) 9 its
---       input blob, 10 this step's record blob
+-- KEYS: 1 session hash, 2 log hash, 3 inbox, 4 reply stream, 5 this job's reply blob
+--       (broker/redis/blobs.py: a stored result that is a blob is copied there, also by a duplicate),
+--       and only when the call needs them (Scripts._commit_call): 6 staged result
+--       (CellKeys.staged_result), 7 this step's result blob (both for a staged result: ARGV 18 '1'),
+--       8 the record blob that falls out of the records kept (CellKeys.record_blob of
+--       step_id - ARGV 11; when ARGV 11 > 0), and for a job whose payload was staged
+--       (broker/redis/inputs.py) 9 its input blob, 10 this step's record blob. A call passes 5, 8 or
+--       10 KEYS: the common commit (an inline result, records kept all or none, an inline payload)
+--       passes 5, so its master interns no key it never touches.
 -- Derived key (docs/architecture.md, "Keys"): the result blob that falls out of the result window,
 --       result_blob(KEYS[2], committed + 1 - result_window), both read from the session hash, so
 --       the caller cannot name it; it is the log key's name plus a suffix, in its hash tag and slot.
@@ -17,9 +21,9 @@
 -- A session with max_staleness records the version its trajectory's first committed step ran on
 --       (first_version; a reset clears it) for the staleness check of enqueue.lua and the worker.
 --       17 the job's cancel count ('' = not checked: a re-publish), 18 '1': the result is staged in
---       KEYS[5] (ARGV 5 is then ''), otherwise ''
--- Staged (large) results: the commit RENAMEs KEYS[5] to KEYS[6] and stores a reference to it; every
---       other outcome DELetes KEYS[5]. Neither path, nor a re-publish, reads blob bytes into Lua.
+--       KEYS[6] (ARGV 5 is then ''), otherwise ''
+-- Staged (large) results: the commit RENAMEs KEYS[6] to KEYS[7] and stores a reference to it; every
+--       other outcome DELetes KEYS[6]. Neither path, nor a re-publish, reads blob bytes into Lua.
 -- Staged inputs: the commit RENAMEs KEYS[9] to KEYS[10] when the step record is kept (the record's
 --       payload then says so) and DELetes it otherwise, as does a duplicate (the step never runs
 --       again); a fenced, cancelled or out-of-order call leaves it to whoever ends the entry.
@@ -44,7 +48,7 @@
 --       committed, result: a large one as a reference)
 -- Returns {'committed'} | {'duplicate'} | {'duplicate_unstored', committed}
 --       | {'fenced', owner, epoch} | {'out_of_order', committed} | {'cancelled', committed}
---       | {'unstaged', committed} (ARGV 18 '1' and KEYS[5] missing: nothing changed, call again)
+--       | {'unstaged', committed} (ARGV 18 '1' and KEYS[6] missing: nothing changed, call again)
 -- Batch (prelude.lua run_batch; Scripts sends the commits of one event-loop turn so): each commit
 --       runs as above and answers in its place; the inbox entries they publish are acknowledged and
 --       deleted with one XACK and one XDEL per inbox at the end, each reply stream's length is read
@@ -91,9 +95,9 @@ local function commit_one(KEYS, ARGV)
   local log_key = KEYS[2]
   local inbox_key = KEYS[3]
   local reply_key = KEYS[4]
-  local staged_key = KEYS[5]
-  local result_blob_key = KEYS[6]
-  local reply_blob_key = KEYS[7]
+  local reply_blob_key = KEYS[5]
+  local staged_key = KEYS[6]  -- nil unless the result is staged or records are kept by count
+  local result_blob_key = KEYS[7]
   local evicted_record_key = KEYS[8]
   local input_key = KEYS[9]  -- nil unless the job's payload was staged
   local record_key = KEYS[10]
@@ -116,6 +120,9 @@ local function commit_one(KEYS, ARGV)
   local version = ARGV[16]
   local job_cancels = ARGV[17]
   local staged = ARGV[18] == '1'
+  if (staged or keep > 0) and not evicted_record_key then  -- before any write: the caller's bug, said so
+    return redis.error_reply('ERR commit.lua: a staged result or records kept by count need KEYS 6-8')
+  end
   local s = redis.call('HMGET', session_key, 'owner', 'epoch', 'committed_step_id', 'result_window', 'unconfirmed_step',
     'max_staleness', 'first_version', 'cancels', 'next_step_id', 'reset_pending', 'last_blob_step')
   if fenced(s[1], s[2], worker_id, job_epoch) then
