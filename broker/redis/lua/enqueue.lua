@@ -96,7 +96,8 @@ local function enqueue_step(session_key, inbox_key, log_key, announced_key, stag
   local id
   if retention == 'full' and priority == 'bulk' and cancels == '0' and min_version == '0' then
     -- The common step: its four default fields left out (the worker reads them as these defaults),
-    -- a smaller entry to write, keep and send.
+    -- a smaller entry to write, keep and send. Two literal XADDs rather than one whose arguments
+    -- are built in a table: a table per step costs the master more than the fields it saves.
     id = redis.call('XADD', inbox_key, '*',
       'kind', 'step', 'job_id', job_id, 'session_id', session_id, 'step_id', step_id,
       'contextual', contextual, 'epoch', s[2], 'gen', s[7], 'mode', s[9], 'model', s[10],
