@@ -306,7 +306,7 @@ async def test_a_commit_whose_staging_is_missing_changes_nothing_and_is_retried(
     await _session(scripts)
     keys = [k.session("s1"), k.log("s1"), k.inbox("w1"), k.reply("c"), k.reply_blob("c", "j0"),
             k.staged_result("s1", 0, "w1", 1), k.result_blob("s1", 0), k.record_blob("s1", 1)]
-    args = ["w1", 1, 0, "0-1", "", 1, "j0", 60000, INBOX_GROUP, "", -1, *ReplyBounds().args(), "0", "", "", "1"]
+    args = [0, "0-1", "j0", "", 1, "", 1, "", "1", "", "0", -1, 60000, *ReplyBounds().args(), INBOX_GROUP, "w1"]
     raw = await redis.eval(lua_source("commit"), len(keys), *keys, *args)
     assert raw == [b"unstaged", -1]
     assert await redis.hget(k.session("s1"), "committed_step_id") == b"-1" and await redis.xlen(k.reply("c")) == 0

@@ -126,7 +126,7 @@ async def test_an_enqueue_whose_staging_is_missing_changes_nothing(scripts: Scri
     await _session(scripts)
     keys = [k.session("s1"), k.inbox("w1"), k.log("s1"), k.announced, k.staged_input("s1", "t"),
             k.input_blob("s1", "j0")]
-    raw = await redis.eval(lua_source("enqueue"), len(keys), *keys, "w1", 0, "1", "j0", "c", "", "s1", 0, 0)
+    raw = await redis.eval(lua_source("enqueue"), len(keys), *keys, 0, "j0", "", "s1", "w1", 0, 0, "1", "c")
     assert raw == [b"unstaged", -1]
     with pytest.raises(RedisConnectionError):
         unless_unstaged(raw)

@@ -113,14 +113,14 @@ def test_a_commit_passes_the_keys_it_may_touch_and_no_more(scripts: Scripts) -> 
                                                                                   k.record_blob("s1", 4)]
     large = dataclasses.replace(call, result=b"x" * scripts.stage_bytes)
     keys, args, before = scripts._commit_call(large)
-    assert keys == [*common, *tail, k.record_blob("s1", 8)] and before is not None and args[17] == "1"
+    assert keys == [*common, *tail, k.record_blob("s1", 8)] and before is not None and args[8] == "1"
     assert scripts._commit_call(dataclasses.replace(call, input_staged=True))[0] == [
         *common, *tail, k.record_blob("s1", 8), k.input_blob("s1", "j7"), k.record_blob("s1", 7)]
 
 
 @pytest.mark.parametrize("staged", [True, False])
 async def test_a_commit_missing_keys_it_needs_is_refused_before_any_write(scripts: Scripts, staged: bool) -> None:
-    """A staged result (ARGV 18) or records kept by count (ARGV 11) with only the 5 common KEYS: an
+    """A staged result (ARGV 9) or records kept by count (ARGV 12) with only the 5 common KEYS: an
     error names it, and the session, log and inbox are as they were."""
     entry = await _queued_step(scripts)
     call = CommitCall(session_id="s1", worker_id="w1", epoch=1, step_id=0, entry_id=entry.entry_id, result=b"r",
@@ -128,7 +128,7 @@ async def test_a_commit_missing_keys_it_needs_is_refused_before_any_write(script
                       keep_records=-1 if staged else 2)
     keys, args, _ = scripts._commit_call(call)
     if staged:
-        args[4], args[17] = "", "1"
+        args[3], args[8] = "", "1"
     redis, k = scripts.redis, scripts.keys
 
     async def state() -> tuple[object, ...]:

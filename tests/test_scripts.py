@@ -21,7 +21,7 @@ from broker.redis.script_replies import (
     StaleOwner,
     Stored,
 )
-from broker.redis.scripts import CommitCall, Scripts, lua_source
+from broker.redis.scripts import BATCH_MARK, CommitCall, Scripts, _batch_layout, lua_source
 from schemas.errors import ErrorCode
 
 pytestmark = pytest.mark.asyncio
@@ -244,3 +244,54 @@ async def test_calls_of_one_turn_run_as_one_script_call_and_each_gets_its_own_re
     assert (await redis.xpending(keys.inbox("w1"), INBOX_GROUP))["pending"] == 0
     assert await redis.xlen(keys.inbox("w1")) == 1  # the fenced step's entry stays for its owner
     assert 0 < await redis.pttl(keys.reply("c")) <= 60000
+
+
+async def test_a_batch_sends_the_arguments_its_calls_share_once_and_each_call_runs_with_its_own(
+        scripts: Scripts) -> None:
+    """A run of calls of one shape sends its calls' equal trailing ARGV once (prelude.lua run_batch):
+    each call still runs with its own values, those that differ from the others' included, and a
+    call of another shape (a commit with more KEYS) runs as a call of its own."""
+    await _register(scripts, "w1", capacity=8)
+    sessions = ["s0", "s1", "s2"]
+    for sid in sessions:
+        assert await scripts.create(sid, "tokens", "m", lease_ms=5000, retention="full",
+                                    result_window=1) == Created("w1")
+    for name in ("enqueue", "commit"):
+        await scripts.redis.script_load(lua_source(name))
+    redis, keys = scripts.redis, scripts.keys
+    before = await _command_calls(scripts)
+    reply_to = {"s0": "c1", "s1": "c1", "s2": "c2"}  # the last ARGV: differs in one call, so nothing is shared
+    queued = await asyncio.gather(*(scripts.enqueue(sid, "w1", step_id=0, contextual=True, job_id=f"j-{sid}",
+                                                    reply_to=reply_to[sid], payload=sid.encode()) for sid in sessions))
+    assert all(isinstance(q, Queued) for q in queued), queued
+    assert (await _command_calls(scripts))["evalsha"] - before["evalsha"] == 1
+    entries = {fields[b"session_id"].decode(): fields for _, fields in await redis.xrange(keys.inbox("w1"))}
+    assert {sid: (e[b"reply_to"], e[b"payload"], e[b"job_id"]) for sid, e in entries.items()} == {
+        sid: (reply_to[sid].encode(), sid.encode(), f"j-{sid}".encode()) for sid in sessions}
+
+    keep = {"s0": -1, "s1": 0, "s2": 2}  # s0 and s1 differ in ARGV 12; s2's count needs KEYS 6-8
+
+    def commit(sid: str, entry: str) -> CommitCall:
+        return CommitCall(session_id=sid, worker_id="w1", epoch=1, step_id=0, entry_id=entry,
+                          result=b"r-" + sid.encode(), context_length=1, job_id=f"j-{sid}", reply_to=reply_to[sid],
+                          reply_ttl_ms=60000, record=b"rec-" + sid.encode(), keep_records=keep[sid])
+
+    calls = [commit(sid, q.entry_id) for sid, q in zip(sessions, queued, strict=True) if isinstance(q, Queued)]
+    pending = [("commit", *scripts._commit_call(c)[:2], asyncio.get_running_loop().create_future(), None)
+               for c in calls[:2]]
+    layout_keys, layout_args = _batch_layout(pending)
+    own = 12  # ARGV 12 (records kept) differs: 13-18 are shared
+    assert layout_args[:5] == [BATCH_MARK, 2, 5, own, 18 - own]
+    assert layout_args[5:11] == pending[0][2][own:] == pending[1][2][own:]
+    assert layout_args[11:] == [*pending[0][2][:own], *pending[1][2][:own]]
+    assert layout_keys == [*pending[0][1], *pending[1][1]]
+    for future in (p[3] for p in pending):
+        future.cancel()
+
+    before = await _command_calls(scripts)
+    replies = await asyncio.gather(*(scripts.commit(c) for c in calls))
+    assert replies == [Committed(), Committed(), Committed()]
+    assert (await _command_calls(scripts))["evalsha"] - before["evalsha"] == 2  # s0 and s1 as one call, s2 alone
+    assert [await redis.hget(keys.log(sid), "input:0") for sid in sessions] == [b"rec-s0", None, b"rec-s2"]
+    assert [fields[b"result"] for _, fields in await redis.xrange(keys.reply("c1"))] == [b"r-s0", b"r-s1"]
+    assert [fields[b"result"] for _, fields in await redis.xrange(keys.reply("c2"))] == [b"r-s2"]

@@ -79,24 +79,36 @@ _Pending = tuple[str, list[str], list[Any], "asyncio.Future[Any]", list[Any] | N
 
 
 def _runs(batch: list[_Pending]) -> list[list[_Pending]]:
-    """The batch cut into runs: consecutive calls of one script in ``BATCHED`` share a run; every
-    other call is a run of its own. Calls keep their order."""
+    """The batch cut into runs: consecutive calls of one script in ``BATCHED`` with as many KEYS and
+    as many ARGV share a run; every other call is a run of its own. Calls keep their order."""
     runs: list[list[_Pending]] = []
     for pending in batch:
-        if runs and pending[0] in BATCHED and runs[-1][0][0] == pending[0]:
+        if runs and pending[0] in BATCHED and _same_shape(runs[-1][0], pending):
             runs[-1].append(pending)
         else:
             runs.append([pending])
     return runs
 
 
+def _same_shape(first: _Pending, pending: _Pending) -> bool:
+    return first[0] == pending[0] and len(first[1]) == len(pending[1]) and len(first[2]) == len(pending[2])
+
+
 def _batch_layout(run: list[_Pending]) -> tuple[list[str], list[Any]]:
-    """KEYS and ARGV of one batch call (prelude.lua run_batch)."""
+    """KEYS and ARGV of one batch call (prelude.lua run_batch): the calls' shape once, the longest
+    run of trailing ARGV equal in every call once, then each call's own ARGV. A position's values
+    come from one line of one caller, so they have one type (no 1 beside 1.0, which encode apart)."""
+    columns = list(zip(*(call_args for _, _, call_args, _, _ in run), strict=True))
+    count, nargs = len(run), len(columns)
+    shared = 0
+    while shared < nargs and columns[nargs - 1 - shared].count(columns[nargs - 1 - shared][0]) == count:
+        shared += 1
+    own = nargs - shared
     keys: list[str] = []
-    args: list[Any] = [BATCH_MARK, len(run)]
+    args: list[Any] = [BATCH_MARK, count, len(run[0][1]), own, shared, *run[0][2][own:]]
     for _, call_keys, call_args, _, _ in run:
         keys += call_keys
-        args += [len(call_keys), len(call_args), *call_args]
+        args += call_args[:own]
     return keys, args
 
 
@@ -309,8 +321,8 @@ class Scripts:
         if stages(payload, self.stage_bytes):  # broker/redis/inputs.py
             staging, before = enqueue_staging(k, session_id, job_id, payload)
             keys, payload = keys + staging, b""
-        raw = await self._call("enqueue", keys, [owner, step_id, "1" if contextual else "0", job_id, reply_to,
-                                                 payload, session_id, attempt, min_version], before)
+        raw = await self._call("enqueue", keys, [step_id, job_id, payload, session_id, owner, attempt, min_version,
+                                                 "1" if contextual else "0", reply_to], before)
         return await stored_resolved(self.redis, decode_enqueue(unless_unstaged(raw)),
                                      session_key=k.session(session_id), step_id=step_id)
 
@@ -388,10 +400,10 @@ class Scripts:
             keys += [k.input_blob(c.session_id, c.job_id), k.record_blob(c.session_id, c.step_id)]
         return (
             keys,
-            [c.worker_id, c.epoch, c.step_id, c.entry_id, b"" if before else c.result, c.context_length, c.job_id,
-             c.reply_ttl_ms, INBOX_GROUP, c.record, c.keep_records, *c.reply_bounds.args(),
-             "1" if c.deferred else "0", "" if c.version is None else c.version,
-             "" if c.cancels is None else c.cancels, "1" if before else ""],
+            [c.step_id, c.entry_id, c.job_id, b"" if before else c.result, c.context_length, c.record, c.epoch,
+             "" if c.cancels is None else c.cancels, "1" if before else "", "" if c.version is None else c.version,
+             "1" if c.deferred else "0", c.keep_records, c.reply_ttl_ms, *c.reply_bounds.args(), INBOX_GROUP,
+             c.worker_id],
             before,
         )
 

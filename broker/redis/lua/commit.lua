@@ -4,24 +4,26 @@
 -- KEYS: 1 session hash, 2 log hash, 3 inbox, 4 reply stream, 5 this job's reply blob
 --       (broker/redis/blobs.py: a stored result that is a blob is copied there, also by a duplicate),
 --       and only when the call needs them (Scripts._commit_call): 6 staged result
---       (CellKeys.staged_result), 7 this step's result blob (both for a staged result: ARGV 18 '1'),
+--       (CellKeys.staged_result), 7 this step's result blob (both for a staged result: ARGV 9 '1'),
 --       8 the record blob that falls out of the records kept (CellKeys.record_blob of
---       step_id - ARGV 11; when ARGV 11 > 0), and for a job whose payload was staged
+--       step_id - ARGV 12; when ARGV 12 > 0), and for a job whose payload was staged
 --       (broker/redis/inputs.py) 9 its input blob, 10 this step's record blob. A call passes 5, 8 or
 --       10 KEYS: the common commit (an inline result, records kept all or none, an inline payload)
 --       passes 5, so its master interns no key it never touches.
 -- Derived key (docs/architecture.md, "Keys"): the result blob that falls out of the result window,
 --       result_blob(KEYS[2], committed + 1 - result_window), both read from the session hash, so
 --       the caller cannot name it; it is the log key's name plus a suffix, in its hash tag and slot.
--- ARGV: 1 worker id, 2 job epoch, 3 step_id, 4 inbox entry id, 5 result, 6 context_length,
---       7 job_id, 8 reply ttl ms, 9 inbox group, 10 step record for context rebuild ('' = none),
---       11 records kept (-1 = all, N = the last N), 12-14 reply stream bounds (bytes, large result
---       bytes, large result ttl ms: ReplyBounds), 15 deferred ('1': durability=replicated, see below),
---       16 the policy version the step ran on ('' = not given)
+-- ARGV: 1 step_id, 2 inbox entry id, 3 job_id, 4 result, 5 context_length, 6 step record for
+--       context rebuild ('' = none), 7 job epoch, 8 the job's cancel count ('' = not checked: a
+--       re-publish), 9 '1': the result is staged in KEYS[6] (ARGV 4 is then ''), otherwise '',
+--       10 the policy version the step ran on ('' = not given), 11 deferred ('1':
+--       durability=replicated, see below), 12 records kept (-1 = all, N = the last N), 13 reply ttl
+--       ms, 14-16 reply stream bounds (bytes, large result bytes, large result ttl ms: ReplyBounds),
+--       17 inbox group, 18 worker id: those that vary from step to step first, those that repeat
+--       through a worker's batch last (prelude.lua run_batch sends the trailing ones a batch's
+--       calls share once)
 -- A session with max_staleness records the version its trajectory's first committed step ran on
 --       (first_version; a reset clears it) for the staleness check of enqueue.lua and the worker.
---       17 the job's cancel count ('' = not checked: a re-publish), 18 '1': the result is staged in
---       KEYS[6] (ARGV 5 is then ''), otherwise ''
 -- Staged (large) results: the commit RENAMEs KEYS[6] to KEYS[7] and stores a reference to it; every
 --       other outcome DELetes KEYS[6]. Neither path, nor a re-publish, reads blob bytes into Lua.
 -- Staged inputs: the commit RENAMEs KEYS[9] to KEYS[10] when the step record is kept (the record's
@@ -44,11 +46,11 @@
 --       updated_ms, unconfirmed_step (deferred: the lowest step committed and not yet confirmed; any
 --       publish clears it); log result@<slot> (the result window as a ring, prelude.lua
 --       result_field: the step's result overwrites the one that falls out; a large one as a
---       reference to its blob) and input:<step> (per ARGV 11); adds a reply entry (kind, job_id,
+--       reference to its blob) and input:<step> (per ARGV 12); adds a reply entry (kind, job_id,
 --       committed, result: a large one as a reference)
 -- Returns {'committed'} | {'duplicate'} | {'duplicate_unstored', committed}
 --       | {'fenced', owner, epoch} | {'out_of_order', committed} | {'cancelled', committed}
---       | {'unstaged', committed} (ARGV 18 '1' and KEYS[6] missing: nothing changed, call again)
+--       | {'unstaged', committed} (ARGV 9 '1' and KEYS[6] missing: nothing changed, call again)
 -- Batch (prelude.lua run_batch; Scripts sends the commits of one event-loop turn so): each commit
 --       runs as above and answers in its place; the inbox entries they publish are acknowledged and
 --       deleted with one XACK and one XDEL per inbox at the end, each reply stream's length is read
@@ -101,25 +103,25 @@ local function commit_one(KEYS, ARGV)
   local evicted_record_key = KEYS[8]
   local input_key = KEYS[9]  -- nil unless the job's payload was staged
   local record_key = KEYS[10]
-  local worker_id = ARGV[1]
-  local job_epoch = ARGV[2]
-  local step_id = ARGV[3]  -- the step as decimal text, written back as it is
+  local step_id = ARGV[1]  -- the step as decimal text, written back as it is
   local step = tonumber(step_id)
-  local entry_id = ARGV[4]
-  local result_arg = ARGV[5]
-  local context_length = ARGV[6]
-  local job_id = ARGV[7]
-  local reply_ttl_ms = ARGV[8]
-  local inbox_group = ARGV[9]
-  local record = ARGV[10]
-  local keep = memo_number(ARGV[11])
-  local stream_bytes = ARGV[12]
-  local large_bytes = ARGV[13]
-  local large_ttl_ms = ARGV[14]
-  local deferred = ARGV[15] == '1'
-  local version = ARGV[16]
-  local job_cancels = ARGV[17]
-  local staged = ARGV[18] == '1'
+  local entry_id = ARGV[2]
+  local job_id = ARGV[3]
+  local result_arg = ARGV[4]
+  local context_length = ARGV[5]
+  local record = ARGV[6]
+  local job_epoch = ARGV[7]
+  local job_cancels = ARGV[8]
+  local staged = ARGV[9] == '1'
+  local version = ARGV[10]
+  local deferred = ARGV[11] == '1'
+  local keep = memo_number(ARGV[12])
+  local reply_ttl_ms = ARGV[13]
+  local stream_bytes = ARGV[14]
+  local large_bytes = ARGV[15]
+  local large_ttl_ms = ARGV[16]
+  local inbox_group = ARGV[17]
+  local worker_id = ARGV[18]
   if (staged or keep > 0) and not evicted_record_key then  -- before any write: the caller's bug, said so
     return redis.error_reply('ERR commit.lua: a staged result or records kept by count need KEYS 6-8')
   end

@@ -5,8 +5,10 @@
 -- KEYS: 1 session hash, 2 inbox of the owner the client believes in, 3 log hash, 4 announced hash
 --       (model -> highest announced policy version), and for a large payload (broker/redis/inputs.py)
 --       5 where the client staged it (CellKeys.staged_input), 6 the job's input blob (CellKeys.input_blob)
--- ARGV: 1 believed owner, 2 step_id, 3 contextual ('1'|'0'), 4 job_id, 5 reply_to, 6 payload ('' when
---       staged), 7 session_id, 8 attempt, 9 minimum policy version
+-- ARGV: 1 step_id, 2 job_id, 3 payload ('' when staged), 4 session_id, 5 believed owner, 6 attempt,
+--       7 minimum policy version, 8 contextual ('1'|'0'), 9 reply_to: those that vary from step to
+--       step first, those that repeat through a client's batch last (prelude.lua run_batch sends
+--       the trailing ones a batch's calls share once)
 -- Staged (large) payloads: a queued step RENAMEs KEYS[5] to KEYS[6] (no TTL: the blob lives as long
 --       as the entry; whoever ends the entry deletes it) and its entry's payload is BLOB_MARK alone;
 --       every other reply DELetes KEYS[5]. The bytes never enter Lua.
@@ -119,15 +121,15 @@ local function enqueue_one(KEYS, ARGV)
   local announced_key = KEYS[4]
   local staged_input_key = KEYS[5]
   local input_blob_key = KEYS[6]
-  local believed_owner = ARGV[1]
-  local step_id = ARGV[2]  -- the id exactly as the client sent it (decimal text), written back as is
-  local contextual = ARGV[3]
-  local job_id = ARGV[4]
-  local reply_to = ARGV[5]
-  local inline_payload = ARGV[6]
-  local session_id = ARGV[7]
-  local attempt = ARGV[8]
-  local min_version = ARGV[9]
+  local step_id = ARGV[1]  -- the id exactly as the client sent it (decimal text), written back as is
+  local job_id = ARGV[2]
+  local inline_payload = ARGV[3]
+  local session_id = ARGV[4]
+  local believed_owner = ARGV[5]
+  local attempt = ARGV[6]
+  local min_version = ARGV[7]
+  local contextual = ARGV[8]
+  local reply_to = ARGV[9]
   local staged = #KEYS >= 6
   if staged and redis.call('EXISTS', staged_input_key) == 0 then
     return {'unstaged', -1}

@@ -46,11 +46,17 @@ local function memo_number(text)
   return n
 end
 
--- A batch call (commit.lua, enqueue.lua): ARGV is BATCH_MARK, the number of calls, then per call
--- its number of KEYS, its number of ARGV and those ARGV; KEYS are the calls' KEYS one after the
--- other. `one(keys, argv)` runs one call as the script runs it alone; a call that raises answers
--- its error in its place, and the calls after it still run. The reply is the list of the calls'
--- replies. Calls in one batch touch one cell (one hash tag), as one call does.
+-- A batch call (commit.lua, enqueue.lua): its calls have one shape (as many KEYS and as many
+-- ARGV each), and what is the same in all of them is sent once. ARGV is BATCH_MARK, the number of
+-- calls, each call's number of KEYS, its number of ARGV of its own, the number S of ARGV the calls
+-- share, those S, then per call its own ARGV; KEYS are the calls' KEYS one after the other. A call's
+-- ARGV are its own followed by the shared ones: a script orders its ARGV so that those that vary
+-- from step to step come first and those that repeat through a batch (a worker's id, the reply
+-- bounds) last, and broker/redis/scripts.py sends the longest run of equal trailing ARGV once.
+-- Each shared text then enters the master once per batch instead of once per call.
+-- `one(keys, argv)` runs one call as the script runs it alone; a call that raises answers its error
+-- in its place, and the calls after it still run. The reply is the list of the calls' replies.
+-- Calls in one batch touch one cell (one hash tag), as one call does.
 -- `batch_state`: what a batch's calls share (commit.lua: the entries to acknowledge per inbox,
 -- the reply streams' lengths and TTLs); nil outside a batch.
 local BATCH_MARK, BATCH_MARK_AT, BATCH_COUNT_AT = '\0batch', 1, 2
@@ -60,12 +66,19 @@ local function is_batch()
 end
 local function run_batch(one)
   local replies = {}
-  local key_at, arg_at = 1, BATCH_COUNT_AT + 1
-  for nth = 1, tonumber(ARGV[BATCH_COUNT_AT]) do
-    local nkeys, nargs = memo_number(ARGV[arg_at]), memo_number(ARGV[arg_at + 1])
+  local count, nkeys = memo_number(ARGV[BATCH_COUNT_AT]), memo_number(ARGV[BATCH_COUNT_AT + 1])
+  local nown, nshared = memo_number(ARGV[BATCH_COUNT_AT + 2]), memo_number(ARGV[BATCH_COUNT_AT + 3])
+  local shared_at = BATCH_COUNT_AT + 4
+  local shared = {}  -- a call's ARGV past its own, by position: every call reads them through __index
+  for j = 1, nshared do
+    shared[nown + j] = ARGV[shared_at + j - 1]
+  end
+  local with_shared = {__index = shared}
+  local key_at, arg_at = 1, shared_at + nshared
+  for nth = 1, count do
     local call_keys = {unpack(KEYS, key_at, key_at + nkeys - 1)}
-    local call_args = {unpack(ARGV, arg_at + 2, arg_at + 1 + nargs)}
-    key_at, arg_at = key_at + nkeys, arg_at + 2 + nargs
+    local call_args = setmetatable({unpack(ARGV, arg_at, arg_at + nown - 1)}, with_shared)
+    key_at, arg_at = key_at + nkeys, arg_at + nown
     local ok, reply = pcall(one, call_keys, call_args)
     if ok or (type(reply) == 'table' and reply.err) then
       replies[nth] = reply
