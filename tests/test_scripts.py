@@ -295,3 +295,24 @@ async def test_a_batch_sends_the_arguments_its_calls_share_once_and_each_call_ru
     assert [await redis.hget(keys.log(sid), "input:0") for sid in sessions] == [b"rec-s0", None, b"rec-s2"]
     assert [fields[b"result"] for _, fields in await redis.xrange(keys.reply("c1"))] == [b"r-s0", b"r-s1"]
     assert [fields[b"result"] for _, fields in await redis.xrange(keys.reply("c2"))] == [b"r-s2"]
+
+
+async def test_a_batch_of_calls_equal_in_every_argument_runs_each_call(scripts: Scripts) -> None:
+    """A commit sent twice in one turn (every ARGV shared, none of a call's own): the first commits,
+    the second answers as the duplicate it is and publishes the stored result again."""
+    _, entry = await _session_with_job(scripts)
+    call = CommitCall(session_id="s1", worker_id="w1", epoch=1, step_id=0, entry_id=entry, result=b"r",
+                      context_length=3, job_id="j0", reply_to="c", reply_ttl_ms=60000)
+    keys, args, _ = scripts._commit_call(call)
+    pending = [("commit", keys, args, asyncio.get_running_loop().create_future(), None) for _ in range(2)]
+    layout_keys, layout_args = _batch_layout(pending)
+    assert layout_args == [BATCH_MARK, 2, 5, 0, 18, *args] and layout_keys == keys + keys
+    for future in (p[3] for p in pending):
+        future.cancel()
+    await scripts.redis.script_load(lua_source("commit"))
+    before = await _command_calls(scripts)
+    assert await asyncio.gather(scripts.commit(call), scripts.commit(call)) == [Committed(), Duplicate()]
+    assert (await _command_calls(scripts))["evalsha"] - before["evalsha"] == 1
+    redis, k = scripts.redis, scripts.keys
+    assert [fields[b"result"] for _, fields in await redis.xrange(k.reply("c"))] == [b"r", b"r"]
+    assert await redis.hget(k.session("s1"), "committed_step_id") == b"0"
