@@ -7,12 +7,24 @@ import dataclasses
 
 import numpy as np
 import pytest
+from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from broker import FleetClient
 from broker.client.consumer import Delivery, ResultConsumer
 from broker.client.replies import ReplyReader
-from broker.redis.blobs import BLOB_MARK, STAGE_BYTES, blob_key, unless_unstaged
+from broker.redis.blobs import (
+    BLOB_MARK,
+    IN_PLACE_MARK,
+    IN_PLACE_READER_TTL_MS,
+    STAGE_BYTES,
+    blob_key,
+    in_place_keys,
+    in_place_marker,
+    in_place_reader,
+    read_reply_blobs,
+    unless_unstaged,
+)
 from broker.redis.durability import ReplicaWait
 from broker.redis.keys import INBOX_GROUP
 from broker.redis.layouts import ReplyBounds, ReplyEntry, log_result_field
@@ -224,8 +236,9 @@ async def test_a_stateless_latent_step_round_trip(fleet: FleetClient, workers: W
     r = await s.step(0, use_session_context=False, **world_step(0))
     assert r.ok, r.error
     assert r.output["video_latent"].shape == LATENT and r.committed_step_id == -1
-    keys = fleet.keys_of(s.session_id)
-    assert [key async for key in fleet.redis.scan_iter(match=keys.reply(fleet.client_id) + ":*")] == []
+    stream = fleet.keys_of(s.session_id).reply(fleet.client_id)
+    left = [key async for key in fleet.redis.scan_iter(match=stream + ":*")]
+    assert left == [in_place_reader(stream).encode()]  # the running reader's own key, no blob
 
 
 async def test_a_consumer_group_reads_a_latent_and_its_ack_frees_the_blob(
@@ -348,3 +361,130 @@ async def test_the_reply_reader_resolves_every_blob_of_one_read(scripts: Scripts
         await reader.stop()
     assert got == {**results, **blobs}
     assert await redis.exists(*(f"{stream}:blob:{job}" for job in blobs)) == 0
+
+
+async def _in_place_commit(scripts: Scripts, step: int, *, bounds: ReplyBounds | None = None) -> bytes:
+    """Commit ``step`` to the reply stream "c", whose reader reads in place; its reply's reference."""
+    await scripts.redis.set(in_place_reader(scripts.keys.reply("c")), b"1", px=60_000)
+    call = CommitCall(session_id="s1", worker_id="w1", epoch=1, step_id=step, entry_id="0-1", result=big(step),
+                      context_length=step + 1, job_id=f"j{step}", reply_to="c", reply_ttl_ms=60000)
+    if bounds is not None:
+        call = dataclasses.replace(call, reply_bounds=bounds)
+    assert await scripts.commit(call) == Committed()
+    return await _last_reply(scripts)
+
+
+async def test_an_in_place_reply_refers_to_the_log_blob_and_its_read_marks_it_read(scripts: Scripts) -> None:
+    """A reply stream whose reader reads in place: the reply refers to the log's blob (no copy), and
+    the read takes the bytes, deletes the marker and leaves the blob to the log, which deletes it
+    when its window moves on. Without the reader's key the same commit copies."""
+    redis, k = scripts.redis, scripts.keys
+    await _session(scripts, window=2)
+    copies = await _command_calls(redis, "copy")
+    ref = await _in_place_commit(scripts, 0)
+    blob, reply_blob = k.result_blob("s1", 0), k.reply_blob("c", "j0")
+    assert ref == IN_PLACE_MARK + blob.encode() + b"\x00" + reply_blob.encode()
+    assert blob_key(ref) == blob and in_place_keys(ref) == (blob, reply_blob)
+    assert await _command_calls(redis, "copy") == copies and not await redis.exists(reply_blob)
+    assert await redis.get(in_place_marker(blob)) == reply_blob.encode()
+    assert 0 < await redis.pttl(in_place_marker(blob)) <= 60_000  # the reply's TTL
+    assert await read_reply_blobs(redis, [ref]) == [big(0)]
+    assert not await redis.exists(in_place_marker(blob)) and await redis.get(blob) == big(0)  # still the log's
+    stored = await scripts.enqueue("s1", "w1", step_id=0, contextual=True, job_id="r", reply_to="c", payload=b"p")
+    assert stored == Stored(big(0), 0)  # a re-send reads it from the log as before
+    for step in (1, 2):  # step 0 falls out of the window of 2: its blob goes, no reply blob appears
+        await read_reply_blobs(redis, [await _in_place_commit(scripts, step)])
+    assert await _blob_keys(scripts) == {k.result_blob("s1", 1).encode(), k.result_blob("s1", 2).encode()}
+    assert [key async for key in redis.scan_iter(match=k.reply("c") + ":blob:*")] == []
+
+    await redis.delete(in_place_reader(k.reply("c")))  # its reader left (or is of an earlier release)
+    assert await _commit(scripts, 3) == Committed()
+    assert await _last_reply(scripts) == BLOB_MARK + k.reply_blob("c", "j3").encode()
+    assert await _command_calls(redis, "copy") == copies + 1
+    assert await read_reply_blobs(redis, [await _last_reply(scripts)]) == [big(3)]
+    assert not await redis.exists(k.reply_blob("c", "j3"))
+
+
+async def test_the_reply_reader_says_it_reads_in_place_while_it_runs(scripts: Scripts) -> None:
+    redis, stream = scripts.redis, scripts.keys.reply("reader-key")
+    reader = ReplyReader(redis, stream, block_ms=100)
+    reader.start()
+    try:
+        async def standing() -> bool:
+            return bool(await redis.exists(in_place_reader(stream)))
+
+        await until(standing, "the reader never said it reads in place", bound_s=10)
+        assert 0 < await redis.pttl(in_place_reader(stream)) <= IN_PLACE_READER_TTL_MS
+    finally:
+        await reader.stop()
+    assert not await redis.exists(in_place_reader(stream))
+
+
+async def test_an_unread_in_place_result_leaving_the_log_goes_to_its_reader(scripts: Scripts) -> None:
+    """Window eviction, a reset and a close of a result whose in-place reply nobody has read yet:
+    the blob is renamed to the reader's reply blob (with the reply's TTL), and the read finds it there
+    and deletes it. Nothing is lost and nothing stays behind."""
+    redis, k = scripts.redis, scripts.keys
+    await _session(scripts, window=2)
+    refs = [await _in_place_commit(scripts, step) for step in range(3)]  # none read; step 0 left the window
+    assert not await redis.exists(k.result_blob("s1", 0), in_place_marker(k.result_blob("s1", 0)))
+    assert await redis.get(k.reply_blob("c", "j0")) == big(0)
+    assert 0 < await redis.pttl(k.reply_blob("c", "j0")) <= 60_000
+    assert await read_reply_blobs(redis, refs[:1]) == [big(0)]
+    assert not await redis.exists(k.reply_blob("c", "j0"))
+
+    queued = await scripts.control("s1", "w1", kind="reset", job_id="reset", reply_to="c")
+    assert isinstance(queued, Queued)
+    await redis.xreadgroup(INBOX_GROUP, "w1", {k.inbox("w1"): ">"})
+    applied = await scripts.apply_control(
+        session_id="s1", worker_id="w1", epoch=1, entry_id=queued.entry_id, job_id="reset", kind="reset",
+        mode="tokens", model="m", reply_to="c", grace_ms=30_000, reply_ttl_ms=1000)
+    assert isinstance(applied, Applied)
+    assert await read_reply_blobs(redis, refs[1:]) == [big(1), big(2)]  # handed over by the reset
+    assert await _blob_keys(scripts) == set()
+    assert [key async for key in redis.scan_iter(match=k.reply("c") + ":blob:*")] == []
+
+    ref = await _in_place_commit(scripts, 0)  # the new trajectory's first step, unread at the close
+    queued = await scripts.control("s1", "w1", kind="close", job_id="close", reply_to="c")
+    assert isinstance(queued, Queued)
+    await redis.xreadgroup(INBOX_GROUP, "w1", {k.inbox("w1"): ">"})
+    applied = await scripts.apply_control(
+        session_id="s1", worker_id="w1", epoch=1, entry_id=queued.entry_id, job_id="close", kind="close",
+        mode="tokens", model="m", reply_to="c", grace_ms=30_000, reply_ttl_ms=1000)
+    assert isinstance(applied, Applied)
+    assert await read_reply_blobs(redis, [ref]) == [big(0)]
+    assert [key async for key in redis.scan_iter(match=k.reply("c") + ":blob:*")] == []
+
+
+async def test_the_reply_stream_budget_drops_the_readers_share_of_an_in_place_result(scripts: Scripts) -> None:
+    """Entries past the stream's byte budget: an in-place entry loses its marker (and a blob handed
+    over to it), while the log keeps its own blobs for re-sends."""
+    redis, k = scripts.redis, scripts.keys
+    await _session(scripts, window=8)
+    bounds = ReplyBounds(stream_bytes=3 * (len(big(9)) + 128))  # about 3 latents
+    for step in range(8):
+        await _in_place_commit(scripts, step, bounds=bounds)
+    markers = sorted([key async for key in redis.scan_iter(match=k.log("s1") + ":blob:*:reader")])
+    assert markers == sorted(in_place_marker(k.result_blob("s1", step)).encode() for step in range(5, 8))
+    assert len([key async for key in redis.scan_iter(match=k.log("s1") + ":blob:*")]) == 8 + 3
+
+
+async def test_a_latent_step_through_the_client_makes_no_copy_of_its_result(fleet: FleetClient,
+                                                                         workers: WorkerPool) -> None:
+    await workers.add(NullEngine(NullEngineConfig(latent_shape=LATENT)))
+    s = await fleet.create_session(model="null-world", mode="world_model_env", result_window=2)
+    copies = await _command_calls(fleet.redis, "copy")
+    results = [await s.step(step, **world_step(step)) for step in range(4)]
+    assert all(r.ok for r in results), [r.error for r in results]
+    assert await _command_calls(fleet.redis, "copy") == copies
+    keys = fleet.keys_of(s.session_id)
+    assert [key async for key in fleet.redis.scan_iter(match=keys.log(s.session_id) + ":blob:*:reader")] == []
+    assert [key async for key in fleet.redis.scan_iter(match=keys.reply(fleet.client_id) + ":blob:*")] == []
+    again = await s.step(3, **world_step(3))
+    assert again.ok and again.duplicate and np.array_equal(again.output["video_latent"],
+                                                           results[3].output["video_latent"])
+
+
+async def _command_calls(redis: Redis, name: str) -> int:
+    stats = await redis.info("commandstats")
+    return int(stats.get(f"cmdstat_{name}", {}).get("calls", 0))

@@ -32,14 +32,15 @@ KEY_ARGS: dict[str, int | None] = {
     "TIME": 0,
     "DEL": None, "EXISTS": None, "UNLINK": None,
     "RENAME": 2, "COPY": 2,
-    "GET": 1, "SET": 1, "STRLEN": 1, "PEXPIRE": 1, "PERSIST": 1,
+    "GET": 1, "SET": 1, "STRLEN": 1, "PEXPIRE": 1, "PTTL": 1, "PERSIST": 1,
     "HGET": 1, "HSET": 1, "HMGET": 1, "HDEL": 1, "HINCRBY": 1, "HSETNX": 1, "HKEYS": 1, "HGETALL": 1,
     "SADD": 1,
     "ZADD": 1, "ZREM": 1, "ZSCORE": 1, "ZMSCORE": 1, "ZINCRBY": 1, "ZRANGE": 1, "ZCARD": 1,
     "XADD": 1, "XACK": 1, "XDEL": 1, "XRANGE": 1, "XLEN": 1,
 }
 SUBCOMMAND_KEY_ARGS = {("XGROUP", "CREATE"): 1}  # XGROUP CREATE <key> ...
-KEY_HELPERS = ("log_step_key", "result_blob", "record_blob", "input_blob", "log_blobs")  # prelude.lua
+KEY_HELPERS = ("log_step_key", "result_blob", "record_blob", "input_blob", "log_blobs",  # prelude.lua
+               "in_place_marker", "in_place_reader")
 
 _LOCAL = re.compile(r"^local\s+([A-Za-z_][\w\s,]*?)\s*=\s*(.+)$")
 _ASSIGN = re.compile(r"^([A-Za-z_][\w\s,]*?)\s*=\s*(?!=)(.+)$")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 from typing import Any
@@ -10,7 +11,7 @@ from typing import Any
 from redis.asyncio import Redis
 
 from broker.redis.backoff import REDIS_ERRORS, Backoff, cancel_and_wait
-from broker.redis.blobs import blob_key, read_blobs
+from broker.redis.blobs import IN_PLACE_READER_TTL_MS, blob_key, in_place_reader, read_reply_blobs
 from broker.redis.connect import cluster_client_errors
 from broker.redis.layouts import ReplyEntry
 
@@ -28,6 +29,10 @@ class ReplyReader:
     yet and what it read in the last moment. One reader reads a stream, in the order of its ids,
     so nothing below the last id read is unread. Unknown job ids (a re-published duplicate, a caller
     that gave up) are dropped.
+
+    While it runs it keeps ``in_place_reader(stream)`` standing (renewed every third of its TTL,
+    deleted on stop): commits then reply with large results in place, with no copy
+    (broker/redis/blobs.py), which ``_resolved`` reads.
     """
 
     def __init__(self, redis: Redis, stream: str, *, block_ms: int = 1000, batch: int = 512,
@@ -45,6 +50,7 @@ class ReplyReader:
         self._deletes: set[asyncio.Task[None]] = set()
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._in_place_due = float("-inf")  # the loop clock at which in_place_reader is renewed
 
     def expect(self, job_id: str) -> asyncio.Future[ReplyEntry]:
         # The reader task's loop (the one that resolves the future), not a lookup per step.
@@ -78,6 +84,10 @@ class ReplyReader:
         for task in list(self._deletes):
             task.cancel()
         await asyncio.gather(*self._deletes, return_exceptions=True)
+        if self._in_place_due != float("-inf"):  # no more reads here: later commits copy again
+            with contextlib.suppress(Exception):  # a key left behind expires with its TTL
+                async with asyncio.timeout(DELETE_WAIT_S):
+                    await self.redis.delete(in_place_reader(self.stream))
         for fut in self._waiters.values():
             if not fut.done():
                 fut.cancel()
@@ -87,6 +97,7 @@ class ReplyReader:
         backoff = Backoff()
         while not self._stopping:
             try:
+                await self._renew_in_place()
                 entries: Any = await self.redis.xread({self.stream: self._last_id}, count=self.batch,
                                                  block=self.block_ms)
                 backoff.reset()
@@ -101,6 +112,16 @@ class ReplyReader:
                 self._trim(force=False)
             else:  # nothing new for a whole block: what was read leaves now
                 self._trim(force=True)
+
+    async def _renew_in_place(self) -> None:
+        """Say (again, when due) that this reader reads large results in place. A renewal that fails
+        is retried with the read; the key outlasts it by two thirds of its TTL, and a commit that
+        finds it gone copies the result instead, which this reader reads as well."""
+        now = asyncio.get_running_loop().time()
+        if now < self._in_place_due:
+            return
+        await self.redis.set(in_place_reader(self.stream), b"1", px=IN_PLACE_READER_TTL_MS)
+        self._in_place_due = now + IN_PLACE_READER_TTL_MS / 3000
 
     async def _dispatch(self, items: list[tuple[bytes, dict[bytes, bytes]]]) -> None:
         for reply in await self._resolved([ReplyEntry.from_fields(fields) for _, fields in items]):
@@ -124,24 +145,25 @@ class ReplyReader:
         task.add_done_callback(self._deletes.discard)
 
     async def _resolved(self, replies: list[ReplyEntry]) -> list[ReplyEntry]:
-        """The entries with their result blobs read (broker/redis/blobs.py) and deleted: this reader
-        is each blob's one reader, as it is the entry's. The blobs of one read leave as one pipeline
+        """The entries with their result blobs read (broker/redis/blobs.py read_reply_blobs): a reply
+        blob deleted (this reader is each one's one reader, as it is the entry's), an in-place one
+        read where the log keeps it and marked read. The blobs of one read leave as one pipeline
         (one round trip, not one per entry: each would delay the replies behind it). A blob that is
         gone, or Redis unreachable for that read, leaves the reference, which decodes as
         step_already_committed."""
-        wanted = [(i, key) for i, reply in enumerate(replies) if (key := blob_key(reply.result)) is not None]
+        wanted = [(i, reply.result) for i, reply in enumerate(replies) if blob_key(reply.result) is not None]
         if not wanted:
             return replies
         failures = REDIS_ERRORS + cluster_client_errors(self.redis)
         try:
-            values = await read_blobs(self.redis, [key for _, key in wanted], delete=True)
+            values = await read_reply_blobs(self.redis, [ref for _, ref in wanted])
         except failures as exc:
             log.warning("result blobs of %d replies unreadable: %s", len(wanted), exc)
             return replies
         out = list(replies)
-        for (i, key), data in zip(wanted, values, strict=True):
+        for (i, ref), data in zip(wanted, values, strict=True):
             if isinstance(data, Exception):
-                log.warning("result blob %s of job %s unreadable: %s", key, replies[i].job_id, data)
+                log.warning("result blob %s of job %s unreadable: %s", blob_key(ref), replies[i].job_id, data)
             elif data is not None:
                 out[i] = dataclasses.replace(replies[i], result=bytes(data))
         return out

@@ -16,6 +16,20 @@ a result.
 
 Readers resolve a reference with one GET; a blob that is gone (its TTL passed, its session was
 reset) reads as ``None``, which each reader answers like a result that was not stored.
+
+**In place.** A reply stream whose reader reads large results where the log keeps them (the
+trainer's ``ReplyReader``, broker/client/replies.py, keeps ``in_place_reader(stream)`` standing
+while it runs, ``IN_PLACE_READER_TTL_MS`` at a time) gets no reply blob: a commit that finds that
+key publishes a ``result`` of ``IN_PLACE_MARK``, the result blob's key, a NUL and
+the reply blob the reader would own, and a marker key (``in_place_marker``) stands while the reply
+is unread. That saves the master a copy of every large result (a ``COPY`` of 450 KB was ~12% of a
+latent step's main thread: docs/sizing.md). The reader reads with ``GET`` of the result blob,
+``GETDEL`` of the reply blob and ``DEL`` of the marker in one round trip (``read_reply_blobs``); a
+result blob that leaves the log (its window moved on, a reset, a close) while its marker stands
+goes to the reader: RENAMEd to that reply blob (prelude.lua ``hand_over_or``), which the same read
+then finds. A stream without the key (a consumer group's, an earlier release's trainer's) gets a
+copy as before; so does a re-publish of a stored result. The check costs a commit one ``EXISTS``,
+and only for a staged result: a token step pays nothing for it.
 """
 
 from __future__ import annotations
@@ -38,12 +52,45 @@ STAGE_BYTES = 32 * 1024
 # connection, so this only bounds what a worker that died between the two leaves behind.
 STAGE_TTL_MS = 60_000
 BLOB_MARK = b"\xc1\x00"
+IN_PLACE_MARK = BLOB_MARK + b"\x00"  # a key name never starts with a NUL byte
+IN_PLACE_MARKER_SUFFIX = ":reader"
+IN_PLACE_READER_SUFFIX = ":in_place"
+# How long a reader's in_place_reader key stands unless renewed; ReplyReader renews it every third
+# of that. A reader that died leaves it this long (commits keep replying in place, which only its
+# own read can use); an earlier release's reader must not take over the same client id before.
+IN_PLACE_READER_TTL_MS = 600_000
+
+
+def in_place_keys(value: bytes | None) -> tuple[str, str] | None:
+    """(the log's result blob, the reply blob its reader owns once it is handed over) of an in-place
+    reference, or None when ``value`` is not one."""
+    if value is None or not value.startswith(IN_PLACE_MARK):
+        return None
+    blob, sep, reply_blob = value[len(IN_PLACE_MARK):].partition(b"\x00")
+    if not sep:
+        return None
+    return blob.decode("utf-8", "replace"), reply_blob.decode("utf-8", "replace")
+
+
+def in_place_marker(blob: str) -> str:
+    """The key that stands while the in-place reply of ``blob`` is unread (prelude.lua in_place_marker)."""
+    return blob + IN_PLACE_MARKER_SUFFIX
+
+
+def in_place_reader(stream: str) -> str:
+    """The key a reply stream's reader keeps standing while it reads large results in place
+    (prelude.lua in_place_reader)."""
+    return stream + IN_PLACE_READER_SUFFIX
 
 
 def blob_key(value: bytes | None) -> str | None:
-    """The key a stored result refers to, or None when ``value`` is the result itself."""
+    """The key a stored result refers to (for an in-place reference, the log's result blob), or
+    None when ``value`` is the result itself."""
     if value is None or not value.startswith(BLOB_MARK):
         return None
+    keys = in_place_keys(value)
+    if keys is not None:
+        return keys[0]
     return value[len(BLOB_MARK):].decode("utf-8", "replace")
 
 
@@ -79,6 +126,41 @@ async def read_blobs(redis: Redis, keys: list[str], *, delete: bool = False) -> 
                 pipe.get(key)
         values: list[Any] = await pipe.execute(raise_on_error=False)
     return values
+
+
+async def read_reply_blobs(redis: Redis, refs: list[bytes]) -> list[Any]:
+    """The bytes of each reference in ``refs`` (None: gone), read by the reply's one reader in one
+    round trip: a reply blob with ``GETDEL``; an in-place one with ``GET`` of the log's result blob,
+    ``GETDEL`` of the reply blob it is handed over to and ``DEL`` of its marker (the reply is read:
+    the log deletes the blob when its window moves on). An error of one reference comes back in its
+    place."""
+    places = [in_place_keys(ref) for ref in refs]
+    if len(refs) == 1 and places[0] is None:
+        return await read_blobs(redis, [blob_key(refs[0]) or ""], delete=True)
+    async with redis.pipeline(transaction=False) as pipe:
+        for ref, place in zip(refs, places, strict=True):
+            if place is None:
+                pipe.getdel(blob_key(ref) or "")
+            else:
+                blob, reply_blob = place
+                pipe.get(blob)
+                pipe.getdel(reply_blob)
+                pipe.delete(in_place_marker(blob))
+        values: list[Any] = await pipe.execute(raise_on_error=False)
+    out: list[Any] = []
+    at = 0
+    for place in places:
+        if place is None:
+            out.append(values[at])
+            at += 1
+            continue
+        kept, handed = values[at], values[at + 1]
+        at += 3
+        if isinstance(kept, Exception) or kept is not None:
+            out.append(kept)
+        else:
+            out.append(handed)
+    return out
 
 
 def gone_message(what: str, key: str) -> str:

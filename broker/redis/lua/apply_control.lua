@@ -3,13 +3,14 @@
 -- log (stored results, the bulk) expires after the grace TTL and the small session hash after the
 -- closed retention, so status and a second close still answer 'closed' for that long, as the
 -- serving layer does (docs/architecture.md).
--- Uses: prelude.lua (fenced, add_reply, log_blobs)
+-- Uses: prelude.lua (fenced, add_reply, log_blobs, hand_over_or, delete_key)
 -- KEYS: 1 session hash, 2 log hash, 3 inbox, 4 reply stream, 5 pool zset, 6 sessions hash, 7 owned hash,
 --       8 trainer open hash (a close counts the session's trainer down, as it counts the owner down)
 -- Derived keys (docs/architecture.md, "Keys in Lua scripts"): the blobs the log hash refers to,
 --       one per result field and input:<step> field its HKEYS lists (prelude.lua log_blobs): the
 --       caller cannot know the steps the log holds; each is the log key's name plus a suffix, in
---       its hash tag and slot.
+--       its hash tag and slot; so is each one's in-place marker (prelude.lua hand_over_or: a result
+--       whose in-place reply is unread goes to its reader instead).
 -- ARGV: 1 worker id, 2 job epoch, 3 inbox entry id, 4 job_id, 5 kind, 6 grace ttl ms,
 --       7 reply ttl ms, 8 inbox group, 9 session_id, 10-12 reply stream bounds (ReplyBounds),
 --       13 closed retention ms (the session hash's TTL after a close; the grace TTL when absent)
@@ -62,7 +63,7 @@ end
 if s[1] then
   if kind == 'reset' then
     for _, blob in ipairs(log_blobs(log_key, committed, window)) do
-      redis.call('DEL', blob)
+      hand_over_or(blob, delete_key)
     end
     redis.call('DEL', log_key)
     committed = -1
@@ -86,7 +87,7 @@ if s[1] then
     redis.call('HDEL', sessions_key, session_id)
     redis.call('PEXPIRE', session_key, closed_retention_ms or grace_ttl_ms)
     for _, blob in ipairs(log_blobs(log_key, committed, window)) do
-      redis.call('PEXPIRE', blob, grace_ttl_ms)
+      hand_over_or(blob, function(key) redis.call('PEXPIRE', key, grace_ttl_ms) end)
     end
     redis.call('PEXPIRE', log_key, grace_ttl_ms)
   end

@@ -1,6 +1,7 @@
 -- Commit step k of a session: the exactly-once point. Fenced by owner and lease epoch.
 -- Uses: prelude.lua (now_text, now_from_id, fenced, add_reply, step_text, result_blob, reply_value,
---       result_field, stored_result, memo_number)
+--       result_field, stored_result, memo_number, IN_PLACE_MARK, in_place_marker, in_place_reader,
+--       reply_ttl, hand_over_or)
 -- KEYS: 1 session hash, 2 log hash, 3 inbox, 4 reply stream, 5 this job's reply blob
 --       (broker/redis/blobs.py: a stored result that is a blob is copied there, also by a duplicate),
 --       and only when the call needs them (Scripts._commit_call): 6 staged result
@@ -10,9 +11,12 @@
 --       (broker/redis/inputs.py) 9 its input blob, 10 this step's record blob. A call passes 5, 8 or
 --       10 KEYS: the common commit (an inline result, records kept all or none, an inline payload)
 --       passes 5, so its master interns no key it never touches.
--- Derived key (docs/architecture.md, "Keys"): the result blob that falls out of the result window,
+-- Derived keys (docs/architecture.md, "Keys"): the result blob that falls out of the result window,
 --       result_blob(KEYS[2], committed + 1 - result_window), both read from the session hash, so
---       the caller cannot name it; it is the log key's name plus a suffix, in its hash tag and slot.
+--       the caller cannot name it, and its in-place marker (prelude.lua in_place_marker); each is
+--       the log key's name plus a suffix, in its hash tag and slot. This step's marker is KEYS[7]'s
+--       name plus a suffix, and the reply stream's in-place reader key (prelude.lua
+--       in_place_reader) KEYS[4]'s.
 -- ARGV: 1 step_id, 2 inbox entry id, 3 job_id, 4 result, 5 context_length, 6 step record for
 --       context rebuild ('' = none), 7 job epoch, 8 the job's cancel count ('' = not checked: a
 --       re-publish), 9 '1': the result is staged in KEYS[6] (ARGV 4 is then ''), otherwise '',
@@ -26,6 +30,10 @@
 --       (first_version; a reset clears it) for the staleness check of enqueue.lua and the worker.
 -- Staged (large) results: the commit RENAMEs KEYS[6] to KEYS[7] and stores a reference to it; every
 --       other outcome DELetes KEYS[6]. Neither path, nor a re-publish, reads blob bytes into Lua.
+--       The reply refers to KEYS[7] in place when the reply stream's reader reads in place (its
+--       in_place_reader key stands) or to a COPY of it in KEYS[5] (a re-publish always copies: the
+--       step may leave the window before it is read). A result blob that falls out of the window
+--       goes to the reader of its unread in-place reply (prelude.lua hand_over_or).
 -- Staged inputs: the commit RENAMEs KEYS[9] to KEYS[10] when the step record is kept (the record's
 --       payload then says so) and DELetes it otherwise, as does a duplicate (the step never runs
 --       again); a fenced, cancelled or out-of-order call leaves it to whoever ends the entry.
@@ -66,12 +74,21 @@ local function unstage(staged, staged_key)
 end
 -- Publish a stored result: acknowledge the inbox entry and add the reply entry (`current`: the
 -- committed step it carries). False when a stored reference outlived its blob (nothing done).
--- `unconfirmed`: the session's unconfirmed_step as read.
+-- `unconfirmed`: the session's unconfirmed_step as read. `in_place_blob`: the result blob the reply
+-- refers to in place (its marker set here), or nil.
 local function publish(stored, current, unconfirmed, session_key, inbox_key, inbox_group, entry_id, reply_key,
-                       reply_blob_key, job_id, reply_ttl_ms, stream_bytes, large_bytes, large_ttl_ms)
-  local result, size, blob = reply_value(stored, reply_blob_key)
-  if not result then
-    return false
+                       reply_blob_key, job_id, reply_ttl_ms, stream_bytes, large_bytes, large_ttl_ms, in_place_blob)
+  local result, size, blob
+  if in_place_blob then
+    size = redis.call('STRLEN', in_place_blob)
+    result = IN_PLACE_MARK .. in_place_blob .. '\0' .. reply_blob_key
+    redis.call('SET', in_place_marker(in_place_blob), reply_blob_key, 'PX',
+      reply_ttl(size, reply_ttl_ms, large_bytes, large_ttl_ms))
+  else
+    result, size, blob = reply_value(stored, reply_blob_key)
+    if not result then
+      return false
+    end
   end
   if unconfirmed then  -- published after a replica confirmed every earlier write of this master
     redis.call('HDEL', session_key, 'unconfirmed_step')
@@ -199,7 +216,7 @@ local function commit_one(KEYS, ARGV)
     -- unknown)
     local last_blob = memo_number(s[11] or '')  -- -1 for a session that never stored a blob
     if last_blob == nil or last_blob >= step - window then
-      redis.call('DEL', result_blob(log_key, committed + 1 - window))  -- committed is step - 1 here
+      hand_over_or(result_blob(log_key, committed + 1 - window), delete_key)  -- committed is step - 1 here
     end
   end
   if keeps_record then
@@ -221,8 +238,12 @@ local function commit_one(KEYS, ARGV)
     redis.call('HSET', session_key, 'updated_ms', now_text(), unpack(fields))
     return {'committed'}
   end
+  local in_place_blob = nil  -- the blob the reply refers to in place, when its reader reads so
+  if staged and redis.call('EXISTS', in_place_reader(reply_key)) == 1 then
+    in_place_blob = result_blob_key
+  end
   local id = publish(result, step_id, s[5], session_key, inbox_key, inbox_group, entry_id, reply_key,
-    reply_blob_key, job_id, reply_ttl_ms, stream_bytes, large_bytes, large_ttl_ms)
+    reply_blob_key, job_id, reply_ttl_ms, stream_bytes, large_bytes, large_ttl_ms, in_place_blob)
   if id then
     now_from_id(id)
   end

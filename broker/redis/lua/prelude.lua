@@ -190,6 +190,52 @@ local function reply_value(stored, reply_blob)
   return BLOB_MARK .. reply_blob, redis.call('STRLEN', reply_blob), reply_blob
 end
 
+-- In place (2026-12-06): a reply whose reader reads a large result where the session's log keeps
+-- it, with no copy of the bytes. A reader that reads so (the trainer's broker/client/replies.py)
+-- keeps the key in_place_reader(its reply stream) standing while it runs; a commit to a stream
+-- without that key copies as before. The entry's result is IN_PLACE_MARK, the result blob's key, a NUL and
+-- the reply blob the reader would own; the marker key (in_place_marker: the result blob's name and
+-- ':reader', the reply blob's name its value, the reply's TTL) stands while the reply is unread,
+-- and the reader deletes it with its read. A result blob that leaves the log (hand_over_or: the
+-- window moves past it, a reset, a close) while its marker stands goes to the reader instead:
+-- RENAMEd to that reply blob, with what is left of the marker's TTL. No reply is read without its
+-- bytes, and no blob is kept after both its window and its reader are done with it.
+local IN_PLACE_MARK = BLOB_MARK .. '\0'
+local function in_place_marker(blob)
+  return blob .. ':reader'
+end
+local function in_place_reader(reply_stream)
+  return reply_stream .. ':in_place'
+end
+-- The TTL a reply stream and its blobs get for a result of `size` bytes (ReplyBounds): the caller's
+-- text for the usual one, large_ttl_ms for a large result when it is the shorter.
+local function reply_ttl(size, ttl_ms, large_bytes, large_ttl_ms)
+  if size >= memo_number(large_bytes) and memo_number(large_ttl_ms) < memo_number(ttl_ms) then
+    return large_ttl_ms
+  end
+  return ttl_ms
+end
+-- A blob leaving the log (`blob`: a result blob, or any key the log refers to): moved to the reader
+-- of an unread in-place reply (true), else `otherwise(blob)` is done (false).
+local function hand_over_or(blob, otherwise)
+  local marker = in_place_marker(blob)
+  local reply_blob = redis.call('GET', marker)
+  if reply_blob then
+    local ttl = redis.call('PTTL', marker)
+    redis.call('DEL', marker)
+    if ttl > 0 and redis.call('EXISTS', blob) == 1 then
+      redis.call('RENAME', blob, reply_blob)
+      redis.call('PEXPIRE', reply_blob, ttl)
+      return true
+    end
+  end
+  otherwise(blob)
+  return false
+end
+local function delete_key(key)
+  redis.call('DEL', key)
+end
+
 -- The fence: true when the session hash's owner and lease epoch (as stored, strings) are not the
 -- caller's worker id and job epoch (ARGV strings). A fenced caller changes nothing.
 local function fenced(owner, epoch, worker_id, job_epoch)
@@ -239,18 +285,23 @@ local function add_reply(key, ttl_ms, stream_bytes, large_bytes, large_ttl_ms, k
     for _, entry in ipairs(redis.call('XRANGE', key, '-', '+', 'COUNT', over)) do
       local fields = entry[2]
       for i = 1, #fields - 1, 2 do
-        if fields[i] == 'result' and is_blob(fields[i + 1]) then
-          redis.call('DEL', string.sub(fields[i + 1], #BLOB_MARK + 1))
+        local value = fields[i + 1]
+        if fields[i] == 'result' and string.sub(value, 1, #IN_PLACE_MARK) == IN_PLACE_MARK then
+          -- the bytes stay the log's; the reader's share (its marker, a blob handed over) goes
+          local cut = string.find(value, '\0', #IN_PLACE_MARK + 1, true)
+          if cut then
+            redis.call('DEL', in_place_marker(string.sub(value, #IN_PLACE_MARK + 1, cut - 1)),
+              string.sub(value, cut + 1))
+          end
+        elseif fields[i] == 'result' and is_blob(value) then
+          redis.call('DEL', string.sub(value, #BLOB_MARK + 1))
         end
       end
     end
   end
   local id = redis.call('XADD', key, 'MAXLEN', '~', string.format('%d', maxlen), '*', 'kind', kind, 'job_id', job_id,
     'committed', committed, 'result', result)
-  local ttl = ttl_ms  -- the caller's text, passed on as it is (a number would be printed again)
-  if size >= memo_number(large_bytes) and memo_number(large_ttl_ms) < memo_number(ttl_ms) then
-    ttl = large_ttl_ms
-  end
+  local ttl = reply_ttl(size, ttl_ms, large_bytes, large_ttl_ms)  -- text passed on as it is
   if streams then
     streams[key] = {length = length + 1, ttl = ttl}
   else
