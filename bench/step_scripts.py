@@ -47,7 +47,7 @@ from bench.common import Row, format_table, private_redis
 from broker.redis.connect import open_redis
 from broker.redis.embedded import RedisServer
 from broker.redis.keys import INBOX_GROUP, CellKeys
-from broker.redis.lua_files import PRELUDE_MARK
+from broker.redis.lua_files import PRELUDE_MARK, prelude_for
 from broker.redis.script_replies import Committed, Created, Queued
 from broker.redis.scripts import CommitCall, Scripts
 
@@ -73,17 +73,25 @@ SIZE = {"smoke": Size(sessions=64, chunks=2, rounds=4), "full": Size(sessions=51
 
 
 def revision_sources(revision: str) -> dict[str, str]:
-    """The revision's :data:`SCRIPTS` as Redis runs them (its prelude prepended)."""
-    def show(name: str) -> str:
-        done = subprocess.run(["git", "-C", str(REPO), "show", f"{revision}:broker/redis/lua/{name}.lua"],
+    """The revision's :data:`SCRIPTS` as Redis runs them at that revision: the prelude prepended
+    whole, or only the part each script names from the revision that began to do so (161ae7e,
+    ``prelude_for`` in its broker/redis/lua_files.py) on."""
+    def show(path: str, *, required: bool = True) -> str:
+        done = subprocess.run(["git", "-C", str(REPO), "show", f"{revision}:{path}"],
                               capture_output=True, text=True, timeout=60)
-        if done.returncode != 0:
-            raise SystemExit(f"cannot read {name}.lua at {revision!r}: {done.stderr.strip()}")
+        if done.returncode != 0 and required:
+            raise SystemExit(f"cannot read {Path(path).name} at {revision!r}: {done.stderr.strip()}")
         return done.stdout
 
-    prelude = show("prelude")
-    return {name: (prelude + source if PRELUDE_MARK in source else source)
-            for name, source in ((name, show(name)) for name in SCRIPTS)}
+    prelude = show("broker/redis/lua/prelude.lua")
+    trims = "def prelude_for" in show("broker/redis/lua_files.py", required=False)  # absent before it
+
+    def composed(source: str) -> str:
+        if PRELUDE_MARK not in source:
+            return source
+        return (prelude_for(source, prelude) if trims else prelude) + source
+
+    return {name: composed(show(f"broker/redis/lua/{name}.lua")) for name in SCRIPTS}
 
 
 def _pid(server: RedisServer) -> int:

@@ -22,6 +22,7 @@ import pytest
 
 from broker.redis.blobs import BLOB_MARK
 from broker.redis.layouts import DEAD_LETTER_PAYLOAD_BYTES
+from broker.redis.lua_files import prelude_parts
 from broker.redis.script_replies import Retired
 from broker.redis.scripts import Scripts, lua_source
 
@@ -375,3 +376,28 @@ async def test_retire_refuses_an_unlisted_staged_orphan_and_its_caller_lists_it(
     assert await scripts.retire("w1", pools=[], lease_ms=1000, reason="drained") == Retired(1)
     [(_, letter)] = await redis.xrange(k.dead)
     assert letter[b"payload"] == b"staged bytes" and await redis.exists(blob, k.inbox("w1")) == 0
+
+
+def test_every_top_level_line_of_the_prelude_is_a_declaration_its_end_or_a_comment() -> None:
+    """What broker/redis/lua_files.py prelude_parts relies on to split the prelude: a statement of
+    another kind at the top level would run only with the declaration above it."""
+    for number, line in enumerate((LUA / "prelude.lua").read_text().splitlines(), 1):
+        if line and not line[0].isspace():
+            assert line.startswith(("local ", "--")) or line == "end", f"prelude.lua line {number}: {line!r}"
+
+
+@pytest.mark.parametrize("path", [p for p in SCRIPTS if "-- Uses: prelude.lua" in p.read_text()],
+                         ids=[p.stem for p in SCRIPTS if "-- Uses: prelude.lua" in p.read_text()])
+def test_a_script_carries_the_prelude_declarations_it_uses_and_theirs(path: Path) -> None:
+    """lua_source gives a script the part of the prelude it names, closed under what that part
+    names, and no other: every prelude name its file or a chosen declaration mentions is declared
+    in what Redis runs, and a declaration nothing chosen mentions is left out."""
+    _, parts = prelude_parts()
+    source = lua_source(path.stem)
+    chosen = [part for part in parts if part.text in source]
+    declared = {name for part in chosen for name in part.names}
+    mentioned = set(re.findall(r"[A-Za-z_]\w*", path.read_text())).union(*(part.words for part in chosen))
+    every = {name for part in parts for name in part.names}
+    assert mentioned & every <= declared
+    assert all(part.names & mentioned for part in chosen)
+    assert source.endswith(path.read_text())

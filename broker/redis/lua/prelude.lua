@@ -1,6 +1,8 @@
 -- prelude.lua: the idioms several scripts share, written once. Redis has no include, so
 -- broker.redis.scripts.lua_source prepends this file to every script whose header says
--- "Uses: prelude.lua"; each script stays one file.
+-- "Uses: prelude.lua"; each script stays one file. Only the declarations a script names (and
+-- those they name) go with it (broker/redis/lua_files.py prelude_for): each runs on every call.
+-- So every top-level statement here is a local declaration, with the comment above it.
 
 -- Redis server time in ms (TIME answers seconds and microseconds): one clock for every worker.
 -- Read once per script call: a batch of steps (commit.lua, enqueue.lua) runs at one instant.
