@@ -363,11 +363,13 @@ async def test_the_reply_reader_resolves_every_blob_of_one_read(scripts: Scripts
     assert await redis.exists(*(f"{stream}:blob:{job}" for job in blobs)) == 0
 
 
-async def _in_place_commit(scripts: Scripts, step: int, *, bounds: ReplyBounds | None = None) -> bytes:
+async def _in_place_commit(scripts: Scripts, step: int, *, bounds: ReplyBounds | None = None,
+                           result: bytes | None = None, job: str | None = None) -> bytes:
     """Commit ``step`` to the reply stream "c", whose reader reads in place; its reply's reference."""
     await scripts.redis.set(in_place_reader(scripts.keys.reply("c")), b"1", px=60_000)
-    call = CommitCall(session_id="s1", worker_id="w1", epoch=1, step_id=step, entry_id="0-1", result=big(step),
-                      context_length=step + 1, job_id=f"j{step}", reply_to="c", reply_ttl_ms=60000)
+    call = CommitCall(session_id="s1", worker_id="w1", epoch=1, step_id=step, entry_id="0-1",
+                      result=big(step) if result is None else result, context_length=step + 1,
+                      job_id=job or f"j{step}", reply_to="c", reply_ttl_ms=60000)
     if bounds is not None:
         call = dataclasses.replace(call, reply_bounds=bounds)
     assert await scripts.commit(call) == Committed()
@@ -386,7 +388,7 @@ async def test_an_in_place_reply_refers_to_the_log_blob_and_its_read_marks_it_re
     assert ref == IN_PLACE_MARK + blob.encode() + b"\x00" + reply_blob.encode()
     assert blob_key(ref) == blob and in_place_keys(ref) == (blob, reply_blob)
     assert await _command_calls(redis, "copy") == copies and not await redis.exists(reply_blob)
-    assert await redis.get(in_place_marker(blob)) == reply_blob.encode()
+    assert await redis.hkeys(in_place_marker(blob)) == [reply_blob.encode()]
     assert 0 < await redis.pttl(in_place_marker(blob)) <= 60_000  # the reply's TTL
     assert await read_reply_blobs(redis, [ref]) == [big(0)]
     assert not await redis.exists(in_place_marker(blob)) and await redis.get(blob) == big(0)  # still the log's
@@ -488,3 +490,26 @@ async def test_a_latent_step_through_the_client_makes_no_copy_of_its_result(flee
 async def _command_calls(redis: Redis, name: str) -> int:
     stats = await redis.info("commandstats")
     return int(stats.get(f"cmdstat_{name}", {}).get("calls", 0))
+
+
+async def test_a_reply_read_after_a_reset_reused_its_step_gets_its_own_result(scripts: Scripts) -> None:
+    """A reset hands step 0's unread result to its reader; the new trajectory's step 0 then stores
+    other bytes under the same blob name, with its own reader in the marker. The first reply still
+    reads its own bytes, and its read leaves the second reply's claim on the new blob standing."""
+    redis, k = scripts.redis, scripts.keys
+    await _session(scripts, window=2)
+    first = await _in_place_commit(scripts, 0, result=b"A" * (STAGE_BYTES + 10), job="old")
+    queued = await scripts.control("s1", "w1", kind="reset", job_id="reset", reply_to="c")
+    assert isinstance(queued, Queued)
+    await redis.xreadgroup(INBOX_GROUP, "w1", {k.inbox("w1"): ">"})
+    assert isinstance(await scripts.apply_control(
+        session_id="s1", worker_id="w1", epoch=1, entry_id=queued.entry_id, job_id="reset", kind="reset",
+        mode="tokens", model="m", reply_to="c", grace_ms=30_000, reply_ttl_ms=1000), Applied)
+    second = await _in_place_commit(scripts, 0, result=b"B" * (STAGE_BYTES + 10), job="new")
+    blob = k.result_blob("s1", 0)
+    assert in_place_keys(first) == (blob, k.reply_blob("c", "old")) and in_place_keys(second)[0] == blob
+    assert await read_reply_blobs(redis, [first]) == [b"A" * (STAGE_BYTES + 10)]
+    assert await redis.hkeys(in_place_marker(blob)) == [k.reply_blob("c", "new").encode()]
+    for step in (1, 2):  # the new step 0 leaves the window unread: it goes to its reader
+        await _in_place_commit(scripts, step)
+    assert await read_reply_blobs(redis, [second]) == [b"B" * (STAGE_BYTES + 10)]

@@ -20,16 +20,17 @@ reset) reads as ``None``, which each reader answers like a result that was not s
 **In place.** A reply stream whose reader reads large results where the log keeps them (the
 trainer's ``ReplyReader``, broker/client/replies.py, keeps ``in_place_reader(stream)`` standing
 while it runs, ``IN_PLACE_READER_TTL_MS`` at a time) gets no reply blob: a commit that finds that
-key publishes a ``result`` of ``IN_PLACE_MARK``, the result blob's key, a NUL and
-the reply blob the reader would own, and a marker key (``in_place_marker``) stands while the reply
-is unread. That saves the master a copy of every large result (a ``COPY`` of 450 KB was ~12% of a
-latent step's main thread: docs/sizing.md). The reader reads with ``GET`` of the result blob,
-``GETDEL`` of the reply blob and ``DEL`` of the marker in one round trip (``read_reply_blobs``); a
-result blob that leaves the log (its window moved on, a reset, a close) while its marker stands
-goes to the reader: RENAMEd to that reply blob (prelude.lua ``hand_over_or``), which the same read
-then finds. A stream without the key (a consumer group's, an earlier release's trainer's) gets a
-copy as before; so does a re-publish of a stored result. The check costs a commit one ``EXISTS``,
-and only for a staged result: a token step pays nothing for it.
+key publishes a ``result`` of ``IN_PLACE_MARK``, the result blob's key, a NUL and the reply blob
+the reader would own, and the blob's marker (``in_place_marker``, a HASH) holds that reply blob as
+a field while the reply is unread. That saves the master a copy of every large result (a ``COPY``
+of 450 KB was ~12% of a latent step's main thread: docs/sizing.md). The reader reads with ``GET``
+of the result blob, ``GETDEL`` of the reply blob and ``HDEL`` of its field in one round trip
+(``read_reply_blobs``); a result blob that leaves the log (its window moved on, a reset, a close)
+while its marker holds a reader goes to that reader: RENAMEd to its reply blob (prelude.lua
+``hand_over_or``), which the same read then finds and prefers (after a reset the log's blob of the
+same step may hold a later trajectory's result). A stream without the key (a consumer group's, an
+earlier release's trainer's) gets a copy as before; so does a re-publish of a stored result. The
+check costs a commit one ``EXISTS``, and only for a staged result: a token step pays nothing for it.
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ def in_place_keys(value: bytes | None) -> tuple[str, str] | None:
 
 
 def in_place_marker(blob: str) -> str:
-    """The key that stands while the in-place reply of ``blob`` is unread (prelude.lua in_place_marker)."""
+    """The HASH whose field names the reader of ``blob``'s in-place reply while it is unread
+    (prelude.lua in_place_marker)."""
     return blob + IN_PLACE_MARKER_SUFFIX
 
 
@@ -131,9 +133,10 @@ async def read_blobs(redis: Redis, keys: list[str], *, delete: bool = False) -> 
 async def read_reply_blobs(redis: Redis, refs: list[bytes]) -> list[Any]:
     """The bytes of each reference in ``refs`` (None: gone), read by the reply's one reader in one
     round trip: a reply blob with ``GETDEL``; an in-place one with ``GET`` of the log's result blob,
-    ``GETDEL`` of the reply blob it is handed over to and ``DEL`` of its marker (the reply is read:
-    the log deletes the blob when its window moves on). An error of one reference comes back in its
-    place."""
+    ``GETDEL`` of the reply blob it may have been handed over to (which wins: after a reset the log's
+    blob of the same step may hold a later trajectory's result) and ``HDEL`` of this reply's field of
+    the marker (the reply is read: the log deletes the blob when its window moves on). An error of
+    one reference comes back in its place."""
     places = [in_place_keys(ref) for ref in refs]
     if len(refs) == 1 and places[0] is None:
         return await read_blobs(redis, [blob_key(refs[0]) or ""], delete=True)
@@ -145,7 +148,7 @@ async def read_reply_blobs(redis: Redis, refs: list[bytes]) -> list[Any]:
                 blob, reply_blob = place
                 pipe.get(blob)
                 pipe.getdel(reply_blob)
-                pipe.delete(in_place_marker(blob))
+                pipe.hdel(in_place_marker(blob), reply_blob)
         values: list[Any] = await pipe.execute(raise_on_error=False)
     out: list[Any] = []
     at = 0
@@ -156,10 +159,11 @@ async def read_reply_blobs(redis: Redis, refs: list[bytes]) -> list[Any]:
             continue
         kept, handed = values[at], values[at + 1]
         at += 3
-        if isinstance(kept, Exception) or kept is not None:
-            out.append(kept)
-        else:
+        # Handed over wins: after a reset the log's blob of the same step may hold a later result.
+        if handed is not None and not isinstance(handed, Exception):
             out.append(handed)
+        else:
+            out.append(kept if kept is not None else handed)
     return out
 
 

@@ -82,8 +82,9 @@ local function publish(stored, current, unconfirmed, session_key, inbox_key, inb
   if in_place_blob then
     size = redis.call('STRLEN', in_place_blob)
     result = IN_PLACE_MARK .. in_place_blob .. '\0' .. reply_blob_key
-    redis.call('SET', in_place_marker(in_place_blob), reply_blob_key, 'PX',
-      reply_ttl(size, reply_ttl_ms, large_bytes, large_ttl_ms))
+    local marker = in_place_marker(in_place_blob)
+    redis.call('HSET', marker, reply_blob_key, '1')
+    redis.call('PEXPIRE', marker, reply_ttl(size, reply_ttl_ms, large_bytes, large_ttl_ms))
   else
     result, size, blob = reply_value(stored, reply_blob_key)
     if not result then

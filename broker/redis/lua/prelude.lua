@@ -196,12 +196,13 @@ end
 -- it, with no copy of the bytes. A reader that reads so (the trainer's broker/client/replies.py)
 -- keeps the key in_place_reader(its reply stream) standing while it runs; a commit to a stream
 -- without that key copies as before. The entry's result is IN_PLACE_MARK, the result blob's key, a NUL and
--- the reply blob the reader would own; the marker key (in_place_marker: the result blob's name and
--- ':reader', the reply blob's name its value, the reply's TTL) stands while the reply is unread,
--- and the reader deletes it with its read. A result blob that leaves the log (hand_over_or: the
--- window moves past it, a reset, a close) while its marker stands goes to the reader instead:
--- RENAMEd to that reply blob, with what is left of the marker's TTL. No reply is read without its
--- bytes, and no blob is kept after both its window and its reader are done with it.
+-- the reply blob the reader would own; the marker (in_place_marker: a HASH named after the result
+-- blob, the reply's TTL) holds that reply blob's name as a field while the reply is unread, and the
+-- reader HDELs its own field with its read (a field, not the key: after a reset the same step's
+-- blob, and so its marker, may belong to a later reply). A result blob that leaves the log
+-- (hand_over_or: the window moves past it, a reset, a close) while its marker holds a reader goes
+-- to that reader instead: RENAMEd to its reply blob, with what is left of the marker's TTL. No
+-- reply is read without its bytes, and no blob is kept after its window and its reader are done.
 local IN_PLACE_MARK = BLOB_MARK .. '\0'
 local function in_place_marker(blob)
   return blob .. ':reader'
@@ -221,13 +222,17 @@ end
 -- of an unread in-place reply (true), else `otherwise(blob)` is done (false).
 local function hand_over_or(blob, otherwise)
   local marker = in_place_marker(blob)
-  local reply_blob = redis.call('GET', marker)
-  if reply_blob then
+  local readers = redis.call('HKEYS', marker)  -- one at most: a blob has one in-place reply
+  if #readers > 0 then
     local ttl = redis.call('PTTL', marker)
     redis.call('DEL', marker)
     if ttl > 0 and redis.call('EXISTS', blob) == 1 then
-      redis.call('RENAME', blob, reply_blob)
-      redis.call('PEXPIRE', reply_blob, ttl)
+      for i = 2, #readers do
+        redis.call('COPY', blob, readers[i], 'REPLACE')
+        redis.call('PEXPIRE', readers[i], ttl)
+      end
+      redis.call('RENAME', blob, readers[1])
+      redis.call('PEXPIRE', readers[1], ttl)
       return true
     end
   end
@@ -289,11 +294,12 @@ local function add_reply(key, ttl_ms, stream_bytes, large_bytes, large_ttl_ms, k
       for i = 1, #fields - 1, 2 do
         local value = fields[i + 1]
         if fields[i] == 'result' and string.sub(value, 1, #IN_PLACE_MARK) == IN_PLACE_MARK then
-          -- the bytes stay the log's; the reader's share (its marker, a blob handed over) goes
+          -- the bytes stay the log's; the reader's share (its marker field, a blob handed over) goes
           local cut = string.find(value, '\0', #IN_PLACE_MARK + 1, true)
           if cut then
-            redis.call('DEL', in_place_marker(string.sub(value, #IN_PLACE_MARK + 1, cut - 1)),
-              string.sub(value, cut + 1))
+            local reply_blob = string.sub(value, cut + 1)
+            redis.call('HDEL', in_place_marker(string.sub(value, #IN_PLACE_MARK + 1, cut - 1)), reply_blob)
+            redis.call('DEL', reply_blob)
           end
         elseif fields[i] == 'result' and is_blob(value) then
           redis.call('DEL', string.sub(value, #BLOB_MARK + 1))
