@@ -84,6 +84,18 @@ async def _last_reply(scripts: Scripts) -> bytes:
     return result
 
 
+async def _apply_control(scripts: Scripts, kind: str) -> None:
+    """Enqueue a reset or close of s1 and apply it as its owner w1 does."""
+    redis, k = scripts.redis, scripts.keys
+    queued = await scripts.control("s1", "w1", kind=kind, job_id=kind, reply_to="c")
+    assert isinstance(queued, Queued)
+    await redis.xreadgroup(INBOX_GROUP, "w1", {k.inbox("w1"): ">"})
+    applied = await scripts.apply_control(
+        session_id="s1", worker_id="w1", epoch=1, entry_id=queued.entry_id, job_id=kind, kind=kind,
+        mode="tokens", model="m", reply_to="c", grace_ms=30_000, reply_ttl_ms=1000)
+    assert isinstance(applied, Applied)
+
+
 async def test_a_large_result_is_committed_as_a_reference_to_its_blobs(scripts: Scripts) -> None:
     redis, k = scripts.redis, scripts.keys
     await _session(scripts)
@@ -135,19 +147,10 @@ async def test_window_eviction_reset_and_close_leave_no_blobs(scripts: Scripts) 
         assert await _commit(scripts, step) == Committed()
     assert await _blob_keys(scripts) == {k.result_blob("s1", 2).encode(), k.result_blob("s1", 3).encode()}
 
-    async def control(kind: str) -> None:
-        queued = await scripts.control("s1", "w1", kind=kind, job_id=kind, reply_to="c")
-        assert isinstance(queued, Queued)
-        await redis.xreadgroup(INBOX_GROUP, "w1", {k.inbox("w1"): ">"})
-        applied = await scripts.apply_control(
-            session_id="s1", worker_id="w1", epoch=1, entry_id=queued.entry_id, job_id=kind, kind=kind,
-            mode="tokens", model="m", reply_to="c", grace_ms=30_000, reply_ttl_ms=1000)
-        assert isinstance(applied, Applied)
-
-    await control("reset")
+    await _apply_control(scripts, "reset")
     assert await _blob_keys(scripts) == set()
     assert await _commit(scripts, 0) == Committed()
-    await control("close")
+    await _apply_control(scripts, "close")
     assert await _blob_keys(scripts) == {k.result_blob("s1", 0).encode()}
     assert 0 < await redis.pttl(k.result_blob("s1", 0)) <= 30_000  # expires with the log
 
@@ -435,25 +438,13 @@ async def test_an_unread_in_place_result_leaving_the_log_goes_to_its_reader(scri
     assert await read_reply_blobs(redis, refs[:1]) == [big(0)]
     assert not await redis.exists(k.reply_blob("c", "j0"))
 
-    queued = await scripts.control("s1", "w1", kind="reset", job_id="reset", reply_to="c")
-    assert isinstance(queued, Queued)
-    await redis.xreadgroup(INBOX_GROUP, "w1", {k.inbox("w1"): ">"})
-    applied = await scripts.apply_control(
-        session_id="s1", worker_id="w1", epoch=1, entry_id=queued.entry_id, job_id="reset", kind="reset",
-        mode="tokens", model="m", reply_to="c", grace_ms=30_000, reply_ttl_ms=1000)
-    assert isinstance(applied, Applied)
+    await _apply_control(scripts, "reset")
     assert await read_reply_blobs(redis, refs[1:]) == [big(1), big(2)]  # handed over by the reset
     assert await _blob_keys(scripts) == set()
     assert [key async for key in redis.scan_iter(match=k.reply("c") + ":blob:*")] == []
 
     ref = await _in_place_commit(scripts, 0)  # the new trajectory's first step, unread at the close
-    queued = await scripts.control("s1", "w1", kind="close", job_id="close", reply_to="c")
-    assert isinstance(queued, Queued)
-    await redis.xreadgroup(INBOX_GROUP, "w1", {k.inbox("w1"): ">"})
-    applied = await scripts.apply_control(
-        session_id="s1", worker_id="w1", epoch=1, entry_id=queued.entry_id, job_id="close", kind="close",
-        mode="tokens", model="m", reply_to="c", grace_ms=30_000, reply_ttl_ms=1000)
-    assert isinstance(applied, Applied)
+    await _apply_control(scripts, "close")
     assert await read_reply_blobs(redis, [ref]) == [big(0)]
     assert [key async for key in redis.scan_iter(match=k.reply("c") + ":blob:*")] == []
 
@@ -499,12 +490,7 @@ async def test_a_reply_read_after_a_reset_reused_its_step_gets_its_own_result(sc
     redis, k = scripts.redis, scripts.keys
     await _session(scripts, window=2)
     first = await _in_place_commit(scripts, 0, result=b"A" * (STAGE_BYTES + 10), job="old")
-    queued = await scripts.control("s1", "w1", kind="reset", job_id="reset", reply_to="c")
-    assert isinstance(queued, Queued)
-    await redis.xreadgroup(INBOX_GROUP, "w1", {k.inbox("w1"): ">"})
-    assert isinstance(await scripts.apply_control(
-        session_id="s1", worker_id="w1", epoch=1, entry_id=queued.entry_id, job_id="reset", kind="reset",
-        mode="tokens", model="m", reply_to="c", grace_ms=30_000, reply_ttl_ms=1000), Applied)
+    await _apply_control(scripts, "reset")
     second = await _in_place_commit(scripts, 0, result=b"B" * (STAGE_BYTES + 10), job="new")
     blob = k.result_blob("s1", 0)
     assert in_place_keys(first) == (blob, k.reply_blob("c", "old")) and in_place_keys(second)[0] == blob
