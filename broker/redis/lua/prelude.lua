@@ -222,17 +222,15 @@ end
 -- of an unread in-place reply (true), else `otherwise(blob)` is done (false).
 local function hand_over_or(blob, otherwise)
   local marker = in_place_marker(blob)
-  local readers = redis.call('HKEYS', marker)  -- one at most: a blob has one in-place reply
-  if #readers > 0 then
+  -- One reader at most: a blob has one in-place reply (a re-publish copies), and a marker is
+  -- deleted whenever its blob leaves the log, before the same name can be written again.
+  local reader = redis.call('HKEYS', marker)[1]
+  if reader then
     local ttl = redis.call('PTTL', marker)
     redis.call('DEL', marker)
     if ttl > 0 and redis.call('EXISTS', blob) == 1 then
-      for i = 2, #readers do
-        redis.call('COPY', blob, readers[i], 'REPLACE')
-        redis.call('PEXPIRE', readers[i], ttl)
-      end
-      redis.call('RENAME', blob, readers[1])
-      redis.call('PEXPIRE', readers[1], ttl)
+      redis.call('RENAME', blob, reader)
+      redis.call('PEXPIRE', reader, ttl)
       return true
     end
   end
