@@ -23,7 +23,7 @@ while it runs, ``IN_PLACE_READER_TTL_MS`` at a time) gets no reply blob: a commi
 key publishes a ``result`` of ``IN_PLACE_MARK``, the result blob's key, a NUL and the reply blob
 the reader would own, and the blob's marker (``in_place_marker``, a HASH) holds that reply blob as
 a field while the reply is unread. That saves the master a copy of every large result (a ``COPY``
-of 450 KB was ~12% of a latent step's main thread: docs/sizing.md). The reader reads with ``GET``
+of 450 KB was 5-12% of a latent step's main thread: docs/sizing.md). The reader reads with ``GET``
 of the result blob, ``GETDEL`` of the reply blob and ``HDEL`` of its field in one round trip
 (``read_reply_blobs``); a result blob that leaves the log (its window moved on, a reset, a close)
 while its marker holds a reader goes to that reader: RENAMEd to its reply blob (prelude.lua
