@@ -20,8 +20,6 @@ from broker.redis.blobs import (
     STAGE_BYTES,
     blob_key,
     in_place_keys,
-    in_place_marker,
-    in_place_reader,
     read_reply_blobs,
     unless_unstaged,
 )
@@ -241,7 +239,8 @@ async def test_a_stateless_latent_step_round_trip(fleet: FleetClient, workers: W
     assert r.output["video_latent"].shape == LATENT and r.committed_step_id == -1
     stream = fleet.keys_of(s.session_id).reply(fleet.client_id)
     left = [key async for key in fleet.redis.scan_iter(match=stream + ":*")]
-    assert left == [in_place_reader(stream).encode()]  # the running reader's own key, no blob
+    reader_key = fleet.keys_of(s.session_id).in_place_reader(fleet.client_id)
+    assert left == [reader_key.encode()]  # the running reader's own key, no blob
 
 
 async def test_a_consumer_group_reads_a_latent_and_its_ack_frees_the_blob(
@@ -369,7 +368,7 @@ async def test_the_reply_reader_resolves_every_blob_of_one_read(scripts: Scripts
 async def _in_place_commit(scripts: Scripts, step: int, *, bounds: ReplyBounds | None = None,
                            result: bytes | None = None, job: str | None = None) -> bytes:
     """Commit ``step`` to the reply stream "c", whose reader reads in place; its reply's reference."""
-    await scripts.redis.set(in_place_reader(scripts.keys.reply("c")), b"1", px=60_000)
+    await scripts.redis.set(scripts.keys.in_place_reader("c"), b"1", px=60_000)
     call = CommitCall(session_id="s1", worker_id="w1", epoch=1, step_id=step, entry_id="0-1",
                       result=big(step) if result is None else result, context_length=step + 1,
                       job_id=job or f"j{step}", reply_to="c", reply_ttl_ms=60000)
@@ -391,10 +390,10 @@ async def test_an_in_place_reply_refers_to_the_log_blob_and_its_read_marks_it_re
     assert ref == IN_PLACE_MARK + blob.encode() + b"\x00" + reply_blob.encode()
     assert blob_key(ref) == blob and in_place_keys(ref) == (blob, reply_blob)
     assert await _command_calls(redis, "copy") == copies and not await redis.exists(reply_blob)
-    assert await redis.hkeys(in_place_marker(blob)) == [reply_blob.encode()]
-    assert 0 < await redis.pttl(in_place_marker(blob)) <= 60_000  # the reply's TTL
+    assert await redis.hkeys(k.in_place_marker(blob)) == [reply_blob.encode()]
+    assert 0 < await redis.pttl(k.in_place_marker(blob)) <= 60_000  # the reply's TTL
     assert await read_reply_blobs(redis, [ref]) == [big(0)]
-    assert not await redis.exists(in_place_marker(blob)) and await redis.get(blob) == big(0)  # still the log's
+    assert not await redis.exists(k.in_place_marker(blob)) and await redis.get(blob) == big(0)  # still the log's
     stored = await scripts.enqueue("s1", "w1", step_id=0, contextual=True, job_id="r", reply_to="c", payload=b"p")
     assert stored == Stored(big(0), 0)  # a re-send reads it from the log as before
     for step in (1, 2):  # step 0 falls out of the window of 2: its blob goes, no reply blob appears
@@ -402,7 +401,7 @@ async def test_an_in_place_reply_refers_to_the_log_blob_and_its_read_marks_it_re
     assert await _blob_keys(scripts) == {k.result_blob("s1", 1).encode(), k.result_blob("s1", 2).encode()}
     assert [key async for key in redis.scan_iter(match=k.reply("c") + ":blob:*")] == []
 
-    await redis.delete(in_place_reader(k.reply("c")))  # its reader left (or is of an earlier release)
+    await redis.delete(k.in_place_reader("c"))  # its reader left (or is of an earlier release)
     assert await _commit(scripts, 3) == Committed()
     assert await _last_reply(scripts) == BLOB_MARK + k.reply_blob("c", "j3").encode()
     assert await _command_calls(redis, "copy") == copies + 1
@@ -411,18 +410,24 @@ async def test_an_in_place_reply_refers_to_the_log_blob_and_its_read_marks_it_re
 
 
 async def test_the_reply_reader_says_it_reads_in_place_while_it_runs(scripts: Scripts) -> None:
-    redis, stream = scripts.redis, scripts.keys.reply("reader-key")
-    reader = ReplyReader(redis, stream, block_ms=100)
+    """A reader given its in_place key keeps it standing while it runs and deletes it on stop; a
+    reader without one writes no key (its commits copy)."""
+    redis, k = scripts.redis, scripts.keys
+    plain = ReplyReader(redis, k.reply("plain"), block_ms=100)
+    reader = ReplyReader(redis, k.reply("reader-key"), in_place=k.in_place_reader("reader-key"), block_ms=100)
+    plain.start()
     reader.start()
     try:
         async def standing() -> bool:
-            return bool(await redis.exists(in_place_reader(stream)))
+            return bool(await redis.exists(k.in_place_reader("reader-key")))
 
         await until(standing, "the reader never said it reads in place", bound_s=10)
-        assert 0 < await redis.pttl(in_place_reader(stream)) <= IN_PLACE_READER_TTL_MS
+        assert 0 < await redis.pttl(k.in_place_reader("reader-key")) <= IN_PLACE_READER_TTL_MS
+        assert not await redis.exists(k.in_place_reader("plain"))
     finally:
         await reader.stop()
-    assert not await redis.exists(in_place_reader(stream))
+        await plain.stop()
+    assert not await redis.exists(k.in_place_reader("reader-key"))
 
 
 async def test_an_unread_in_place_result_leaving_the_log_goes_to_its_reader(scripts: Scripts) -> None:
@@ -432,7 +437,7 @@ async def test_an_unread_in_place_result_leaving_the_log_goes_to_its_reader(scri
     redis, k = scripts.redis, scripts.keys
     await _session(scripts, window=2)
     refs = [await _in_place_commit(scripts, step) for step in range(3)]  # none read; step 0 left the window
-    assert not await redis.exists(k.result_blob("s1", 0), in_place_marker(k.result_blob("s1", 0)))
+    assert not await redis.exists(k.result_blob("s1", 0), k.in_place_marker(k.result_blob("s1", 0)))
     assert await redis.get(k.reply_blob("c", "j0")) == big(0)
     assert 0 < await redis.pttl(k.reply_blob("c", "j0")) <= 60_000
     assert await read_reply_blobs(redis, refs[:1]) == [big(0)]
@@ -458,7 +463,7 @@ async def test_the_reply_stream_budget_drops_the_readers_share_of_an_in_place_re
     for step in range(8):
         await _in_place_commit(scripts, step, bounds=bounds)
     markers = sorted([key async for key in redis.scan_iter(match=k.log("s1") + ":blob:*:reader")])
-    assert markers == sorted(in_place_marker(k.result_blob("s1", step)).encode() for step in range(5, 8))
+    assert markers == sorted(k.in_place_marker(k.result_blob("s1", step)).encode() for step in range(5, 8))
     assert len([key async for key in redis.scan_iter(match=k.log("s1") + ":blob:*")]) == 8 + 3
 
 
@@ -495,7 +500,7 @@ async def test_a_reply_read_after_a_reset_reused_its_step_gets_its_own_result(sc
     blob = k.result_blob("s1", 0)
     assert in_place_keys(first) == (blob, k.reply_blob("c", "old")) and in_place_keys(second)[0] == blob
     assert await read_reply_blobs(redis, [first]) == [b"A" * (STAGE_BYTES + 10)]
-    assert await redis.hkeys(in_place_marker(blob)) == [k.reply_blob("c", "new").encode()]
+    assert await redis.hkeys(k.in_place_marker(blob)) == [k.reply_blob("c", "new").encode()]
     for step in (1, 2):  # the new step 0 leaves the window unread: it goes to its reader
         await _in_place_commit(scripts, step)
     assert await read_reply_blobs(redis, [second]) == [b"B" * (STAGE_BYTES + 10)]

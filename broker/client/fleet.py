@@ -174,7 +174,9 @@ class FleetClient:
         if found is None:
             keys = CellKeys(self.config.prefix, cell)
             found = CellLink(self.redis, keys, Scripts(self.redis, keys),
-                             ReplyReader(self.redis, keys.reply(self.client_id)), self.client_id, self.limits,
+                             ReplyReader(self.redis, keys.reply(self.client_id),
+                                         in_place=keys.in_place_reader(self.client_id)),
+                             self.client_id, self.limits,
                              Bounds(self.step_timeout, self.session_check_s, self.reconnect_s))
             found.replies.start()
             self._links[cell] = found

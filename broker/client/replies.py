@@ -11,7 +11,7 @@ from typing import Any
 from redis.asyncio import Redis
 
 from broker.redis.backoff import REDIS_ERRORS, Backoff, cancel_and_wait
-from broker.redis.blobs import IN_PLACE_READER_TTL_MS, blob_key, in_place_reader, read_reply_blobs
+from broker.redis.blobs import IN_PLACE_READER_TTL_MS, blob_key, read_reply_blobs
 from broker.redis.connect import cluster_client_errors
 from broker.redis.layouts import ReplyEntry
 
@@ -30,15 +30,17 @@ class ReplyReader:
     so nothing below the last id read is unread. Unknown job ids (a re-published duplicate, a caller
     that gave up) are dropped.
 
-    While it runs it keeps ``in_place_reader(stream)`` standing (renewed every third of its TTL,
-    deleted on stop): commits then reply with large results in place, with no copy
-    (broker/redis/blobs.py), which ``_resolved`` reads.
+    Given ``in_place`` (the stream's ``CellKeys.in_place_reader``), it keeps that key standing while
+    it runs (renewed every third of its TTL, deleted on stop): commits then reply with large results
+    in place, with no copy (broker/redis/blobs.py), which ``_resolved`` reads. Without it, large
+    results come as copies, which it reads as well.
     """
 
-    def __init__(self, redis: Redis, stream: str, *, block_ms: int = 1000, batch: int = 512,
-                 trim_interval_s: float = TRIM_INTERVAL_S) -> None:
+    def __init__(self, redis: Redis, stream: str, *, in_place: str | None = None, block_ms: int = 1000,
+                 batch: int = 512, trim_interval_s: float = TRIM_INTERVAL_S) -> None:
         self.redis = redis
         self.stream = stream
+        self.in_place = in_place
         self.block_ms = block_ms
         self.batch = batch
         self.trim_interval_s = trim_interval_s
@@ -50,7 +52,7 @@ class ReplyReader:
         self._deletes: set[asyncio.Task[None]] = set()
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._in_place_due = float("-inf")  # the loop clock at which in_place_reader is renewed
+        self._in_place_due = float("-inf")  # the loop clock at which in_place is renewed
 
     def expect(self, job_id: str) -> asyncio.Future[ReplyEntry]:
         # The reader task's loop (the one that resolves the future), not a lookup per step.
@@ -84,10 +86,10 @@ class ReplyReader:
         for task in list(self._deletes):
             task.cancel()
         await asyncio.gather(*self._deletes, return_exceptions=True)
-        if self._in_place_due != float("-inf"):  # no more reads here: later commits copy again
+        if self.in_place is not None and self._in_place_due != float("-inf"):  # later commits copy again
             with contextlib.suppress(Exception):  # a key left behind expires with its TTL
                 async with asyncio.timeout(DELETE_WAIT_S):
-                    await self.redis.delete(in_place_reader(self.stream))
+                    await self.redis.delete(self.in_place)
         for fut in self._waiters.values():
             if not fut.done():
                 fut.cancel()
@@ -118,9 +120,9 @@ class ReplyReader:
         is retried with the read; the key outlasts it by two thirds of its TTL, and a commit that
         finds it gone copies the result instead, which this reader reads as well."""
         now = asyncio.get_running_loop().time()
-        if now < self._in_place_due:
+        if self.in_place is None or now < self._in_place_due:
             return
-        await self.redis.set(in_place_reader(self.stream), b"1", px=IN_PLACE_READER_TTL_MS)
+        await self.redis.set(self.in_place, b"1", px=IN_PLACE_READER_TTL_MS)
         self._in_place_due = now + IN_PLACE_READER_TTL_MS / 3000
 
     async def _dispatch(self, items: list[tuple[bytes, dict[bytes, bytes]]]) -> None:

@@ -18,10 +18,10 @@ Readers resolve a reference with one GET; a blob that is gone (its TTL passed, i
 reset) reads as ``None``, which each reader answers like a result that was not stored.
 
 **In place.** A reply stream whose reader reads large results where the log keeps them (the
-trainer's ``ReplyReader``, broker/client/replies.py, keeps ``in_place_reader(stream)`` standing
+trainer's ``ReplyReader``, broker/client/replies.py, keeps ``CellKeys.in_place_reader`` standing
 while it runs, ``IN_PLACE_READER_TTL_MS`` at a time) gets no reply blob: a commit that finds that
 key publishes a ``result`` of ``IN_PLACE_MARK``, the result blob's key, a NUL and the reply blob
-the reader would own, and the blob's marker (``in_place_marker``, a HASH) holds that reply blob as
+the reader would own, and the blob's marker (``CellKeys.in_place_marker``, a HASH) holds that reply blob as
 a field while the reply is unread. That saves the master a copy of every large result (a ``COPY``
 of 450 KB was 5-12% of a latent step's main thread: docs/sizing.md). The reader reads with ``GET``
 of the result blob, ``GETDEL`` of the reply blob and ``HDEL`` of its field in one round trip
@@ -43,6 +43,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 
 from broker.redis.aio import resolve
+from broker.redis.keys import CellKeys
 from broker.redis.script_replies import EnqueueReply, Refused, Stored
 from schemas.errors import ErrorCode, FleetError, error_for
 
@@ -54,9 +55,7 @@ STAGE_BYTES = 32 * 1024
 STAGE_TTL_MS = 60_000
 BLOB_MARK = b"\xc1\x00"
 IN_PLACE_MARK = BLOB_MARK + b"\x00"  # a key name never starts with a NUL byte
-IN_PLACE_MARKER_SUFFIX = ":reader"
-IN_PLACE_READER_SUFFIX = ":in_place"
-# How long a reader's in_place_reader key stands unless renewed; ReplyReader renews it every third
+# How long a reader's CellKeys.in_place_reader key stands unless renewed; ReplyReader renews it every third
 # of that. A reader that died leaves it this long (commits keep replying in place, which only its
 # own read can use); an earlier release's reader must not take over the same client id before.
 IN_PLACE_READER_TTL_MS = 600_000
@@ -71,18 +70,6 @@ def in_place_keys(value: bytes | None) -> tuple[str, str] | None:
     if not sep:
         return None
     return blob.decode("utf-8", "replace"), reply_blob.decode("utf-8", "replace")
-
-
-def in_place_marker(blob: str) -> str:
-    """The HASH whose field names the reader of ``blob``'s in-place reply while it is unread
-    (prelude.lua in_place_marker)."""
-    return blob + IN_PLACE_MARKER_SUFFIX
-
-
-def in_place_reader(stream: str) -> str:
-    """The key a reply stream's reader keeps standing while it reads large results in place
-    (prelude.lua in_place_reader)."""
-    return stream + IN_PLACE_READER_SUFFIX
 
 
 def blob_key(value: bytes | None) -> str | None:
@@ -148,7 +135,7 @@ async def read_reply_blobs(redis: Redis, refs: list[bytes]) -> list[Any]:
                 blob, reply_blob = place
                 pipe.get(blob)
                 pipe.getdel(reply_blob)
-                pipe.hdel(in_place_marker(blob), reply_blob)
+                pipe.hdel(CellKeys.in_place_marker(blob), reply_blob)
         values: list[Any] = await pipe.execute(raise_on_error=False)
     out: list[Any] = []
     at = 0

@@ -199,6 +199,19 @@ class CellKeys:
         """STREAM of results for one trainer/consumer."""
         return f"{self.base}:reply:{consumer}"
 
+    def in_place_reader(self, consumer: str) -> str:
+        """STRING (SET PX): stands while the consumer's reply reader reads large results in place, where
+        the session's log keeps them (broker/redis/blobs.py); prelude.lua's in_place_reader builds the
+        same name from the reply stream's key."""
+        return f"{self.reply(consumer)}:in_place"
+
+    @staticmethod
+    def in_place_marker(blob: str) -> str:
+        """HASH named after a log's result blob (:meth:`result_blob`): its field names the reply blob of
+        the blob's unread in-place reply (broker/redis/blobs.py); prelude.lua's in_place_marker builds
+        the same name."""
+        return f"{blob}:reader"
+
     def staged_reply(self, consumer: str, job_id: str, worker_id: str) -> str:
         """STRING: a large stateless result a worker wrote just before report.lua publishes it."""
         return f"{self.reply(consumer)}:stage:{job_id}:{worker_id}"
