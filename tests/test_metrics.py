@@ -15,12 +15,13 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from broker import FleetClient
 from broker.gateway.settings import GatewaySettings
-from broker.ops.metrics import FleetMetrics
+from broker.ops.metrics import STEP_BUCKETS, FleetMetrics, StepHistogram
 from broker.ops.supervisor import SupervisorSettings, reap_job, trim_job
 from broker.redis.config import CellConfig
 from broker.redis.embedded import RedisServer
@@ -229,3 +230,26 @@ async def test_a_supervisor_process_serves_metrics_and_a_taken_port_is_one_line(
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_the_step_histogram_reads_as_prometheus_clients_histogram() -> None:
+    """StepHistogram (the step path's cheap observe) exposes what prometheus-client's Histogram
+    exposes for the same observations: every bucket, count and sum, a value on a bound in that
+    bucket, a NaN in none; only the _created timestamps differ."""
+    ours, theirs = CollectorRegistry(), CollectorRegistry()
+    fast = StepHistogram("t_seconds", "doc", ("model", "phase"), STEP_BUCKETS, registry=ours)
+    slow = Histogram("t_seconds", "doc", ["model", "phase"], buckets=STEP_BUCKETS, registry=theirs)
+    values = [*STEP_BUCKETS, 0.0, -1.0, 1e-9, 0.0007, 3.0, 299.9, 301.0, 1e12, float("nan")]
+    for i, v in enumerate(values):
+        labels = ("m", "queue" if i % 3 else "total")
+        fast.labels(*labels).observe(v)
+        slow.labels(*labels).observe(v)
+
+    def text(registry: CollectorRegistry) -> str:
+        return re.sub(r"(_created\{[^}]*\}) \S+", r"\1 T", generate_latest(registry).decode())
+
+    assert "t_seconds_bucket" in text(ours) and text(ours) == text(theirs)
+    with pytest.raises(ValueError):
+        fast.labels("m")
+    with pytest.raises(ValueError):
+        StepHistogram("u_seconds", "doc", ("model",), (1.0, 0.5), registry=CollectorRegistry())

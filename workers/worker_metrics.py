@@ -15,12 +15,12 @@ import time
 from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Protocol
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from broker.ops.cell_stats import BUCKETS_MS, StepSummary, bucket_of, publish_summary
-from broker.ops.metrics import FleetMetrics, MetricsServer, ReadyCheck, serve_metrics
+from broker.ops.metrics import FleetMetrics, MetricsServer, ReadyCheck, StepHistogramChild, serve_metrics
 from broker.redis.keys import CellKeys
 from broker.redis.refusals import RedisRefused
 from workers.engines.base import Engine
@@ -28,7 +28,8 @@ from workers.rate_limit import WarningLimiter
 
 log = logging.getLogger(__name__)
 OTHER_MODEL = "other"
-_Committed = tuple[Counter, Histogram, Histogram, Histogram, Histogram]  # steps; queue, engine, commit, total
+# steps; queue, engine, commit, total
+_Committed = tuple[Counter, StepHistogramChild, StepHistogramChild, StepHistogramChild, StepHistogramChild]
 
 
 class SessionModel(Protocol):
