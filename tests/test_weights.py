@@ -20,6 +20,7 @@ from workers.engines.null import NullEngine
 from workers.engines.reference import ReferenceEngine, ReferenceEngineConfig
 from workers.engines.reference_lm import ReferenceLMConfig
 from workers.rebuild import teacher_forced
+from workers.weight_control import WeightGate
 from workers.worker import Worker
 
 pytestmark = pytest.mark.asyncio
@@ -285,3 +286,20 @@ async def test_an_engine_that_aborts_steps_on_its_own_fails_them_like_any_engine
     assert r.error is not None and r.error.code is ErrorCode.INFERENCE_ERROR and r.attempt == 2
     assert "aborted by the engine itself" in r.error.message
     assert await fleet.redis.xlen(fleet.keys.dead) == 1
+
+
+async def test_a_step_let_in_without_waiting_holds_an_update_until_it_leaves() -> None:
+    """WeightGate.enter_now, the step path's entry: None wherever step() would wait (an update holds
+    the gate, the version is not there yet); a step it let in keeps an update out until it leaves."""
+    null = NullEngine()
+    gate = WeightGate(null)
+    assert gate.enter_now(1, model="null-world") is None and gate.running == 0  # version 0 < 1: would wait
+    version = gate.enter_now(0, model="null-world")
+    assert version == 0 and gate.running == 1
+    update = asyncio.create_task(gate.update("unused", 1))
+    await asyncio.sleep(0.05)
+    assert not update.done() and gate.enter_now(0, model="null-world") is None  # closed while it drains
+    gate.leave()
+    await asyncio.wait_for(update, 5)
+    assert gate.running == 0 and gate.enter_now(1, model="null-world") == 1
+    gate.leave()

@@ -43,7 +43,7 @@ from workers.engines.partial import partial_of
 from workers.job_scripts import CommitAnswer, JobScripts, ReplicaConfirmation, StepFailed, finish_before_cancel, settled
 from workers.rebuild import VERSIONS_KEY, Snapshotter, output_digest, rebuild_context, records_kept, step_record
 from workers.settings import WorkerSettings
-from workers.weight_control import VersionWaitEnded, WeightGate
+from workers.weight_control import InGate, VersionWaitEnded, WeightGate
 from workers.worker_metrics import StepStats, WorkerMetrics
 
 log = logging.getLogger(__name__)
@@ -363,10 +363,16 @@ class StepExecutor:
                     log.info("step %s/%d aborted for a weight update; it runs again after it (%d generated "
                              "tokens kept)", job.session_id, job.step_id, kept)
 
-    @contextlib.asynccontextmanager
-    async def _gate(self, job: InboxEntry) -> AsyncIterator[int]:
+    def _gate(self, job: InboxEntry) -> contextlib.AbstractAsyncContextManager[int]:
         """Pass the weight gate; a step waiting there for its minimum policy version gives up after
         ``version_wait_s``, or at once when its session is closed or the worker drains."""
+        version = self.gate.enter_now(job.min_version, model=job.model)
+        if version is not None:  # the common case: nothing to wait for, nothing to stop
+            return InGate(self.gate, version)
+        return self._wait_at_gate(job)
+
+    @contextlib.asynccontextmanager
+    async def _wait_at_gate(self, job: InboxEntry) -> AsyncIterator[int]:
         stop = asyncio.Event()
         if self.draining:
             stop.set()

@@ -39,6 +39,23 @@ class VersionWaitEnded(Exception):
         self.stopped = stopped  # told to stop (a close, a drain) rather than timed out
 
 
+class InGate:
+    """``async with`` for a step :meth:`WeightGate.enter_now` let in: yields its policy version and
+    leaves the gate on the way out, whatever ends the block."""
+
+    __slots__ = ("_gate", "version")
+
+    def __init__(self, gate: WeightGate, version: int) -> None:
+        self._gate = gate
+        self.version = version
+
+    async def __aenter__(self) -> int:
+        return self.version
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self._gate.leave()
+
+
 class WeightGate:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -70,9 +87,27 @@ class WeightGate:
         try:
             yield self._version(model)
         finally:
-            self._running -= 1
-            if self._running == 0:
-                self._idle.set()
+            self.leave()
+
+    def enter_now(self, min_version: int = 0, *, model: str | None = None) -> int | None:
+        """:meth:`step`'s entry where it would not wait (the gate open, ``model`` at ``min_version`` or
+        later): the step is inside, holding the policy version returned, until :meth:`leave`. None
+        where :meth:`step` would wait (nothing changed). The step path's common case, without the
+        two generators of an ``async with`` on :meth:`step`."""
+        if not self._open.is_set():
+            return None
+        version = self._version(model)
+        if version < min_version:
+            return None
+        self._running += 1
+        self._idle.clear()
+        return version
+
+    def leave(self) -> None:
+        """A step entered with :meth:`enter_now` (or :meth:`step`) left the engine."""
+        self._running -= 1
+        if self._running == 0:
+            self._idle.set()
 
     def _version(self, model: str | None) -> int:
         return self.engine.policy_version if model is None else self.engine.policy_version_of(model)
