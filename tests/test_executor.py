@@ -15,6 +15,7 @@ import pytest
 
 from broker import FleetClient
 from broker.client import Session
+from broker.redis.aio import outcome_of
 from broker.redis.embedded import RedisServer
 from broker.redis.inbox import InboxEntry, parse_inbox_entry
 from broker.redis.script_replies import CommitReply
@@ -23,7 +24,7 @@ from schemas.messages import StepResult
 from tests.support import world_step
 from workers.engines.base import EngineOutput, EngineRequest
 from workers.engines.null import NullEngine
-from workers.job_scripts import finish_before_cancel
+from workers.job_scripts import finish_before_cancel, settled_in_place
 from workers.settings import WorkerSettings
 from workers.worker import Worker
 
@@ -181,6 +182,40 @@ async def test_a_malformed_entry_takes_the_same_path(fleet: FleetClient, idle_wo
 async def test_a_commit_already_sent_completes_and_applies_its_outcome_when_the_lane_is_cancelled(
     fleet: FleetClient, idle_worker: Worker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The common commit (coalesced, no replica wait) runs in the lane's own task: a cancellation of
+    the lane while the commit's answer is on its way (the flush task still reading it) waits for it."""
+    assert idle_worker.executor.jobs.commits_in_place
+    scripts = idle_worker.executor.jobs.scripts
+    sent = asyncio.Event()
+    real_direct = scripts._direct
+
+    async def slow_answer(name: str, keys: list[str], args: list[Any], before: list[Any] | None = None) -> Any:
+        answer = await real_direct(name, keys, args, before)
+        if name == "commit":
+            sent.set()
+            await asyncio.sleep(0.2)  # the reply is still on its way when the lane is cancelled
+        return answer
+
+    monkeypatch.setattr(scripts, "_direct", slow_answer)
+    s, waiting, job = await enqueued(fleet, idle_worker, 0)
+    lane = asyncio.create_task(idle_worker._process(job))
+    await sent.wait()
+    lane.cancel()
+    await asyncio.sleep(0.05)
+    lane.cancel()  # a second cancellation does not cut the wait short either
+    with pytest.raises(asyncio.CancelledError):
+        await lane
+    assert idle_worker._sessions[s.session_id].committed == 0 and idle_worker.executor.committed_steps == 1
+    r = await asyncio.wait_for(waiting, 5)
+    assert r.ok and r.committed_step_id == 0 and (await s.status()).committed_step_id == 0
+
+
+async def test_a_commit_in_a_task_of_its_own_completes_and_applies_its_outcome_when_the_lane_is_cancelled(
+    fleet: FleetClient, idle_worker: Worker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A commit that waits on the lane's own connection (replicated durability, no coalescing) runs
+    in a task of its own (finish_before_cancel): there the whole call finishes first."""
+    monkeypatch.setattr(idle_worker.executor.jobs, "commits_in_place", False)
     sent = asyncio.Event()
     real_commit = idle_worker.executor.jobs.commit
 
@@ -219,3 +254,65 @@ async def test_finish_before_cancel_lets_the_work_end_then_delivers_the_cancella
         await caller
     assert done == ["applied"]
     assert await finish_before_cancel(work()) == "answer"
+
+
+async def test_outcome_of_waits_through_cancellations_and_keeps_them_requested() -> None:
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[str] = loop.create_future()
+    after: list[str] = []
+
+    async def caller() -> None:
+        after.append(await outcome_of(fut))  # code between the outcome and the next await runs
+        await asyncio.sleep(1)  # the held cancellation lands here
+        after.append("not reached")
+
+    task = asyncio.create_task(caller())
+    await asyncio.sleep(0)
+    task.cancel()
+    await asyncio.sleep(0)
+    task.cancel()
+    await asyncio.sleep(0.01)
+    assert not task.done()
+    fut.set_result("answer")
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert after == ["answer"] and task.cancelling() == 2
+
+
+async def test_outcome_of_raises_the_futures_error_or_cancellation() -> None:
+    loop = asyncio.get_running_loop()
+    failed: asyncio.Future[str] = loop.create_future()
+    failed.set_exception(ConnectionError("gone"))
+    with pytest.raises(ConnectionError):
+        await outcome_of(failed)
+    cancelled: asyncio.Future[str] = loop.create_future()
+    task = asyncio.create_task(outcome_of(cancelled))
+    await asyncio.sleep(0)
+    cancelled.cancel()  # the call itself was cancelled (Scripts.cancel_pending): at once
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+async def test_settled_in_place_applies_the_outcome_then_delivers_the_cancellation() -> None:
+    loop = asyncio.get_running_loop()
+    applied: list[str] = []
+    fut: asyncio.Future[str] = loop.create_future()
+
+    async def attempt() -> str:
+        answer = await outcome_of(fut)
+        applied.append(answer)
+        if answer == "refused":
+            raise RuntimeError("dropped: the cancellation wins")
+        return answer
+
+    task = asyncio.create_task(settled_in_place(attempt, "commit"))
+    await asyncio.sleep(0)
+    task.cancel()
+    await asyncio.sleep(0.01)
+    fut.set_result("refused")
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert applied == ["refused"]
+    fut = loop.create_future()
+    fut.set_result("answer")
+    assert await settled_in_place(attempt, "commit") == "answer"  # no cancellation: the outcome

@@ -40,7 +40,15 @@ from schemas.messages import Latency, StepInput, StepResult, TokenStep, parse_st
 from workers.batcher import Batcher
 from workers.engines.base import Engine, EngineOutput, EngineRequest
 from workers.engines.partial import partial_of
-from workers.job_scripts import CommitAnswer, JobScripts, ReplicaConfirmation, StepFailed, finish_before_cancel, settled
+from workers.job_scripts import (
+    CommitAnswer,
+    JobScripts,
+    ReplicaConfirmation,
+    StepFailed,
+    finish_before_cancel,
+    settled,
+    settled_in_place,
+)
 from workers.rebuild import VERSIONS_KEY, Snapshotter, output_digest, rebuild_context, records_kept, step_record
 from workers.settings import WorkerSettings
 from workers.weight_control import InGate, VersionWaitEnded, WeightGate
@@ -502,7 +510,9 @@ class StepExecutor:
             answer, acked = await commit_call()
             return self._apply_commit(job, state, answer), acked
 
-        fresh, acked = await settled(commit_once, f"commit {job.session_id}/{job.step_id}")
+        what = f"commit {job.session_id}/{job.step_id}"
+        in_place = self.jobs.commits_in_place
+        fresh, acked = await (settled_in_place(commit_once, what) if in_place else settled(commit_once, what))
         await self.replicas.confirm(job, acked, commit_call)  # replicated durability: then it is published
         return fresh
 

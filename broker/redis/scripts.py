@@ -20,7 +20,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 
 from broker.redis.admission import Admission
-from broker.redis.aio import settle
+from broker.redis.aio import outcome_of, settle
 from broker.redis.blobs import BLOB_MARK, STAGE_BYTES, after_command, stage_command, stored_resolved, unless_unstaged
 from broker.redis.cells import touch_cell
 from broker.redis.connect import cluster_client_errors
@@ -171,11 +171,14 @@ class Scripts:
         self.on_refusal: Callable[[RedisRefused], None] | None = None
         self.refused_at = float("-inf")  # time.monotonic() of the last refusal seen
 
-    async def _call(self, name: str, keys: list[str], args: list[Any], before: list[Any] | None = None) -> Any:
+    async def _call(self, name: str, keys: list[str], args: list[Any], before: list[Any] | None = None, *,
+                    hold_cancel: bool = False) -> Any:
         """One script call; a refusal (OOM, MISCONF, READONLY, ...) is raised as
-        :class:`RedisRefused`, the connection error callers already ride out."""
+        :class:`RedisRefused`, the connection error callers already ride out. ``hold_cancel``: a
+        coalesced call's answer is waited for even if the caller is cancelled meanwhile
+        (``outcome_of``)."""
         try:
-            return await self._coalesced(name, keys, args, before)
+            return await self._coalesced(name, keys, args, before, hold_cancel)
         except ResponseError as exc:
             raise self._refused(exc) from exc
 
@@ -195,7 +198,8 @@ class Scripts:
         """Whether Redis refused a write on this pool in the last ``seconds``."""
         return time.monotonic() - self.refused_at < seconds
 
-    async def _coalesced(self, name: str, keys: list[str], args: list[Any], before: list[Any] | None) -> Any:
+    async def _coalesced(self, name: str, keys: list[str], args: list[Any], before: list[Any] | None,
+                         hold_cancel: bool = False) -> Any:
         """Script calls made in the same event-loop turn (many lanes committing, many sessions
         enqueueing) leave as one pipeline: one write and one read instead of one per call.
         Calls keep their order; each caller gets its own result or error."""
@@ -206,7 +210,7 @@ class Scripts:
         if not self._pending:
             loop.call_soon(self._flush_soon)  # after the callbacks already ready: they join this batch
         self._pending.append((name, keys, args, fut, before))
-        return await fut
+        return await (outcome_of(fut) if hold_cancel else fut)
 
     async def _direct(self, name: str, keys: list[str], args: list[Any], before: list[Any] | None = None) -> Any:
         if before is not None:
@@ -364,10 +368,10 @@ class Scripts:
 
     # ------------------------------------------------------------------ worker side
 
-    async def commit(self, call: CommitCall) -> CommitReply:
-        """Commit a step (what each field means: :class:`CommitCall`)."""
+    async def commit(self, call: CommitCall, *, hold_cancel: bool = False) -> CommitReply:
+        """Commit a step (what each field means: :class:`CommitCall`); ``hold_cancel``: see :meth:`_call`."""
         keys, args, before = self._commit_call(call)
-        return decode_commit(unless_unstaged(await self._call("commit", keys, args, before)))
+        return decode_commit(unless_unstaged(await self._call("commit", keys, args, before, hold_cancel=hold_cancel)))
 
     async def commit_and_wait(self, call: CommitCall, wait: ReplicaWait) -> tuple[CommitReply, int]:
         """``call`` deferred (an empty ``result``: a deferred duplicate) followed by ``WAIT`` on the
