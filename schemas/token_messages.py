@@ -44,8 +44,7 @@ class SamplingParams:
     @classmethod
     def from_wire(cls, data: Any) -> SamplingParams:
         data = as_mapping(or_default(data, {}), "sampling")
-        check_fields(data, {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", *_EXTRA},
-                      "sampling")
+        check_fields(data, _SAMPLING_FIELDS, "sampling")
         seed = data.get("seed")
         stops = as_list(or_default(data.get("stop_token_ids"), ()), "sampling.stop_token_ids", "integers")
         params = cls(
@@ -75,6 +74,8 @@ class SamplingParams:
 
 _EXTRA: dict[str, Any] = {"stop": (), "logprobs": 0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
                           "repetition_penalty": 1.0, "min_tokens": 0}
+_SAMPLING_FIELDS = frozenset({"max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", *_EXTRA})
+_STEP_FIELDS = frozenset({"token_ids", "sampling", "return_routed_experts", "multimodal"})
 
 
 def _stop_strings(value: Any) -> tuple[str, ...]:
@@ -118,7 +119,7 @@ class TokenStep:
     @classmethod
     def from_wire(cls, data: Any, limits: Limits = DEFAULT_LIMITS) -> TokenStep:
         data = as_mapping(data, "token step")
-        check_fields(data, {"token_ids", "sampling", "return_routed_experts", "multimodal"}, "token step")
+        check_fields(data, _STEP_FIELDS, "token step")
         ids = data.get("token_ids")
         if isinstance(ids, np.ndarray):
             if ids.dtype.kind not in "iu" or ids.ndim != 1:

@@ -14,6 +14,9 @@ from schemas.wire_fields import as_extra, as_floats, as_image, as_mapping, check
 
 JOINT_COUNT = 7  # DROID arm joints
 GRIPPER_COUNT = 1
+_OBSERVATION_FIELDS = frozenset({"prompt", "images", "state", "extra"})
+_ACTION_FIELDS = frozenset({"joint_positions", "gripper_position", "extra"})
+_STEP_FIELDS = frozenset({"observation", "action"})
 
 
 @dataclass(frozen=True)
@@ -28,16 +31,16 @@ class Observation:
     @classmethod
     def from_wire(cls, data: Any, limits: Limits = DEFAULT_LIMITS) -> Observation:
         data = as_mapping(data, "observation")
-        check_fields(data, {"prompt", "images", "state", "extra"}, "observation")
+        check_fields(data, _OBSERVATION_FIELDS, "observation")
         prompt = data.get("prompt", "")
         if not isinstance(prompt, str):
             raise InvalidRequestError("observation.prompt must be a string")
         images_in = as_mapping(or_default(data.get("images"), {}), "observation.images")
         if len(images_in) > limits.max_images:
             raise PayloadTooLargeError(f"{len(images_in)} images; limit is {limits.max_images}")
-        images = {str(k): as_image(v, str(k)) for k, v in images_in.items()}
+        images = {str(k): as_image(v, str(k)) for k, v in images_in.items()} if images_in else {}
         state = as_floats(or_default(data.get("state"), ()), "observation.state")
-        return cls(prompt=prompt, images=images, state=state, extra=as_extra(data.get("extra"), "extra"))
+        return cls(prompt, images, state, as_extra(data.get("extra"), "extra"))
 
     def to_wire(self) -> dict[str, Any]:
         return {"prompt": self.prompt, "images": dict(self.images), "state": list(self.state),
@@ -55,7 +58,7 @@ class Action:
     @classmethod
     def from_wire(cls, data: Any) -> Action:
         data = as_mapping(data, "action")
-        check_fields(data, {"joint_positions", "gripper_position", "extra"}, "action")
+        check_fields(data, _ACTION_FIELDS, "action")
         joints = data.get("joint_positions")
         gripper = data.get("gripper_position")
         return cls(
@@ -106,7 +109,7 @@ class WorldStep:
     @classmethod
     def from_wire(cls, data: Any, limits: Limits = DEFAULT_LIMITS) -> WorldStep:
         data = as_mapping(data, "world step")
-        check_fields(data, {"observation", "action"}, "world step")
+        check_fields(data, _STEP_FIELDS, "world step")
         if "observation" not in data:
             raise InvalidRequestError("world step needs an observation")
         action = data.get("action")
