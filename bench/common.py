@@ -9,6 +9,8 @@ import ctypes
 import ctypes.util
 import json
 import os
+import re
+import shutil
 import statistics
 import subprocess
 import tempfile
@@ -408,3 +410,66 @@ class NullWorldSteps:
         if isinstance(out, BaseException):
             raise out
         return dict(out.output)
+
+
+class Callgrind:
+    """Instruction counts of processes run under valgrind's callgrind, counted from :meth:`on`: the
+    same count for the same work on any VM, however busy (a timed run on these VMs swings by up to
+    2x), so a change of a few percent shows. ``functions``: inclusive counts to read besides the
+    total, by name (name -> the C function whose inclusive count it is)."""
+
+    TOOLS = ("valgrind", "callgrind_control", "callgrind_annotate")
+    _LINE = re.compile(r"^\s*([\d,]+)\s+\([^)]*\)\s+(?:\S*:)?([A-Za-z_]\w*)\b")
+
+    def __init__(self, directory: str, functions: dict[str, str] | None = None) -> None:
+        self.directory = Path(directory)
+        self.functions = dict(functions or {})
+
+    @classmethod
+    def missing(cls) -> str | None:
+        """Why callgrind cannot run here (a tool not on the PATH), or None."""
+        absent = [tool for tool in cls.TOOLS if shutil.which(tool) is None]
+        return f"--callgrind needs valgrind ({', '.join(cls.TOOLS)}) on the PATH; missing: {', '.join(absent)}" \
+            if absent else None
+
+    def wrapper(self, name: str = "callgrind") -> list[str]:
+        """The command prefix that runs a process under callgrind, counting nothing until :meth:`on`;
+        its profiles are ``<directory>/<name>.<pid>.<n>``."""
+        return ["valgrind", "--tool=callgrind", "--instr-atstart=no",
+                f"--callgrind-out-file={self.directory}/{name}.%p"]
+
+    @staticmethod
+    def control(pid: int, *args: str) -> None:
+        subprocess.run(["callgrind_control", *args, str(pid)], check=True, capture_output=True, timeout=120)
+
+    def on(self, pid: int) -> None:
+        """Count from now on."""
+        self.control(pid, "--instr=on")
+        self.control(pid, "--zero")
+
+    def counts(self, pid: int, name: str = "callgrind") -> dict[str, int]:
+        """Instructions since :meth:`on`: ``total`` and each of ``functions`` (inclusive)."""
+        self.control(pid, "--dump")
+        return self.read(self.last_dump(pid, name))
+
+    def last_dump(self, pid: int, name: str = "callgrind") -> Path:
+        dumps = sorted(self.directory.glob(f"{name}.{pid}.*"), key=lambda p: int(p.suffix[1:]))
+        if not dumps:
+            raise RuntimeError(f"callgrind wrote no profile for pid {pid} in {self.directory}")
+        return dumps[-1]
+
+    def read(self, dump: Path) -> dict[str, int]:
+        """``total`` and each of ``functions`` of one profile."""
+        text = subprocess.run(["callgrind_annotate", "--inclusive=yes", "--threshold=100", str(dump)],
+                              check=True, capture_output=True, text=True, timeout=300).stdout
+        counts = {"total": 0, **dict.fromkeys(self.functions, 0)}
+        names = {function: name for name, function in self.functions.items()}
+        for line in text.splitlines():
+            if "PROGRAM TOTALS" in line:
+                counts["total"] = int(line.split()[0].replace(",", ""))
+                continue
+            match = self._LINE.match(line)
+            if match and match.group(2) in names:
+                name = names[match.group(2)]
+                counts[name] = max(counts[name], int(match.group(1).replace(",", "")))
+        return counts

@@ -13,17 +13,38 @@ Rows give the median over the rounds of steps/s and of the CPU per step of the t
 the worker and Redis (``/proc/<pid>/stat`` over the timed window), then the ratio of the totals.
 
     python -m bench.step_cpu --size full --baseline 012b13f
+
+``--callgrind`` counts instructions instead: the trainer process and the worker run under valgrind's
+callgrind, every session runs a fixed number of counted steps after its warm-up, and the rows give
+thousands of instructions per step of each and of both (one round: the count is the same for the
+same work on any VM, however busy, where the timed rounds of one run swing by 10-30%). Instructions
+are not time (a syscall's kernel work is not counted, a cache miss counts as one): it shows what a
+change of the Python on either side does, the timed run what a step costs. ~4 minutes at
+``--size full``.
+
+    python -m bench.step_cpu --size full --baseline 28e433f --callgrind
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import sys
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.common import Row, checkouts, new_prefix, private_redis, revision_main, revision_rows, run_child
+from bench.common import (
+    Callgrind,
+    Row,
+    checkouts,
+    format_table,
+    new_prefix,
+    private_redis,
+    revision_rows,
+    run_child,
+)
 from bench.step_cpu_child import CASES
 from broker.redis.embedded import RedisServer
 
@@ -40,6 +61,8 @@ class Size:
 
 
 SIZE = {"smoke": Size(warmup_s=0.3, window_s=0.5, rounds=1), "full": Size(warmup_s=1.0, window_s=4.0, rounds=3)}
+COUNTED_STEPS = {"smoke": 1, "full": 8}  # per session, under callgrind
+_CALLGRIND_TIMEOUT_S = 900.0
 
 
 def measure(root: Path, server: RedisServer, case: str, size: Size) -> dict[str, float]:
@@ -49,6 +72,36 @@ def measure(root: Path, server: RedisServer, case: str, size: Size) -> dict[str,
                "--prefix", new_prefix("cpu"), "--case", case,
                "--warmup-s", str(size.warmup_s), "--window-s", str(size.window_s)]
     return run_child(root, command, timeout=size.warmup_s + size.window_s + _CHILD_SLACK_S, what=case)
+
+
+def count(root: Path, server: RedisServer, case: str, size_name: str, callgrind: Callgrind) -> dict[str, float]:
+    """One case's instructions per step, trainer and worker, in a child process that imports the
+    fleet from ``root``; both run under callgrind."""
+    assert server.process is not None
+    command = [*callgrind.wrapper("trainer"), sys.executable, str(CHILD), "--redis-url", server.url,
+               "--redis-pid", str(server.process.pid), "--prefix", new_prefix("cpu"), "--case", case,
+               "--callgrind-dir", str(callgrind.directory), "--steps", str(COUNTED_STEPS[size_name])]
+    done = run_child(root, command, timeout=_CALLGRIND_TIMEOUT_S, what=f"{case} under callgrind")
+    steps = done["steps"]
+    client = callgrind.read(callgrind.last_dump(int(done["pid_client"]), "trainer"))["total"] / steps
+    worker = callgrind.read(callgrind.last_dump(int(done["pid_workers"]), "worker"))["total"] / steps
+    return {"kinstr_client": client / 1e3, "kinstr_workers": worker / 1e3, "kinstr_total": (client + worker) / 1e3,
+            "steps": steps}
+
+
+def run_counted(size_name: str, baseline: str | None, directory: str) -> list[Row]:
+    """Each case once per checkout under callgrind (``--callgrind``)."""
+    callgrind = Callgrind(directory)
+    with contextlib.ExitStack() as stack:
+        roots = checkouts(stack, baseline)
+        server = stack.enter_context(private_redis())
+        rows = []
+        for case in CASES:
+            shape, sessions = CASES[case]
+            runs = {label: [count(root, server, case, size_name, callgrind)] for label, root in roots.items()}
+            rows += revision_rows(NAME, f"{case} {shape} f32, {sessions} sessions, 1 worker, instructions",
+                                  runs, {"kinstr_total": "kinstr_total"})
+        return rows
 
 
 def rows_of(samples: dict[tuple[str, str], list[dict[str, float]]], labels: Sequence[str]) -> list[Row]:
@@ -75,7 +128,22 @@ def run(size_name: str, baseline: str | None) -> list[Row]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return revision_main(NAME, __doc__, run, argv)
+    parser = argparse.ArgumentParser(prog=f"python -m bench.{NAME}", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", choices=sorted(SIZE), default="smoke")
+    parser.add_argument("--baseline", metavar="REV", help="a git revision to measure beside this checkout")
+    parser.add_argument("--callgrind", action="store_true",
+                        help="count the trainer's and the worker's instructions per step under callgrind")
+    args = parser.parse_args(argv)
+    if not args.callgrind:
+        print(format_table(run(args.size, args.baseline)))
+        return 0
+    if missing := Callgrind.missing():
+        print(f"{NAME}: {missing}", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="rollout-fleet-callgrind-") as directory:
+        print(format_table(run_counted(args.size, args.baseline, directory)))
+    return 0
 
 
 if __name__ == "__main__":

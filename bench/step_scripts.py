@@ -31,8 +31,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -43,7 +41,7 @@ from pathlib import Path
 
 from redis.asyncio import Redis
 
-from bench.common import Row, format_table, private_redis
+from bench.common import Callgrind, Row, format_table, private_redis
 from broker.redis.connect import open_redis
 from broker.redis.embedded import RedisServer
 from broker.redis.keys import INBOX_GROUP, CellKeys
@@ -52,6 +50,8 @@ from broker.redis.script_replies import Committed, Created, Queued
 from broker.redis.scripts import CommitCall, Scripts
 
 NAME = "step_scripts"
+# Inclusive instruction counts read from a server's profile: the scripts, and the commands they call.
+FUNCTIONS = {"scripts": "evalShaCommand", "commands_in_scripts": "scriptCall"}
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = ("create", "enqueue", "commit")  # the sessions made, and the step's two scripts
 MODE, MODEL = "tokens", "null-lm"
@@ -98,50 +98,6 @@ def _pid(server: RedisServer) -> int:
     if server.process is None:
         raise RuntimeError("the private Redis is not running")
     return server.process.pid
-
-
-class Callgrind:
-    """Instruction counts of private Redis servers run under callgrind, counted from :meth:`on`."""
-
-    # Inclusive counts read from the profile: the scripts, and the commands they call.
-    FUNCTIONS = {"scripts": "evalShaCommand", "commands_in_scripts": "scriptCall"}
-    _LINE = re.compile(r"^\s*([\d,]+)\s+\([^)]*\)\s+(?:\S*:)?([A-Za-z_]\w*)\b")
-
-    def __init__(self, directory: str) -> None:
-        self.directory = Path(directory)
-
-    def wrapper(self) -> list[str]:
-        return ["valgrind", "--tool=callgrind", "--instr-atstart=no",
-                f"--callgrind-out-file={self.directory}/callgrind.%p"]
-
-    @staticmethod
-    def _control(pid: int, *args: str) -> None:
-        subprocess.run(["callgrind_control", *args, str(pid)], check=True, capture_output=True, timeout=120)
-
-    def on(self, pid: int) -> None:
-        """Count from now on."""
-        self._control(pid, "--instr=on")
-        self._control(pid, "--zero")
-
-    def counts(self, pid: int) -> dict[str, int]:
-        """Instructions since :meth:`on`: ``total`` and :attr:`FUNCTIONS` (inclusive)."""
-        self._control(pid, "--dump")
-        dumps = sorted(self.directory.glob(f"callgrind.{pid}.*"), key=lambda p: int(p.suffix[1:]))
-        if not dumps:
-            raise RuntimeError(f"callgrind wrote no profile for pid {pid} in {self.directory}")
-        text = subprocess.run(["callgrind_annotate", "--inclusive=yes", "--threshold=100", str(dumps[-1])],
-                              check=True, capture_output=True, text=True, timeout=300).stdout
-        counts = {"total": 0, **dict.fromkeys(self.FUNCTIONS, 0)}
-        names = {function: name for name, function in self.FUNCTIONS.items()}
-        for line in text.splitlines():
-            if "PROGRAM TOTALS" in line:
-                counts["total"] = int(line.split()[0].replace(",", ""))
-                continue
-            match = self._LINE.match(line)
-            if match and match.group(2) in names:
-                name = names[match.group(2)]
-                counts[name] = max(counts[name], int(match.group(1).replace(",", "")))
-        return counts
 
 
 class Side:
@@ -281,15 +237,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.batch < 1:
         print(f"{NAME}: --batch must be at least 1", file=sys.stderr)
         return 2
-    if args.callgrind and not all(shutil.which(tool) for tool in ("valgrind", "callgrind_control",
-                                                                   "callgrind_annotate")):
-        print(f"{NAME}: --callgrind needs valgrind (callgrind_control, callgrind_annotate) on the PATH",
-              file=sys.stderr)
+    if args.callgrind and (missing := Callgrind.missing()):
+        print(f"{NAME}: {missing}", file=sys.stderr)
         return 2
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="rollout-fleet-callgrind-") as directory:
         rows = asyncio.run(measure(args.size, args.baseline, args.batch,
-                                   Callgrind(directory) if args.callgrind else None))
+                                   Callgrind(directory, FUNCTIONS) if args.callgrind else None))
     print(format_table(rows))
     print(f"({time.monotonic() - started:.0f} s)")
     return 0

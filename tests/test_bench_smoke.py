@@ -41,6 +41,21 @@ def test_step_cpu_measures_this_checkout_beside_a_worktree_of_a_revision() -> No
     assert "bench-rev-" not in worktrees  # the temporary checkout is gone
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_step_cpu_counts_the_instructions_of_the_trainer_and_the_worker_under_callgrind(tmp_path: Path) -> None:
+    from bench import step_cpu
+    from bench.step_cpu_child import CASES
+
+    rows = step_cpu.run_counted("smoke", None, str(tmp_path))
+    assert [row.case.split()[0] for row in rows] == list(CASES)
+    for row in rows:
+        sessions = CASES[row.case.split()[0]][1]
+        assert row.values["steps"] == sessions * step_cpu.COUNTED_STEPS["smoke"], row
+        assert row.values["kinstr_client"] > 0 and row.values["kinstr_workers"] > 0, row
+        assert row.values["kinstr_total"] == pytest.approx(row.values["kinstr_client"] + row.values["kinstr_workers"])
+
+
 
 async def test_script_batching_does_the_same_commits_both_ways() -> None:
     """The two ways compared do the same work: after each, every stand-in session of the batch has

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from bench import step_scripts
-from bench.common import private_redis
+from bench.common import Callgrind, private_redis
 from broker.redis.connect import open_redis
 
 
@@ -54,7 +54,7 @@ def test_a_revision_that_does_not_exist_is_one_line(capsys: pytest.CaptureFixtur
 async def test_callgrind_counts_the_same_instructions_for_the_same_scripts(tmp_path: Path) -> None:
     """Under callgrind both sides run the same Lua: their counts agree to well under a percent
     (a timed run of the same pair swings by several), and the parts add up."""
-    rows = await step_scripts.measure("smoke", "HEAD", 4, step_scripts.Callgrind(str(tmp_path)))
+    rows = await step_scripts.measure("smoke", "HEAD", 4, Callgrind(str(tmp_path), step_scripts.FUNCTIONS))
     this, base, ratio = (row.values for row in rows)
     for side in (this, base):
         assert side["total"] > side["scripts"] > side["commands_in_scripts"] > 0
