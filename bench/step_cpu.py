@@ -16,11 +16,12 @@ the worker and Redis (``/proc/<pid>/stat`` over the timed window), then the rati
 
 ``--callgrind`` counts instructions instead: the trainer process and the worker run under valgrind's
 callgrind, every session runs a fixed number of counted steps after its warm-up, and the rows give
-thousands of instructions per step of each and of both (one round: the count is the same for the
-same work on any VM, however busy, where the timed rounds of one run swing by 10-30%). Instructions
-are not time (a syscall's kernel work is not counted, a cache miss counts as one): it shows what a
-change of the Python on either side does, the timed run what a step costs. ~4 minutes at
-``--size full``.
+thousands of instructions per step of each and of both, median of the rounds. A count does not
+depend on how busy the VM is, where the timed rounds of one run swing by 10-30%; what is left is
+how the steps of one event-loop turn batch, which moves a tiny step's count by up to ~7% between
+runs of the same code (a latent step's by under 1%). Instructions are not time (a syscall's kernel
+work is not counted, a cache miss counts as one): they show what a change of the Python on either
+side does, the timed run what a step costs. ~12 minutes at ``--size full``.
 
     python -m bench.step_cpu --size full --baseline 28e433f --callgrind
 """
@@ -90,17 +91,22 @@ def count(root: Path, server: RedisServer, case: str, size_name: str, callgrind:
 
 
 def run_counted(size_name: str, baseline: str | None, directory: str) -> list[Row]:
-    """Each case once per checkout under callgrind (``--callgrind``)."""
+    """Each case under callgrind (``--callgrind``), rounds alternating between the checkouts as the
+    timed ones do: how the steps of one event-loop turn batch still varies from run to run."""
     callgrind = Callgrind(directory)
     with contextlib.ExitStack() as stack:
         roots = checkouts(stack, baseline)
         server = stack.enter_context(private_redis())
+        runs: dict[tuple[str, str], list[dict[str, float]]] = {}
+        for _ in range(SIZE[size_name].rounds):
+            for case in CASES:
+                for label, root in roots.items():
+                    runs.setdefault((case, label), []).append(count(root, server, case, size_name, callgrind))
         rows = []
         for case in CASES:
             shape, sessions = CASES[case]
-            runs = {label: [count(root, server, case, size_name, callgrind)] for label, root in roots.items()}
             rows += revision_rows(NAME, f"{case} {shape} f32, {sessions} sessions, 1 worker, instructions",
-                                  runs, {"kinstr_total": "kinstr_total"})
+                                  {label: runs[(case, label)] for label in roots}, {"kinstr_total": "kinstr_total"})
         return rows
 
 
