@@ -108,9 +108,10 @@ async def settled_in_place(attempt: Callable[[], Coroutine[Any, Any, T]], what: 
     """:func:`settled` for an attempt whose one wait is a coalesced script call made with
     ``hold_cancel`` (another task sends it, and a cancellation of this one waits for its answer:
     broker/redis/aio.py ``outcome_of``). The attempt runs in this task, without
-    ``finish_before_cancel``'s task of its own (~7% of a worker's instructions per tiny step,
-    docs/benchmarks.md); a cancellation held meanwhile is delivered as soon as the attempt ended
-    and applied its outcome, and what the attempt raised is then dropped, as there."""
+    ``finish_before_cancel``'s task of its own (7.5% of a worker's instructions per tiny step:
+    docs/benchmarks.md, "Instructions per step"); a cancellation held meanwhile is delivered as
+    soon as the attempt ended and applied its outcome, and what the attempt raised is then
+    dropped, as there."""
     async def attempt_then_cancel() -> T:
         task = asyncio.current_task()
         cancels = task.cancelling() if task is not None else 0

@@ -112,10 +112,10 @@ class StepHistogram:
     (``_bucket``, ``_count``, ``_sum``, ``_created``): an observation is one bisect and two adds.
 
     prometheus-client's ``observe`` takes a lock per bucket and per sum and walks the buckets in
-    Python; a worker makes four per committed step, about 5% of its CPU per tiny step (docs/
-    benchmarks.md). Observations come from one thread (the event loop's); a scrape from the metrics
-    server's thread reads a copy of the counts, so it may see a sum one observation ahead of its
-    counts, never a count that goes back."""
+    Python; a worker makes four per committed step, 6% of its instructions per tiny step
+    (docs/benchmarks.md, "Instructions per step"). Observations come from one thread (the event
+    loop's); a scrape from the metrics server's thread reads a copy of the counts, so it may see a
+    sum one observation ahead of its counts, never a count that goes back."""
 
     def __init__(self, name: str, documentation: str, labelnames: Sequence[str], buckets: Sequence[float], *,
                  registry: CollectorRegistry) -> None:
