@@ -170,7 +170,7 @@ async def test_cancel_answers_every_uncommitted_step_and_the_session_goes_on(
     assert (await s.step(0, **first)).ok
     slow = [s.submit(i, **tok([6 + i], seed=i, max_tokens=3000)) for i in range(1, 6)]
     for _ in range(2000):  # bounded: until step 1 holds the engine (it passed the weight gate)
-        if s.session_id in w.worker.executor._gate_waits:
+        if w.worker.executor.gate.running:
             break
         await asyncio.sleep(0.005)
     outcome = await s.cancel()
