@@ -79,13 +79,12 @@ class WeightGate:
         deadline = None if wait_s is None else asyncio.get_running_loop().time() + wait_s
         while True:
             await self._open.wait()
-            if self._version(model) >= min_version:
+            version = self.enter_now(min_version, model=model)  # open now: nothing ran since the wait
+            if version is not None:
                 break
             await self._wait_for_change(min_version, model, deadline, stop)
-        self._running += 1
-        self._idle.clear()
         try:
-            yield self._version(model)
+            yield version
         finally:
             self.leave()
 
