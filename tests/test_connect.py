@@ -4,6 +4,7 @@ clients do not connect until their first command."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import ssl
 import uuid
@@ -162,3 +163,59 @@ async def test_a_client_reads_its_socket_in_large_chunks_and_large_values_round_
     finally:
         await client.delete(key)
         await client.aclose()
+
+
+@pytest.mark.asyncio
+async def test_the_pool_check_answers_in_place_for_a_quiet_connection(redis_server: RedisServer) -> None:
+    """Nothing arrived: redis-py's check before a command answers without an event-loop turn."""
+    client = open_redis(redis_server.url)
+    try:
+        await client.ping()
+        conn = await client.connection_pool.get_connection()
+        try:
+            check = conn.can_read_destructive()
+            with pytest.raises(StopIteration) as answered:  # done at its first step: it never yielded
+                check.send(None)
+            assert answered.value.value is False
+        finally:
+            await client.connection_pool.release(conn)
+    finally:
+        await client.aclose()
+
+
+@pytest.mark.asyncio
+async def test_a_reply_left_unread_on_a_pooled_connection_is_not_read_as_the_next_commands(
+        redis_server: RedisServer) -> None:
+    client = open_redis(redis_server.url)
+    key = f"t{uuid.uuid4().hex}:k"
+    try:
+        await client.set(key, b"value", px=60_000)
+        pool = client.connection_pool
+        conn = await pool.get_connection()
+        await conn.send_command("PING")  # its +PONG is never read
+        await pool.release(conn)
+        for _ in range(200):  # until the reply is in the connection's buffers
+            await asyncio.sleep(0.005)
+            if conn._reader is not None and conn._reader._buffer:
+                break
+        assert await client.get(key) == b"value"  # not the PONG left behind
+    finally:
+        await client.delete(key)
+        await client.aclose()
+
+
+@pytest.mark.asyncio
+async def test_a_connection_the_server_closed_while_pooled_is_replaced(redis_server: RedisServer) -> None:
+    client, admin = open_redis(redis_server.url), open_redis(redis_server.url)
+    try:
+        first = await client.client_id()
+        assert await admin.client_kill_filter(_id=first) == 1
+        for _ in range(200):  # until the close has reached the pooled connection
+            await asyncio.sleep(0.005)
+            conn = client.connection_pool._available_connections[-1]
+            if conn._reader is None or conn._reader.at_eof():
+                break
+        assert await client.client_id() != first  # a new connection, and no error
+    finally:
+        await client.aclose()
+        await admin.aclose()
