@@ -219,7 +219,15 @@ def encode(obj: Any, limits: Limits | None = None) -> bytes:
 
 def encode_plain(obj: Any, limits: Limits | None = None) -> bytes:
     """Encode as plain msgpack (version 1): for readers that know msgpack and not the frame."""
+    if type(obj) in _SCALARS:  # nothing in it for the encoder (arrays) to see: no encoder to make
+        try:
+            return msgpack.packb(obj, use_bin_type=True)  # type: ignore[no-any-return]
+        except OverflowError:  # an int past 64 bits: refused below, in the encoder's words
+            pass
     return _packb(obj, _Encoder(limits, framed=False))
+
+
+_SCALARS = frozenset({int, float, str, bytes, bool, type(None)})
 
 
 # --------------------------------------------------------------------------- decoding

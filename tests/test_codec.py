@@ -320,3 +320,17 @@ def test_the_kept_array_headers_are_bounded() -> None:
     for n in range(2 * codec._CACHE_BOUND + 5):  # many distinct shapes, as a hostile sender might
         decode(encode(np.zeros((1, n), dtype=np.uint8)))
     assert len(codec._REFS) <= codec._CACHE_BOUND and len(codec._REF_EXTS) <= codec._CACHE_BOUND
+
+
+@pytest.mark.parametrize("value", [0, -1, 2**63, -(2**63), 2**64 - 1, 1.5, float("inf"), "h\u00e9llo", "", b"\x00\xff",
+                                   True, False, None])
+def test_a_plain_scalar_is_msgpacks_own_encoding(value: object) -> None:
+    assert encode_plain(value) == msgpack.packb(value, use_bin_type=True)
+    assert decode(encode_plain(value)) == value
+
+
+@pytest.mark.parametrize("value", [2**64, -(2**63) - 1])
+def test_an_int_past_64_bits_is_refused_in_the_encoders_words_alone_or_inside(value: int) -> None:
+    for obj in (value, [value]):
+        with pytest.raises(InvalidRequestError, match="cannot encode int on the wire"):
+            encode_plain(obj)
