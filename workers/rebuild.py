@@ -102,11 +102,26 @@ def output_digest(output: Mapping[str, Any], kind: str = DIGEST_KIND) -> bytes:
         value = output[key]
         h.update(key.encode())
         if isinstance(value, np.ndarray):
-            h.update(f"{value.dtype.str}{value.shape}".encode())
-            h.update(np.ascontiguousarray(value).reshape(-1).view(np.uint8).data)
+            h.update(_array_head(value))
+            h.update(value if value.flags.c_contiguous else np.ascontiguousarray(value))  # its bytes, as laid out
         else:
             h.update(encode_plain(value))  # not the frame: a digest must survive a change of framing
     return h.digest()
+
+
+_HEADS: dict[tuple[str, tuple[int, ...]], bytes] = {}
+
+
+def _array_head(value: np.ndarray[Any, Any]) -> bytes:
+    """What a digest hashes before an array's bytes: its dtype and shape as text (a step's arrays
+    keep theirs from step to step, so the text is made once per dtype and shape)."""
+    key = (value.dtype.str, value.shape)
+    head = _HEADS.get(key)
+    if head is None:
+        head = f"{key[0]}{key[1]}".encode()
+        if len(_HEADS) < 1024:
+            _HEADS[key] = head
+    return head
 
 
 def record_digest_kind(record: Mapping[str, Any]) -> str:
