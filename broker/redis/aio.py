@@ -47,7 +47,7 @@ async def outcome_of(fut: asyncio.Future[T]) -> T:
                 held = True
         return fut.result()
     finally:
-        task = asyncio.current_task()
-        if held and task is not None:
+        task = asyncio.current_task() if held else None
+        if task is not None:
             task.uncancel()  # the count stays what the cancel() calls made it
             task.cancel()  # the task is running: its next await raises CancelledError
