@@ -5,22 +5,34 @@
 Best of 7 timeit repeats, µs per call: redis-py's Python command packer vs the C packer of
 single-node fleet clients (broker.redis.connect.packing_in_c) for the argument lists of an
 enqueue and a commit script call; a job id from ``uuid.uuid4()`` vs ``new_id``; ``as_floats`` of
-8 floats (the fast path) vs 8 ints (the item-by-item path every list took before). Not in
-``run_all``: these are the numbers behind docs/benchmarks.md#cpu-per-tiny-step.
+8 floats (the fast path) vs 8 ints (the item-by-item path every list took before); a tiny world
+step's output digest the former way (every array copied to C order, its head text made per call,
+every scalar through an encoder) vs ``output_digest``; and, against a private Redis, the check
+redis-py's pool makes of an idle connection before each command (a read under a zero timeout: an
+event-loop turn) vs the fleet's in place (broker.redis.connect.checked_in_place), and a pooled
+PING through each. Not in ``run_all``: these are the numbers behind
+docs/benchmarks.md#cpu-per-tiny-step and #instructions-per-step.
 """
 
 from __future__ import annotations
 
+import time
 import timeit
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
 
+import numpy as np
+from redis.asyncio import Redis
 from redis.asyncio.connection import Connection
 
-from bench.common import Row, module_main
+from bench.common import Row, module_main, private_redis
 from broker.client.session import new_id
-from broker.redis.connect import packing_in_c
+from broker.redis.aio import resolve
+from broker.redis.connect import checked_in_place, open_redis, packing_in_c
+from schemas.codec import _Encoder, _packb
 from schemas.wire_fields import as_floats
+from workers.rebuild import _HASHERS, DIGEST_KIND, output_digest
 
 NAME = "hot_path"
 SHA = "a" * 40
@@ -39,11 +51,75 @@ def _pair(case: str, before: Callable[[], object], after: Callable[[], object], 
     return Row(NAME, case, f"{what[0]} vs {what[1]}", {"before_us": old, "after_us": new, "x": old / new})
 
 
+def former_digest(output: Mapping[str, Any]) -> bytes:
+    """``output_digest`` as it was at ec71c4f: the same bytes hashed (tests/test_rebuild.py
+    pins them), reached the longer way."""
+    h = _HASHERS[DIGEST_KIND]()
+    for key in sorted(output):
+        value = output[key]
+        h.update(key.encode())
+        if isinstance(value, np.ndarray):
+            h.update(f"{value.dtype.str}{value.shape}".encode())
+            h.update(np.ascontiguousarray(value).reshape(-1).view(np.uint8).data)
+        else:
+            h.update(_packb(value, _Encoder(None, framed=False)))
+    return h.digest()
+
+
+async def best_async_us(call: Callable[[], Awaitable[object]], number: int) -> float:
+    best = float("inf")
+    for _ in range(7):
+        started = time.perf_counter()
+        for _ in range(number):
+            await call()
+        best = min(best, time.perf_counter() - started)
+    return best / number * 1e6
+
+
+async def _connections(url: str, number: int) -> list[Row]:
+    """The pool's check of an idle connection and a pooled PING, redis-py's connection vs the
+    fleet's (the same connection class but for the check)."""
+    fleet = open_redis(url)
+    plain = open_redis(url)
+    fleet_class = fleet.connection_pool.connection_class
+    plain.connection_pool.connection_class = fleet_class.__mro__[1]  # the class checked_in_place wraps
+    assert checked_in_place(plain.connection_pool.connection_class) is fleet_class
+    rows = []
+    try:
+        for client in (plain, fleet):
+            await client.ping()
+        conns = [await client.connection_pool.get_connection() for client in (plain, fleet)]
+        for client, conn in zip((plain, fleet), conns, strict=True):
+            await client.connection_pool.release(conn)
+        old = await best_async_us(conns[0].can_read_destructive, number)
+        new = await best_async_us(conns[1].can_read_destructive, number)
+        rows.append(Row(NAME, "pool check of an idle connection", "redis-py's (an event-loop turn) vs in place",
+                        {"before_us": old, "after_us": new, "x": old / new}))
+
+        def ping(client: Redis) -> Callable[[], Awaitable[object]]:
+            return lambda: resolve(client.ping())
+
+        old, new = await best_async_us(ping(plain), number), await best_async_us(ping(fleet), number)
+        rows.append(Row(NAME, "pooled PING, round trip", "redis-py's check vs in place",
+                        {"before_us": old, "after_us": new, "x": old / new}))
+    finally:
+        await plain.aclose()
+        await fleet.aclose()
+    return rows
+
+
 async def run(size: str) -> list[Row]:
     plain, fast = Connection(), packing_in_c(Connection)()
     packers = ("redis-py packer", "C packer")
     floats, ints = [0.1] * 8, [1] * 8
+    world = {"video_latent": np.full((1, 4), 3.0, dtype=np.float32), "context": 7}
+    assert former_digest(world) == output_digest(world)
+    with private_redis() as server:
+        connections = await _connections(server.url, 2000 if size == "full" else 200)
     return [
+        *connections,
+        _pair("output digest, tiny world step", lambda: former_digest(world), lambda: output_digest(world),
+              ("the former way", "output_digest")),
         _pair("pack enqueue EVALSHA (16 args)", lambda: plain.pack_command(*ENQUEUE),
               lambda: fast.pack_command(*ENQUEUE), packers),
         _pair("pack commit EVALSHA (24 args)", lambda: plain.pack_command(*COMMIT),

@@ -84,6 +84,18 @@ async def test_script_batching_does_the_same_commits_both_ways() -> None:
         (f"batch of {n}", way) for n in sb.BATCHES for way in ("pipeline", "one call", "saved by one call")}
 
 
+async def test_hot_path_times_each_piece_both_ways() -> None:
+    """Every piece is timed both ways, and the two ways of the digest give the same bytes (run
+    asserts it before timing them)."""
+    from bench import hot_path
+
+    rows = await hot_path.run("smoke")
+    assert {row.case for row in rows} == {
+        "pool check of an idle connection", "pooled PING, round trip", "output digest, tiny world step",
+        "pack enqueue EVALSHA (16 args)", "pack commit EVALSHA (24 args)", "job id", "as_floats, 8 values"}
+    assert all(row.values["before_us"] > 0 and row.values["after_us"] > 0 for row in rows)
+
+
 async def test_consumer_read_takes_every_result_each_way() -> None:
     """Each way of taking results (read only, ack each, ack_many per read) takes every entry of the
     prepared stream (take_all raises otherwise), for inline and blob results alike."""

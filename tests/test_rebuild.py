@@ -28,7 +28,7 @@ def test_a_legacy_digest_of_an_output_is_the_previous_releases() -> None:
     assert output_digest(_output(), BLAKE2B_16).hex() == PREVIOUS_RELEASE_DIGEST
 
 
-# output_digest of _layouts() as the release before 2026-12-07 computed it (every array copied to C
+# output_digest of _layouts() as ec71c4f computed it (every array copied to C
 # order and hashed as bytes, every other value through encode_plain's encoder): a digest is of the
 # values, not of how they are laid out or how the digest reaches them.
 LAYOUT_DIGESTS = {XXH3_128: "a8130edb8da26bc84e48ef99f6dbc186", BLAKE2B_16: "93a388cda62fcab15eb083b070945957"}
