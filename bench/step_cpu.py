@@ -13,6 +13,11 @@ Rows give the median over the rounds of steps/s and of the CPU per step of the t
 the worker and Redis (``/proc/<pid>/stat`` over the timed window), then the ratio of the totals.
 
     python -m bench.step_cpu --size full --baseline 012b13f
+    python -m bench.step_cpu --size full --baseline 012b13f --baseline-first   # the other order
+
+The checkout measured first in a round is favoured by up to ~10%, so a pair is measured in both
+orders; ``--baseline-first`` keeps this checkout's child process driving both sides (running the
+revision's own bench.step_cpu for the other order drives both with the revision's child instead).
 
 ``--callgrind`` counts instructions instead: the trainer process and the worker run under valgrind's
 callgrind, every session runs a fixed number of counted steps after its warm-up, and the rows give
@@ -33,7 +38,7 @@ import contextlib
 import sys
 import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from bench.common import (
@@ -120,15 +125,19 @@ def rows_of(samples: dict[tuple[str, str], list[dict[str, float]]], labels: Sequ
     return rows
 
 
-def run(size_name: str, baseline: str | None) -> list[Row]:
-    size = SIZE[size_name]
+def run(size_name: str, baseline: str | None, baseline_first: bool = False, rounds: int | None = None) -> list[Row]:
+    """``baseline_first``: the baseline measured first in each round (the order biases a pair by up
+    to ~10%), with this checkout's child process driving both, as in the other order. ``rounds``:
+    instead of the size's (more rounds, a steadier median on a VM whose speed wanders)."""
+    size = SIZE[size_name] if rounds is None else replace(SIZE[size_name], rounds=rounds)
     with contextlib.ExitStack() as stack:
         roots = checkouts(stack, baseline)
         server = stack.enter_context(private_redis())
+        order = list(reversed(roots.items())) if baseline_first else list(roots.items())
         samples: dict[tuple[str, str], list[dict[str, float]]] = {}
         for _ in range(size.rounds):
             for case in CASES:
-                for label, root in roots.items():
+                for label, root in order:
                     samples.setdefault((case, label), []).append(measure(root, server, case, size))
         return rows_of(samples, list(roots))
 
@@ -140,9 +149,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--baseline", metavar="REV", help="a git revision to measure beside this checkout")
     parser.add_argument("--callgrind", action="store_true",
                         help="count the trainer's and the worker's instructions per step under callgrind")
+    parser.add_argument("--baseline-first", action="store_true",
+                        help="measure the baseline first in each round (timed runs; by default this checkout is)")
+    parser.add_argument("--rounds", type=int, metavar="N", help="timed rounds instead of the size's (full: 3)")
     args = parser.parse_args(argv)
+    if args.baseline_first and (args.baseline is None or args.callgrind):
+        parser.error("--baseline-first needs --baseline, and applies to timed runs only")
+    if args.rounds is not None and (args.rounds < 1 or args.callgrind):
+        parser.error("--rounds takes a positive number, for timed runs only")
     if not args.callgrind:
-        print(format_table(run(args.size, args.baseline)))
+        print(format_table(run(args.size, args.baseline, args.baseline_first, args.rounds)))
         return 0
     if missing := Callgrind.missing():
         print(f"{NAME}: {missing}", file=sys.stderr)

@@ -26,10 +26,11 @@ def test_bench_smoke_runs_every_benchmark(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_step_cpu_measures_this_checkout_beside_a_worktree_of_a_revision() -> None:
+@pytest.mark.parametrize("baseline_first", [False, True], ids=["this checkout first", "baseline first"])
+def test_step_cpu_measures_this_checkout_beside_a_worktree_of_a_revision(baseline_first: bool) -> None:
     from bench import step_cpu
 
-    rows = step_cpu.run("smoke", "HEAD")
+    rows = step_cpu.run("smoke", "HEAD", baseline_first=baseline_first)
     systems = {(row.case.split()[0], row.system) for row in rows}
     assert systems == {(case, system) for case in ("tiny", "latent")
                        for system in ("fleet @ this checkout", "fleet @ HEAD", "this checkout / HEAD")}
