@@ -1,6 +1,7 @@
 """broker/redis/connect.py: which client a URL builds, and cluster URLs parsed or refused with a
-message that names the problem and never shows the password. No server is needed: redis-py's
-clients do not connect until their first command."""
+message that names the problem and never shows the password (no server needed: redis-py's clients
+do not connect until their first command); then, against a private server, what its connections
+do differently: reads in large chunks, and the pool's check before a command answered in place."""
 
 from __future__ import annotations
 
