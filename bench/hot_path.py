@@ -10,7 +10,9 @@ step's output digest the former way (every array copied to C order, its head tex
 every scalar through an encoder) vs ``output_digest``; and, against a private Redis, the check
 redis-py's pool makes of an idle connection before each command (a read under a zero timeout: an
 event-loop turn) vs the fleet's in place (broker.redis.connect.checked_in_place), and a pooled
-PING through each. Not in ``run_all``: these are the numbers behind
+PING through each; then redis-py's pool handing out an idle connection and taking it back (its
+lock, its release event) vs the fleet's pool (broker.redis.connect.HandingOutInPlace), both with
+the fleet's connections. Not in ``run_all``: these are the numbers behind
 docs/benchmarks.md#cpu-per-tiny-step and #instructions-per-step.
 """
 
@@ -24,7 +26,7 @@ from typing import Any
 
 import numpy as np
 from redis.asyncio import Redis
-from redis.asyncio.connection import Connection
+from redis.asyncio.connection import Connection, ConnectionPool
 
 from bench.common import Row, module_main, private_redis
 from broker.client.session import new_id
@@ -102,10 +104,31 @@ async def _connections(url: str, number: int) -> list[Row]:
         old, new = await best_async_us(ping(plain), number), await best_async_us(ping(fleet), number)
         rows.append(Row(NAME, "pooled PING, round trip", "redis-py's check vs in place",
                         {"before_us": old, "after_us": new, "x": old / new}))
+        rows.append(await _pools(fleet, number))
     finally:
         await plain.aclose()
         await fleet.aclose()
     return rows
+
+
+async def _pools(fleet: Redis, number: int) -> Row:
+    """An idle connection handed out and taken back: redis-py's pool vs the fleet's, the same
+    connection class (the fleet's) in both."""
+    ours = fleet.connection_pool
+    theirs = ConnectionPool(**{**ours.connection_kwargs, "connection_class": ours.connection_class})
+    try:
+        def cycle(pool: ConnectionPool) -> Callable[[], Awaitable[object]]:
+            async def get_and_release() -> None:
+                await pool.release(await pool.get_connection())
+            return get_and_release
+
+        for pool in (theirs, ours):
+            await cycle(pool)()  # connected once, idle from then on
+        old, new = await best_async_us(cycle(theirs), number), await best_async_us(cycle(ours), number)
+        return Row(NAME, "pool hand-out and take-back of an idle connection", "redis-py's pool vs in place",
+                   {"before_us": old, "after_us": new, "x": old / new})
+    finally:
+        await theirs.disconnect()
 
 
 async def run(size: str) -> list[Row]:

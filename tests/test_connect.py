@@ -220,3 +220,53 @@ async def test_a_connection_the_server_closed_while_pooled_is_replaced(redis_ser
     finally:
         await client.aclose()
         await admin.aclose()
+
+
+@pytest.mark.asyncio
+async def test_the_pool_hands_out_its_idle_connection_and_takes_it_back_with_its_books_kept(
+        redis_server: RedisServer) -> None:
+    client = open_redis(redis_server.url)
+    try:
+        await client.ping()
+        pool = client.connection_pool
+        idle = pool._available_connections[-1]
+        handing_out = pool.get_connection()
+        with pytest.raises(StopIteration) as handed:  # done at its first step: no lock, no event-loop turn
+            handing_out.send(None)
+        conn = handed.value.value
+        assert conn is idle and conn in pool._in_use_connections and conn not in pool._available_connections
+        taking_back = pool.release(conn)
+        with pytest.raises(StopIteration):
+            taking_back.send(None)
+        assert pool._available_connections == [conn] and not pool._in_use_connections
+        assert await client.ping() is True
+    finally:
+        await client.aclose()
+
+
+@pytest.mark.asyncio
+async def test_a_connection_left_a_new_credential_is_authenticated_again_when_taken_back(
+        redis_server: RedisServer) -> None:
+    """redis-py's release event runs where it has work: a credential provider's new token."""
+    from redis.auth.token import SimpleToken
+
+    client, admin = open_redis(redis_server.url), open_redis(redis_server.url)
+    user = f"t{uuid.uuid4().hex[:12]}"
+    try:
+        await admin.execute_command("ACL", "SETUSER", user, "on", ">s3cret", "~*", "+@all")
+        pool = client.connection_pool
+        conn = await pool.get_connection()
+        conn.set_re_auth_token(SimpleToken("s3cret", 0, 0, {"oid": user}))
+        await pool.release(conn)  # AUTH as the token's user
+        assert conn._re_auth_token is None
+        again = await pool.get_connection()
+        try:
+            assert again is conn
+            await again.send_command("ACL", "WHOAMI")
+            assert await again.read_response() == user.encode()
+        finally:
+            await pool.release(again)
+    finally:
+        await admin.execute_command("ACL", "DELUSER", user)
+        await client.aclose()
+        await admin.aclose()

@@ -32,6 +32,7 @@ from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.connection import AbstractConnection, ConnectionPool, DefaultParser, parse_url
+from redis.event import AsyncAfterConnectionReleasedEvent, AsyncReAuthConnectionListener
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException, SlotNotCoveredError
 
@@ -180,11 +181,10 @@ def open_redis(url: str, **options: Any) -> Redis:
         raise RedisURLError(f"expected a {', '.join(URL_SCHEMES)} URL, got {url!r}")
     deadlines = connection_deadlines(url)
     if not is_cluster_url(url):  # redis-py lets the URL's query override these keyword arguments
-        single: Redis = Redis.from_url(url, **{"socket_read_size": READ_CHUNK, **REFUSALS_PARSED, **deadlines,
-                                              **options})
-        pool = single.connection_pool
+        pool = HandingOutInPlace.from_url(url, **{"socket_read_size": READ_CHUNK, **REFUSALS_PARSED, **deadlines,
+                                                   **options})
         pool.connection_class = checked_in_place(reading_in_large_chunks(packing_in_c(pool.connection_class)))
-        return single
+        return Redis.from_pool(pool)  # the client closes the pool with itself, as Redis.from_url's does
     nodes, settings = parse_cluster_url(url)
     cluster = _FleetCluster(startup_nodes=[ClusterNode(host, port) for host, port in nodes],
                             **{**deadlines, **settings, **options})
@@ -273,6 +273,46 @@ def checked_in_place(base: type[AbstractConnection]) -> type[AbstractConnection]
     checked = _CHECKED[base] = type(f"Checked{base.__name__}", (base,),
                                     {"can_read_destructive": can_read_destructive})
     return checked
+
+
+class HandingOutInPlace(ConnectionPool):
+    """redis-py's pool, except that handing out an idle connection and taking it back take no awaits
+    when none could matter.
+
+    redis-py takes the pool's lock to hand out a connection (a connect may await inside it) and,
+    on taking one back, dispatches a "released" event whose one listener re-authenticates the
+    connection when a credential provider has left it a new token: about 5 µs of coroutines and
+    objects per command (docs/benchmarks.md), paid by every command of a step on both sides. Here
+    a connection is handed out directly when the lock is free and the newest idle connection is
+    connected with nothing arrived on it (:func:`_nothing_arrived`, the check of
+    :func:`checked_in_place`), all without yielding, so no other task can interleave; and it is
+    taken back directly when its listeners are redis-py's own and it holds no token. Anything else
+    (the lock held, a connection to open, data on the idle one, a token, another dispatcher's
+    listeners) takes redis-py's own path."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        listeners = getattr(self._event_dispatcher, "_event_listeners_mapping", {}).get(
+            AsyncAfterConnectionReleasedEvent)
+        self._release_in_place = (isinstance(listeners, list) and len(listeners) == 1
+                                  and type(listeners[0]) is AsyncReAuthConnectionListener)
+
+    async def get_connection(self, *args: Any, **options: Any) -> AbstractConnection:
+        idle = self._available_connections
+        if idle and not self._lock.locked():
+            conn = idle[-1]  # the one redis-py would take
+            if conn.is_connected and _nothing_arrived(conn):
+                idle.pop()
+                self._in_use_connections.add(conn)
+                return conn
+        return await super().get_connection(*args, **options)  # type: ignore[no-any-return]  # as called
+
+    async def release(self, connection: AbstractConnection) -> None:
+        if self._release_in_place and getattr(connection, "_re_auth_token", True) is None:
+            self._in_use_connections.remove(connection)  # a stranger's connection raises, as redis-py's
+            self._available_connections.append(connection)
+            return
+        await super().release(connection)
 
 
 def _nothing_arrived(conn: AbstractConnection) -> bool:
