@@ -7,11 +7,19 @@ Anchor settings: arq poll delay 0.01 s (worker and result wait), max_jobs 256; s
 concurrency 256; otherwise their defaults. ``cpu_us_*`` is the CPU each process spent per step in
 the window (client = this trainer process). The fleet coalesces the
 script calls of one event-loop turn into one pipeline (broker.redis.scripts).
+
+A single window of a few seconds on a shared VM swings by 20-40% (docs/benchmarks.md): at
+``--size full`` each cell is measured ``Size.repeats`` times, the three systems one after the other
+in a rotating order (each goes first once), so a slow minute falls on all of them. A system's row
+holds the median of its windows (``steps_s``, every CPU figure) with the lowest and highest
+steps/s (``steps_s_lo``, ``steps_s_hi``); a ratio row holds the ratio of the medians and, from the
+windows measured side by side in one repeat, the lowest and highest ratio (``arq_lo`` ...).
 """
 
 from __future__ import annotations
 
 import asyncio
+import statistics
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -44,10 +52,12 @@ class Size:
     window_s: float
     warmup_s: float
     trainers: tuple[int, ...]  # every case from one trainer process, then from this many
+    repeats: int  # windows per system and cell, the systems' order rotating
 
 
-SIZE = {"smoke": Size(workers=(1, 2), window_s=0.5, warmup_s=0.3, trainers=(1, 2)),
-        "full": Size(workers=(1, 2, 4), window_s=4.0, warmup_s=1.0, trainers=(1, 4))}
+SIZE = {"smoke": Size(workers=(1, 2), window_s=0.5, warmup_s=0.3, trainers=(1, 2), repeats=1),
+        "full": Size(workers=(1, 2, 4), window_s=4.0, warmup_s=1.0, trainers=(1, 4), repeats=3)}
+ANCHORS = ("arq", "streaq")
 
 def _meter(server: RedisServer, children: Children) -> CpuMeter:
     redis_pid = [server.process.pid] if server.process is not None else []
@@ -109,18 +119,43 @@ SYSTEMS: dict[str, Callable[[RedisServer, int, Size], Awaitable[Row]]] = {
 }
 
 
-def ratios(rows: Sequence[Row], trainers: Sequence[int]) -> list[Row]:
+def ratios(rows: Sequence[Row], trainers: Sequence[int],
+           windows: dict[tuple[str, str], list[float]] | None = None) -> list[Row]:
     """fleet / anchor steps/s per worker count, with as many trainer processes on both sides:
-    above 1 means the fleet is faster."""
+    above 1 means the fleet is faster. The ratio of the rows' steps/s; with ``windows`` (each
+    system's steps/s per repeat, by system and case) also the lowest and highest ratio of the
+    windows of one repeat (``arq_lo``, ``arq_hi``, ...)."""
     by = {(r.system, r.case): r.values["steps_s"] for r in rows}
     out: list[Row] = []
     for t in trainers:
         for case in dict.fromkeys(r.case for r in rows):
-            fleet = by.get((system_name("fleet", t), case), 0.0)
-            values = {anchor: fleet / by[(system_name(anchor, t), case)] for anchor in ("arq", "streaq")
-                      if by.get((system_name(anchor, t), case), 0.0) > 0}
-            out.append(Row(NAME, case, f"{system_name('fleet', t)} speedup vs", values, "x"))
+            fleet_system = system_name("fleet", t)
+            fleet = by.get((fleet_system, case), 0.0)
+            values: dict[str, float] = {}
+            for anchor in ANCHORS:
+                anchor_system = system_name(anchor, t)
+                if by.get((anchor_system, case), 0.0) <= 0:
+                    continue
+                values[anchor] = fleet / by[(anchor_system, case)]
+                pairs = [f / a for f, a in zip((windows or {}).get((fleet_system, case), []),
+                                               (windows or {}).get((anchor_system, case), []), strict=False) if a > 0]
+                if len(pairs) > 1:
+                    values[f"{anchor}_lo"], values[f"{anchor}_hi"] = min(pairs), max(pairs)
+            out.append(Row(NAME, case, f"{fleet_system} speedup vs", values, "x"))
     return out
+
+
+def median_row(windows: Sequence[Row]) -> Row:
+    """One row for a system's windows of a cell: the median of each value, with the lowest and
+    highest steps/s when there are several; the first error any window met."""
+    keys = dict.fromkeys(k for w in windows for k in w.values)
+    values = {k: statistics.median(w.values[k] for w in windows if k in w.values) for k in keys}
+    if len(windows) > 1:
+        steps = [w.values["steps_s"] for w in windows]
+        values.update(steps_s_lo=min(steps), steps_s_hi=max(steps), repeats=float(len(windows)))
+    first = windows[0]
+    note = next((w.note for w in windows if w.note), first.note)
+    return Row(first.bench, first.case, first.system, values, first.unit, note)
 
 
 async def trainers_row(server: RedisServer, system: str, workers: int, size: Size, trainers: int) -> Row:
@@ -151,16 +186,25 @@ def system_name(system: str, trainers: int) -> str:
 async def run(size: str) -> list[Row]:
     sz = SIZE[size]
     rows: list[Row] = []
+    windows: dict[tuple[str, str], list[float]] = {}
+    names = list(SYSTEMS)
     with private_redis() as server:
         for trainers in sz.trainers:
             for workers in sz.workers:
-                for system, measure in SYSTEMS.items():
-                    row = await (measure(server, workers, sz) if trainers == 1
-                                 else trainers_row(server, system, workers, sz, trainers))
-                    row.system, row.case = system_name(system, trainers), f"{workers} workers x {SESSIONS} sessions"
+                case = f"{workers} workers x {SESSIONS} sessions"
+                measured: dict[str, list[Row]] = {system: [] for system in names}
+                for repeat in range(sz.repeats):
+                    for system in names[repeat % len(names):] + names[:repeat % len(names)]:
+                        row = await (SYSTEMS[system](server, workers, sz) if trainers == 1
+                                     else trainers_row(server, system, workers, sz, trainers))
+                        measured[system].append(row)
+                for system in names:
+                    row = median_row(measured[system])
+                    row.system, row.case = system_name(system, trainers), case
                     row.values.update(workers=float(workers), trainers=float(trainers))
                     rows.append(row)
-    return rows + ratios(rows, sz.trainers)
+                    windows[(row.system, case)] = [w.values["steps_s"] for w in measured[system]]
+    return rows + ratios(rows, sz.trainers, windows)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,6 +10,7 @@ import pytest
 from bench import report
 from bench.common import Row
 from bench.targets import evaluate
+from bench.throughput import median_row, ratios
 from bench.trainers import split, window_values
 
 CASE = "1 workers x 256 sessions"
@@ -93,3 +94,19 @@ def test_window_values_add_the_trainers_steps_and_cpu() -> None:
     values = window_values(children, window_s=2.0)
     # 200 + 600 steps; CPU 0.06 s + 0.06 s over 800 steps = 150 us per step
     assert values == {"steps_s": 400.0, "errors": 1.0, "cpu_us_client": pytest.approx(150.0)}
+
+
+def test_a_throughput_cell_is_the_median_of_its_windows_with_the_spread_of_side_by_side_ratios() -> None:
+    def window(steps: float, cpu: float) -> Row:
+        return Row("throughput", "256 sessions", "", {"steps_s": steps, "cpu_us_client": cpu})
+
+    fleet = median_row([window(9000.0, 100.0), window(6000.0, 140.0), window(8000.0, 110.0)])
+    arq = median_row([window(1000.0, 900.0), window(500.0, 950.0), window(800.0, 910.0)])
+    assert fleet.values["steps_s"] == 8000.0 and fleet.values["cpu_us_client"] == 110.0
+    assert (fleet.values["steps_s_lo"], fleet.values["steps_s_hi"], fleet.values["repeats"]) == (6000.0, 9000.0, 3.0)
+    fleet.system, arq.system = "fleet", "arq"
+    fleet.case = arq.case = CASE
+    windows = {("fleet", CASE): [9000.0, 6000.0, 8000.0], ("arq", CASE): [1000.0, 500.0, 800.0]}
+    [row] = ratios([fleet, arq], (1,), windows)
+    assert row.values == {"arq": 10.0, "arq_lo": 9.0, "arq_hi": 12.0}  # 9000/1000, 6000/500, 8000/800
+    assert median_row([window(5.0, 1.0)]).values == {"steps_s": 5.0, "cpu_us_client": 1.0}  # one window: no spread
