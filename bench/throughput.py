@@ -126,6 +126,7 @@ def ratios(rows: Sequence[Row], trainers: Sequence[int],
     system's steps/s per repeat, by system and case) also the lowest and highest ratio of the
     windows of one repeat (``arq_lo``, ``arq_hi``, ...)."""
     by = {(r.system, r.case): r.values["steps_s"] for r in rows}
+    windows = windows or {}
     out: list[Row] = []
     for t in trainers:
         for case in dict.fromkeys(r.case for r in rows):
@@ -137,8 +138,8 @@ def ratios(rows: Sequence[Row], trainers: Sequence[int],
                 if by.get((anchor_system, case), 0.0) <= 0:
                     continue
                 values[anchor] = fleet / by[(anchor_system, case)]
-                pairs = [f / a for f, a in zip((windows or {}).get((fleet_system, case), []),
-                                               (windows or {}).get((anchor_system, case), []), strict=False) if a > 0]
+                pairs = [f / a for f, a in zip(windows.get((fleet_system, case), []),
+                                               windows.get((anchor_system, case), []), strict=False) if a > 0]
                 if len(pairs) > 1:
                     values[f"{anchor}_lo"], values[f"{anchor}_hi"] = min(pairs), max(pairs)
             out.append(Row(NAME, case, f"{fleet_system} speedup vs", values, "x"))
