@@ -12,12 +12,15 @@ redis-py's pool makes of an idle connection before each command (a read under a 
 event-loop turn) vs the fleet's in place (broker.redis.connect.checked_in_place), and a pooled
 PING through each; then redis-py's pool handing out an idle connection and taking it back (its
 lock, its release event) vs the fleet's pool (broker.redis.connect.HandingOutInPlace), both with
-the fleet's connections. Not in ``run_all``: these are the numbers behind
+the fleet's connections; and the frozen records a tiny world step builds (its job, input, engine
+request and output, result and latency, commit call and reply entry) with the dataclass's own
+``__init__`` vs schemas.records.quick_init's. Not in ``run_all``: these are the numbers behind
 docs/benchmarks.md#cpu-per-tiny-step and #instructions-per-step.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import timeit
 import uuid
@@ -32,8 +35,15 @@ from bench.common import Row, module_main, private_redis
 from broker.client.session import new_id
 from broker.redis.aio import resolve
 from broker.redis.connect import checked_in_place, open_redis, packing_in_c
+from broker.redis.inbox import InboxEntry, JobKind
+from broker.redis.layouts import ReplyEntry
+from broker.redis.scripts import CommitCall
 from schemas.codec import _Encoder, _packb
+from schemas.messages import Mode
+from schemas.results import Latency, StepResult
 from schemas.wire_fields import as_floats
+from schemas.world_messages import Action, Observation, WorldStep
+from workers.engines.base import EngineOutput, EngineRequest
 from workers.rebuild import _HASHERS, DIGEST_KIND, output_digest
 
 NAME = "hot_path"
@@ -51,6 +61,45 @@ def best_us(call: Callable[[], object], number: int = 2000) -> float:
 def _pair(case: str, before: Callable[[], object], after: Callable[[], object], what: tuple[str, str]) -> Row:
     old, new = best_us(before), best_us(after)
     return Row(NAME, case, f"{what[0]} vs {what[1]}", {"before_us": old, "after_us": new, "x": old / new})
+
+
+RECORDS = (InboxEntry, Observation, Action, WorldStep, EngineRequest, EngineOutput, Latency, StepResult, CommitCall,
+           ReplyEntry)
+
+
+def plain_twin(cls: type[Any]) -> type[Any]:
+    """``cls``'s fields in a frozen dataclass of the same name with the dataclass's own ``__init__``."""
+    return dataclasses.make_dataclass(cls.__name__, [
+        (f.name, f.type, dataclasses.field(default=f.default, default_factory=f.default_factory, init=f.init,
+                                           kw_only=f.kw_only))
+        for f in dataclasses.fields(cls)], frozen=True)
+
+
+def step_records(types: Mapping[str, type[Any]]) -> Callable[[], object]:
+    """The frozen records of one tiny world step, on both sides, built from ``types`` (by name)."""
+    t = types
+    state, joints, output = (0.1,) * 8, (0.1,) * 7, {"video_latent": np.zeros((1, 4), np.float32)}
+
+    def build() -> object:
+        job = t["InboxEntry"]("1-0", JobKind.STEP, "j" * 32, "s" * 32, 3, True, 1, 0, Mode.WORLD_MODEL_ENV,
+                              "null-world", "reply", 0, 0, b"payload")
+        step = t["WorldStep"](t["Observation"]("pick the cup", {}, state, {}), t["Action"](joints, (0.5,), {}))
+        t["EngineRequest"](session_key=job.session_id, model=job.model, step=step, reset=False, stateless=False)
+        out = t["EngineOutput"](output=output, context_length=4)
+        t["StepResult"](session_id=job.session_id, step_id=3, ok=True, committed_step_id=3, output=out.output,
+                        context_length=4, latency=t["Latency"](queue_ms=0.2, engine_ms=0.1), worker_id="w1",
+                        attempt=0, policy_version=0)
+        t["CommitCall"](session_id=job.session_id, worker_id="w1", epoch=1, step_id=3, entry_id=job.entry_id,
+                        result=b"r" * 90, context_length=4, job_id=job.job_id, reply_to="reply", reply_ttl_ms=60_000,
+                        version=None, cancels=0)
+        reply = t["ReplyEntry"]("step", job.job_id, 3, b"r" * 90)
+        # The trainer's side: the input checked, the result decoded, then timed.
+        t["WorldStep"](t["Observation"]("pick the cup", {}, state, {}), t["Action"](joints, (0.5,), {}))
+        got = t["StepResult"](reply.job_id, 3, True, 3, output, None, 4, t["Latency"](0.2, 0.1, 0.0, 0.0), "w1", 0, 0)
+        return t["StepResult"](got.session_id, 3, True, 3, output, None, 4, t["Latency"](0.2, 0.1, 0.5, 0.8), "w1",
+                               0, 0, False)
+
+    return build
 
 
 def former_digest(output: Mapping[str, Any]) -> bytes:
@@ -139,8 +188,11 @@ async def run(size: str) -> list[Row]:
     assert former_digest(world) == output_digest(world)
     with private_redis() as server:
         connections = await _connections(server.url, 2000 if size == "full" else 200)
+    plain_records = {cls.__name__: plain_twin(cls) for cls in RECORDS}
     return [
         *connections,
+        _pair("frozen records of a tiny world step", step_records(plain_records),
+              step_records({cls.__name__: cls for cls in RECORDS}), ("dataclass __init__", "quick_init")),
         _pair("output digest, tiny world step", lambda: former_digest(world), lambda: output_digest(world),
               ("the former way", "output_digest")),
         _pair("pack enqueue EVALSHA (16 args)", lambda: plain.pack_command(*ENQUEUE),

@@ -7,11 +7,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from schemas.errors import ErrorCode, InvalidRequestError
+from schemas.records import quick_init
 from schemas.wire_fields import as_mapping
 
 WIRE_VERSION = 1
 
 
+@quick_init
 @dataclass(frozen=True)
 class ErrorInfo:
     code: ErrorCode
@@ -30,6 +32,7 @@ class ErrorInfo:
         return cls(code=code, message=str(data.get("message", "")))
 
 
+@quick_init
 @dataclass(frozen=True)
 class Latency:
     """Where a step's time went, in ms. ``commit_ms`` is commit plus reply transport
@@ -52,6 +55,7 @@ class Latency:
                    float(get("total_ms", 0.0)))
 
 
+@quick_init
 @dataclass(frozen=True)
 class StepResult:
     """Answer to one step: ``ok`` with ``output``, or ``error``; always ``committed_step_id``."""

@@ -10,6 +10,7 @@ import numpy as np
 
 from schemas.errors import InvalidRequestError, PayloadTooLargeError
 from schemas.limits import DEFAULT_LIMITS, Limits
+from schemas.records import quick_init
 from schemas.wire_fields import as_extra, as_int, as_list, as_mapping, as_number, check_fields, or_default
 
 MAX_STOP_STRINGS = 16
@@ -17,6 +18,7 @@ MAX_STOP_CHARS = 256
 MAX_TOP_LOGPROBS = 20  # vLLM's default max_logprobs
 
 
+@quick_init
 @dataclass(frozen=True)
 class SamplingParams:
     """Sampling for one token step. ``top_k <= 0`` and ``top_p == 1`` disable those filters;
@@ -107,6 +109,7 @@ def _extra_from_wire(data: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+@quick_init
 @dataclass(frozen=True)
 class TokenStep:
     """Input of one token step: ids appended to the session's context, then a generation."""

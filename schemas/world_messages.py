@@ -10,6 +10,7 @@ import numpy as np
 
 from schemas.errors import InvalidRequestError, PayloadTooLargeError
 from schemas.limits import DEFAULT_LIMITS, Limits
+from schemas.records import quick_init
 from schemas.wire_fields import as_extra, as_floats, as_image, as_mapping, check_fields, or_default
 
 JOINT_COUNT = 7  # DROID arm joints
@@ -19,6 +20,7 @@ _ACTION_FIELDS = frozenset({"joint_positions", "gripper_position", "extra"})
 _STEP_FIELDS = frozenset({"observation", "action"})
 
 
+@quick_init
 @dataclass(frozen=True)
 class Observation:
     """What the environment saw: the DROID layout of the vLLM-Omni rollout API."""
@@ -47,6 +49,7 @@ class Observation:
                 "extra": dict(self.extra)}
 
 
+@quick_init
 @dataclass(frozen=True)
 class Action:
     """The commanded action: 7 joint positions and 1 gripper position (DROID)."""
@@ -77,6 +80,7 @@ class Action:
         }
 
 
+@quick_init
 @dataclass(frozen=True)
 class WorldStep:
     """Input of one world-model step. Joints/gripper fall back to ``observation.state``."""

@@ -11,6 +11,7 @@ from broker.redis.inputs import is_staged
 from broker.redis.layouts import DeadLetter, Fields, LayoutError, dead_letter_payload, integer, text
 from schemas.limits import MAX_STEP_ID
 from schemas.messages import Mode
+from schemas.records import quick_init
 from schemas.sharing import DEFAULT_PRIORITY, Priority
 
 
@@ -34,6 +35,7 @@ _PRIORITY_OF = {priority.value.encode(): priority for priority in Priority}
 _DEFAULT_PRIORITY = DEFAULT_PRIORITY.value.encode()
 
 
+@quick_init
 @dataclass(frozen=True)
 class InboxEntry:
     entry_id: str  # its id in the inbox (not a field)

@@ -18,6 +18,7 @@ from schemas.codec import decode
 from schemas.errors import InvalidRequestError
 from schemas.limits import Limits
 from schemas.messages import Mode, SessionStatus, StepResult
+from schemas.records import quick_init
 from schemas.sharing import DEFAULT_PRIORITY, Priority, stored_priority
 
 Fields = Mapping[bytes, bytes]  # as read
@@ -199,6 +200,7 @@ def handled_field(session_id: str, step_id: int) -> str:
 
 # ---------------------------------------------------------------------- rf:{c}:reply:<consumer> STREAM
 
+@quick_init
 @dataclass(frozen=True)
 class ReplyEntry:
     """One result for a trainer: written by commit, report and apply_control.lua (and by a worker

@@ -14,12 +14,14 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from schemas.errors import ErrorCode, ScriptError
+from schemas.records import quick_init
 
 T = TypeVar("T")
 
 
 # ---------------------------------------------------------------------- shapes shared by scripts
 
+@quick_init
 @dataclass(frozen=True)
 class Refused:
     """The request can never succeed as sent (create, enqueue, control): the trainer sees ``code``.
@@ -39,6 +41,7 @@ class Moved:
     owner: str
 
 
+@quick_init
 @dataclass(frozen=True)
 class Queued:
     """A job was added to the owner's inbox (enqueue, control)."""
@@ -68,6 +71,7 @@ class Created:
     owner: str
 
 
+@quick_init
 @dataclass(frozen=True)
 class Stored:
     """The step is committed already; its stored result, for an idempotent retry."""

@@ -65,6 +65,7 @@ from broker.redis.script_replies import (
     decode_report,
     decode_retire,
 )
+from schemas.records import quick_init
 
 RETIRE_TRIES = 5  # retire.lua calls while entries keep reaching the inbox between the read and the call
 BATCHED = frozenset({"commit", "enqueue"})  # scripts whose coalesced calls run as one call (run_batch)
@@ -112,6 +113,7 @@ def _batch_layout(run: list[_Pending]) -> tuple[list[str], list[Any]]:
     return keys, args
 
 
+@quick_init
 @dataclass(frozen=True)
 class CommitCall:
     """One call of commit.lua: commit step ``step_id`` of ``session_id`` for the job ``job_id``

@@ -13,8 +13,10 @@ from typing import Any, ClassVar, TypeVar
 
 from schemas.errors import InvalidRequestError, StepAborted
 from schemas.messages import Mode, StepInput
+from schemas.records import quick_init
 
 
+@quick_init
 @dataclass(frozen=True)
 class EngineRequest:
     """One step for the engine.
@@ -31,6 +33,7 @@ class EngineRequest:
     stateless: bool = False
 
 
+@quick_init
 @dataclass(frozen=True)
 class EngineOutput:
     """What the engine produced: ``output`` goes to the trainer as is (ndarrays allowed)."""
