@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 from broker.redis.aio import resolve
-from broker.redis.backoff import REDIS_ERRORS, until_redis_answers
+from broker.redis.backoff import until_redis_answers
 from broker.redis.connect import atomic_pipeline
 from broker.redis.inbox import BadEntry, InboxEntry
 from broker.redis.inputs import is_staged
@@ -129,18 +129,6 @@ async def reject_malformed(job: BadEntry, warnings: WarningLimiter) -> None:
     """A malformed entry fails like any job: dead-lettered, and answered if it names where to."""
     warnings.warning("malformed job %s: %s", job.entry_id, job.reason)
     raise StepFailed(ErrorCode.INVALID_REQUEST, f"malformed job: {job.reason}", fallback=False, dead_letter=True)
-
-
-async def as_step_failure(job: InboxEntry | BadEntry, coro: Any) -> None:
-    """Run a job; a bug becomes an ``internal worker error`` failure like any other."""
-    try:
-        await coro
-    except (StepFailed, Fenced, *REDIS_ERRORS):
-        raise
-    except Exception as exc:
-        log.exception("job %s of session %s failed unexpectedly", job.job_id, job.session_id)
-        raise StepFailed(ErrorCode.INFERENCE_ERROR, "internal worker error",
-                         fallback=True) from exc
 
 
 CommitAnswer = Committed | Duplicate | DuplicateUnstored | OutOfOrder | CancelledCommit

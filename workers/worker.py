@@ -34,7 +34,7 @@ from broker.redis.layouts import SessionHash
 from broker.redis.memory_policy import warn_if_evicting
 from broker.redis.refusals import refusal_of
 from broker.redis.scripts import Scripts
-from schemas.errors import Fenced
+from schemas.errors import ErrorCode, Fenced
 from schemas.sharing import Priority
 from workers.batcher import Batcher
 from workers.drain import Drain
@@ -44,7 +44,7 @@ from workers.fork_cancel import ForkCancel
 from workers.heartbeat import Heartbeats
 from workers.idle import IdleSweeper
 from workers.inbox_repair import recreate_inbox
-from workers.job_scripts import FencedEntries, StepFailed, as_step_failure, reject_malformed, settled
+from workers.job_scripts import FencedEntries, StepFailed, reject_malformed, settled
 from workers.placement import pool_caps, pressure
 from workers.rate_limit import WarningLimiter
 from workers.readiness import Readiness
@@ -495,23 +495,28 @@ class Worker:
     # ------------------------------------------------------------------ processing
 
     async def _guard(self, job: InboxEntry | BadEntry, coro: Any) -> None:
+        """Run a job and answer its failure: the one place a failed job is answered. Steps, control
+        jobs and malformed entries all end here as a ``StepFailed`` (a bug as an ``internal worker
+        error`` like any other), answered by ``publish_failure``. A fenced job is dropped; a job
+        Redis was unreachable for stays pending in this worker's inbox group, not lost. One
+        coroutine for all of it: every job runs through it."""
         try:
-            await self._answer_failure(job, coro)
+            try:
+                await coro
+            except StepFailed as failure:
+                await self.executor.publish_failure(job, failure, self._state_of(job))
+            except (Fenced, *REDIS_ERRORS):
+                raise
+            except Exception:
+                log.exception("job %s of session %s failed unexpectedly", job.job_id, job.session_id)
+                internal = StepFailed(ErrorCode.INFERENCE_ERROR, "internal worker error", fallback=True)
+                await self.executor.publish_failure(job, internal, self._state_of(job))
         except Fenced:
             await self._drop_fenced(job)
         except REDIS_ERRORS as exc:
-            # The job stays pending in our inbox group; it is not lost.
             log.error("redis unavailable while running job %s of session %s: %s", job.job_id, job.session_id, exc)
         except Exception:
             log.exception("job %s of session %s could not be answered", job.job_id, job.session_id)
-
-    async def _answer_failure(self, job: InboxEntry | BadEntry, coro: Any) -> None:
-        """The one place a failed job is answered: steps, control jobs and malformed entries all
-        end here as a ``StepFailed``, answered by ``publish_failure``."""
-        try:
-            await as_step_failure(job, coro)
-        except StepFailed as failure:
-            await self.executor.publish_failure(job, failure, self._state_of(job))
 
     def _state_of(self, job: InboxEntry | BadEntry) -> SessionState | None:
         """The session state a failure reports its committed step from (none for a stateless step)."""
