@@ -168,6 +168,7 @@ class Worker:
         self._lanes: dict[str, collections.deque[InboxEntry]] = {}
         self._lane_done = asyncio.Event()  # set when a session's lane empties (it is between steps)
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop start() ran on
         self._inflight = Admission(settings.max_inflight, backlog=settings.read_count)  # interactive first
         self._running: set[str] = set()  # inbox entry ids read and not finished
         self._active = 0
@@ -204,6 +205,7 @@ class Worker:
         return self._executor
 
     async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
         self.metrics.start(self.ready_now)  # first: a taken port fails the start before anything else is open
         self._redis = open_redis(self.settings.cell_config.redis_url, decode_responses=False)
         self._scripts = Scripts(self._redis, self.keys)
@@ -312,7 +314,9 @@ class Worker:
         return self._redis
 
     def _spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
-        task = asyncio.create_task(coro, name=name)
+        """A task of this worker's (one per job): on the loop start() ran on, not looked up per task
+        (in Python 3.11 each lookup is a getpid syscall)."""
+        task = (self._loop or asyncio.get_running_loop()).create_task(coro, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
