@@ -109,7 +109,8 @@ def test_refuses_what_it_cannot_build() -> None:
 
 
 def test_the_step_records_build_as_before() -> None:
-    """The classes that carry it build field for field what their dataclass layout says."""
+    """The classes that carry it build field for field what their dataclass layout says, and only
+    their fields."""
     samples: list[Any] = [
         StepResult("s", 3, True, 3, output={"x": 1}, latency=Latency(1.0, 2.0), worker_id="w"),
         WorldStep(Observation("p", state=(0.1,) * 8), Action((0.1,) * 7, (0.5,))),
@@ -119,7 +120,6 @@ def test_the_step_records_build_as_before() -> None:
     ]
     for obj in samples:
         cls = type(obj)
-        assert cls.__init__.__qualname__ == f"{cls.__qualname__}.__init__"
         values = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
         assert cls(**values) == obj
         assert vars(obj) == values  # every field stored, nothing else
