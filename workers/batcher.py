@@ -44,7 +44,6 @@ class Batcher:
             p: collections.deque() for p in sorted(Priority, key=lambda p: p.rank)}
         self._arrived = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self._running_on: asyncio.AbstractEventLoop | None = None  # _task's loop
         self._slots = asyncio.Semaphore(in_flight)
         self._running: set[asyncio.Task[None]] = set()
         self.batches = 0
@@ -53,11 +52,10 @@ class Batcher:
     async def run(self, request: EngineRequest, priority: Priority = DEFAULT_PRIORITY) -> EngineOutput:
         """Run one request in the next batch with room for its class; raises what the engine raised
         for it."""
-        loop = self._running_on
-        if self._task is None or loop is None:  # the loop looked up once: in Python 3.11 a getpid syscall
-            loop = self._running_on = asyncio.get_running_loop()
-            self._task = loop.create_task(self._loop(), name=f"batcher:{self.model}")
-        fut: asyncio.Future[EngineOutput] = loop.create_future()
+        task = self._task
+        if task is None:  # the loop looked up once, not per request: in Python 3.11 a getpid syscall
+            task = self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"batcher:{self.model}")
+        fut: asyncio.Future[EngineOutput] = task.get_loop().create_future()
         self._queues[priority].append((request, fut))
         self._arrived.set()
         return await fut

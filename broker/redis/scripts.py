@@ -168,7 +168,6 @@ class Scripts:
         chosen = sources or {}
         self._scripts = {name: redis.register_script(chosen.get(name) or lua_source(name)) for name in self.NAMES}
         self._pending: list[_Pending] = []
-        self._batch_loop: asyncio.AbstractEventLoop | None = None  # the running loop, while _pending holds calls
         self._flushing: set[asyncio.Task[None]] = set()
         # Told of every refused call (broker/redis/refusals.py): a worker counts and logs them.
         self.on_refusal: Callable[[RedisRefused], None] | None = None
@@ -208,9 +207,10 @@ class Scripts:
         Calls keep their order; each caller gets its own result or error."""
         if not self.coalesce:
             return await self._direct(name, keys, args, before)
-        loop = self._batch_loop  # while a batch waits for its flush, the running loop
-        if not self._pending or loop is None:  # looked up once a batch: in Python 3.11 a getpid syscall
-            loop = self._batch_loop = asyncio.get_running_loop()
+        if self._pending:  # the loop is the batch's, looked up once a batch: in Python 3.11 a getpid syscall
+            loop = self._pending[0][3].get_loop()
+        else:
+            loop = asyncio.get_running_loop()
             loop.call_soon(self._flush_soon, loop)  # after the callbacks already ready: they join this batch
         fut: asyncio.Future[Any] = loop.create_future()
         self._pending.append((name, keys, args, fut, before))
