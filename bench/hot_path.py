@@ -14,12 +14,15 @@ PING through each; then redis-py's pool handing out an idle connection and takin
 lock, its release event) vs the fleet's pool (broker.redis.connect.HandingOutInPlace), both with
 the fleet's connections; and the frozen records a tiny world step builds (its job, input, engine
 request and output, result and latency, commit call and reply entry) with the dataclass's own
-``__init__`` vs schemas.records.quick_init's. Not in ``run_all``: these are the numbers behind
-docs/benchmarks.md#cpu-per-tiny-step and #instructions-per-step.
+``__init__`` vs schemas.records.quick_init's; and a worker's wait for its coalesced commit call,
+cancellation held, through ``asyncio.shield`` (the former way) vs a ``HeldFuture``
+(broker.redis.aio), each call a fresh future answered one loop callback later. Not in ``run_all``:
+these are the numbers behind docs/benchmarks.md#cpu-per-tiny-step and #instructions-per-step.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 import timeit
@@ -33,7 +36,7 @@ from redis.asyncio.connection import Connection, ConnectionPool
 
 from bench.common import Row, module_main, private_redis
 from broker.client.session import new_id
-from broker.redis.aio import resolve
+from broker.redis.aio import HeldFuture, outcome_of, resolve
 from broker.redis.connect import checked_in_place, open_redis, packing_in_c
 from broker.redis.inbox import InboxEntry, JobKind
 from broker.redis.layouts import ReplyEntry
@@ -127,6 +130,45 @@ async def best_async_us(call: Callable[[], Awaitable[object]], number: int) -> f
     return best / number * 1e6
 
 
+async def _former_outcome_of(fut: asyncio.Future[Any]) -> Any:
+    """broker.redis.aio.outcome_of before HeldFuture: the future shielded from the waiter's
+    cancellation (no cancellation comes here: the path every commit takes)."""
+    held = False
+    try:
+        while not fut.done():
+            try:
+                await asyncio.shield(fut)
+            except asyncio.CancelledError:
+                if fut.cancelled():
+                    raise
+                held = True
+        return fut.result()
+    finally:
+        task = asyncio.current_task() if held else None
+        if task is not None:
+            task.uncancel()
+            task.cancel()
+
+
+async def _held_waits(number: int) -> Row:
+    """One coalesced call's wait with the cancellation held: shielded vs a HeldFuture."""
+    loop = asyncio.get_running_loop()
+
+    async def shielded() -> object:
+        fut: asyncio.Future[int] = loop.create_future()
+        loop.call_soon(fut.set_result, 1)
+        return await _former_outcome_of(fut)
+
+    async def held() -> object:
+        fut: HeldFuture[int] = HeldFuture(loop=loop)
+        loop.call_soon(fut.set_result, 1)
+        return await outcome_of(fut)
+
+    old, new = await best_async_us(shielded, number), await best_async_us(held, number)
+    return Row(NAME, "commit wait, cancellation held", "asyncio.shield vs HeldFuture",
+               {"before_us": old, "after_us": new, "x": old / new})
+
+
 async def _connections(url: str, number: int) -> list[Row]:
     """The pool's check of an idle connection and a pooled PING, redis-py's connection vs the
     fleet's (the same connection class but for the check)."""
@@ -188,9 +230,11 @@ async def run(size: str) -> list[Row]:
     assert former_digest(world) == output_digest(world)
     with private_redis() as server:
         connections = await _connections(server.url, 2000 if size == "full" else 200)
+    held_waits = await _held_waits(20000 if size == "full" else 2000)
     plain_records = {cls.__name__: plain_twin(cls) for cls in RECORDS}
     return [
         *connections,
+        held_waits,
         _pair("frozen records of a tiny world step", step_records(plain_records),
               step_records({cls.__name__: cls for cls in RECORDS}), ("dataclass __init__", "quick_init")),
         _pair("output digest, tiny world step", lambda: former_digest(world), lambda: output_digest(world),

@@ -95,7 +95,7 @@ async def test_hot_path_times_each_piece_both_ways() -> None:
         "pool check of an idle connection", "pooled PING, round trip",
         "pool hand-out and take-back of an idle connection", "output digest, tiny world step",
         "pack enqueue EVALSHA (16 args)", "pack commit EVALSHA (24 args)", "job id", "as_floats, 8 values",
-        "frozen records of a tiny world step"}
+        "frozen records of a tiny world step", "commit wait, cancellation held"}
     assert all(row.values["before_us"] > 0 and row.values["after_us"] > 0 for row in rows)
 
 

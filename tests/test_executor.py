@@ -15,16 +15,16 @@ import pytest
 
 from broker import FleetClient
 from broker.client import Session
-from broker.redis.aio import outcome_of
+from broker.redis.aio import HeldFuture, outcome_of
 from broker.redis.embedded import RedisServer
 from broker.redis.inbox import InboxEntry, parse_inbox_entry
-from broker.redis.script_replies import CommitReply
+from broker.redis.scripts import Scripts
 from schemas.errors import ContextLost, ErrorCode, InferenceError, TransientEngineError
 from schemas.messages import StepResult
 from tests.support import world_step
 from workers.engines.base import EngineOutput, EngineRequest
 from workers.engines.null import NullEngine
-from workers.job_scripts import finish_before_cancel, settled_in_place
+from workers.job_scripts import CommitAnswer, finish_before_cancel, settled_in_place
 from workers.settings import WorkerSettings
 from workers.worker import Worker
 
@@ -219,7 +219,7 @@ async def test_a_commit_in_a_task_of_its_own_completes_and_applies_its_outcome_w
     sent = asyncio.Event()
     real_commit = idle_worker.executor.jobs.commit
 
-    async def slow_answer(job: InboxEntry, result: bytes, **kwargs: Any) -> CommitReply:
+    async def slow_answer(job: InboxEntry, result: bytes, **kwargs: Any) -> tuple[CommitAnswer, int]:
         answer = await real_commit(job, result, **kwargs)
         sent.set()
         await asyncio.sleep(0.2)  # the reply is still on its way when the lane is cancelled
@@ -258,7 +258,7 @@ async def test_finish_before_cancel_lets_the_work_end_then_delivers_the_cancella
 
 async def test_outcome_of_waits_through_cancellations_and_keeps_them_requested() -> None:
     loop = asyncio.get_running_loop()
-    fut: asyncio.Future[str] = loop.create_future()
+    fut: HeldFuture[str] = HeldFuture(loop=loop)
     after: list[str] = []
 
     async def caller() -> None:
@@ -281,22 +281,47 @@ async def test_outcome_of_waits_through_cancellations_and_keeps_them_requested()
 
 async def test_outcome_of_raises_the_futures_error_or_cancellation() -> None:
     loop = asyncio.get_running_loop()
-    failed: asyncio.Future[str] = loop.create_future()
+    failed: HeldFuture[str] = HeldFuture(loop=loop)
     failed.set_exception(ConnectionError("gone"))
     with pytest.raises(ConnectionError):
         await outcome_of(failed)
-    cancelled: asyncio.Future[str] = loop.create_future()
+    cancelled: HeldFuture[str] = HeldFuture(loop=loop)
     task = asyncio.create_task(outcome_of(cancelled))
     await asyncio.sleep(0)
-    cancelled.cancel()  # the call itself was cancelled (Scripts.cancel_pending): at once
+    assert not cancelled.cancel()  # what the task's cancellation asks: declined
+    cancelled.drop()  # the call itself was dropped (Scripts.cancel_pending): at once
     with pytest.raises(asyncio.CancelledError):
         await task
+
+
+async def test_a_held_call_whose_flush_is_cancelled_ends_instead_of_waiting_for_ever(
+    scripts: Scripts, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A caller holding its cancellation for a coalesced call's answer (a commit in place) is
+    released when the owner cancels the call's flush before it answered (cancel_pending at close)."""
+    sent, never = asyncio.Event(), asyncio.Event()
+
+    async def no_answer(name: str, keys: list[str], args: list[Any], before: list[Any] | None = None) -> Any:
+        sent.set()
+        await never.wait()  # the reply never comes
+
+    monkeypatch.setattr(scripts, "_direct", no_answer)
+    caller = asyncio.create_task(scripts._call("commit", [], [], hold_cancel=True))
+    await asyncio.wait_for(sent.wait(), 5)
+    caller.cancel()
+    await asyncio.sleep(0.01)
+    assert not caller.done()  # held: the call was sent, its answer is waited for
+    await scripts.cancel_pending()
+    await asyncio.wait({caller}, timeout=5)
+    assert caller.done(), "the caller waits for an answer that never comes"
+    with pytest.raises(asyncio.CancelledError):
+        await caller
 
 
 async def test_settled_in_place_applies_the_outcome_then_delivers_the_cancellation() -> None:
     loop = asyncio.get_running_loop()
     applied: list[str] = []
-    fut: asyncio.Future[str] = loop.create_future()
+    fut: HeldFuture[str] = HeldFuture(loop=loop)
 
     async def attempt() -> str:
         answer = await outcome_of(fut)
@@ -313,6 +338,6 @@ async def test_settled_in_place_applies_the_outcome_then_delivers_the_cancellati
     with pytest.raises(asyncio.CancelledError):
         await task
     assert applied == ["refused"]
-    fut = loop.create_future()
+    fut = HeldFuture(loop=loop)
     fut.set_result("answer")
     assert await settled_in_place(attempt, "commit") == "answer"  # no cancellation: the outcome

@@ -20,7 +20,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 
 from broker.redis.admission import Admission
-from broker.redis.aio import outcome_of, settle
+from broker.redis.aio import HeldFuture, drop, outcome_of, settle
 from broker.redis.blobs import BLOB_MARK, STAGE_BYTES, after_command, stage_command, stored_resolved, unless_unstaged
 from broker.redis.cells import touch_cell
 from broker.redis.connect import cluster_client_errors
@@ -212,9 +212,13 @@ class Scripts:
         else:
             loop = asyncio.get_running_loop()
             loop.call_soon(self._flush_soon, loop)  # after the callbacks already ready: they join this batch
+        if hold_cancel:
+            held: HeldFuture[Any] = HeldFuture(loop=loop)
+            self._pending.append((name, keys, args, held, before))
+            return await outcome_of(held)
         fut: asyncio.Future[Any] = loop.create_future()
         self._pending.append((name, keys, args, fut, before))
-        return await (outcome_of(fut) if hold_cancel else fut)
+        return await fut
 
     async def _direct(self, name: str, keys: list[str], args: list[Any], before: list[Any] | None = None) -> Any:
         if before is not None:
@@ -227,7 +231,7 @@ class Scripts:
         see a cancellation (a commit that was sent is fenced like any lost reply)."""
         batch, self._pending = self._pending, []
         for _, _, _, fut, _ in batch:
-            fut.cancel()
+            drop(fut)
         for task in list(self._flushing):
             task.cancel()
         await asyncio.gather(*self._flushing, return_exceptions=True)
@@ -248,6 +252,14 @@ class Scripts:
         return exc
 
     async def _flush(self, batch: list[_Pending]) -> None:
+        try:
+            await self._flush_batch(batch)
+        finally:  # cancelled (cancel_pending): a caller holding its cancellation must not wait for ever
+            for pending in batch:
+                if not pending[3].done():
+                    drop(pending[3])
+
+    async def _flush_batch(self, batch: list[_Pending]) -> None:
         if len(batch) == 1:  # nothing to coalesce: the plain call
             name, keys, args, fut, before = batch[0]
             await settle(fut, self._direct(name, keys, args, before))
