@@ -81,13 +81,6 @@ class StepResult:
                    error=ErrorInfo(code, message), context_length=context_length, worker_id=worker_id,
                    attempt=attempt, policy_version=policy_version)
 
-    def timed(self, committed_step_id: int, latency: Latency) -> StepResult:
-        """This result with the client's committed step id and timing (``dataclasses.replace``'s
-        answer, built directly: the client makes one per step)."""
-        return StepResult(self.session_id, self.step_id, self.ok, committed_step_id, self.output, self.error,
-                          self.context_length, latency, self.worker_id, self.attempt, self.policy_version,
-                          self.duplicate)
-
     def to_wire(self) -> dict[str, Any]:
         return {
             "v": WIRE_VERSION,
@@ -106,19 +99,32 @@ class StepResult:
         }
 
     @classmethod
-    def from_wire(cls, data: Any) -> StepResult:
+    def from_wire(cls, data: Any, *, committed: int | None = None, total_ms: float | None = None) -> StepResult:
+        """The result ``data`` carries. A client reading its reply gives what it knows beside it, and
+        the result is built once with it: ``committed``, the session's committed step id the reply
+        entry names (a step that failed reports it; one that succeeded the later of it and its own),
+        and ``total_ms``, the client's round trip (``commit_ms`` is then what queue and engine time
+        leave of it)."""
         data = as_mapping(data, "step result")
         try:
             error = data.get("error")
+            ok = bool(data["ok"])
+            committed_step_id = int(data["committed_step_id"])
+            if committed is not None:
+                committed_step_id = max(committed, committed_step_id) if ok else committed
+            latency = Latency.from_wire(data.get("latency"))
+            if total_ms is not None:
+                queue_ms, engine_ms = latency.queue_ms, latency.engine_ms
+                latency = Latency(queue_ms, engine_ms, max(0.0, total_ms - queue_ms - engine_ms), total_ms)
             return cls(
                 session_id=str(data["session_id"]),
                 step_id=int(data["step_id"]),
-                ok=bool(data["ok"]),
-                committed_step_id=int(data["committed_step_id"]),
+                ok=ok,
+                committed_step_id=committed_step_id,
                 output=data.get("output"),
                 error=None if error is None else ErrorInfo.from_wire(error),
                 context_length=int(data.get("context_length", 0)),
-                latency=Latency.from_wire(data.get("latency")),
+                latency=latency,
                 worker_id=str(data.get("worker_id", "")),
                 attempt=int(data.get("attempt", 0)),
                 policy_version=int(data.get("policy_version", 0)),

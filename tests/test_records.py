@@ -1,4 +1,5 @@
-"""schemas.records.quick_init: the faster __init__ builds what the dataclass's own builds."""
+"""schemas.records.quick_init: the faster __init__ builds what the dataclass's own builds; and a reply
+entry decoded as the client sees it, in one record."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import pytest
 from broker.redis.inbox import InboxEntry, JobKind
 from broker.redis.layouts import ReplyEntry
 from broker.redis.scripts import CommitCall
+from schemas.codec import encode
+from schemas.limits import Limits
 from schemas.messages import Mode
 from schemas.records import quick_init
 from schemas.results import Latency, StepResult
@@ -123,3 +126,21 @@ def test_the_step_records_build_as_before() -> None:
         values = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
         assert cls(**values) == obj
         assert vars(obj) == values  # every field stored, nothing else
+
+
+@pytest.mark.parametrize(("ok", "entry_committed", "committed"), [(True, 2, 4), (True, 7, 7), (False, 6, 6)])
+def test_a_reply_entry_decodes_with_the_clients_committed_id_and_timing(
+    ok: bool, entry_committed: int, committed: int
+) -> None:
+    """A success reports the later of its own committed id and the entry's (a later commit may have
+    landed), a failure the entry's; commit_ms is what queue and engine time leave of the round trip,
+    never negative."""
+    sent = StepResult("s", 4, ok, 4 if ok else 5, output={"x": 1} if ok else None,
+                      latency=Latency(queue_ms=1.5, engine_ms=2.0, commit_ms=9.0, total_ms=9.0), worker_id="w")
+    entry = ReplyEntry("step", "j", entry_committed, encode(sent.to_wire()))
+    plain = entry.step_result(Limits())
+    assert plain == sent
+    seen = entry.step_result(Limits(), total_ms=10.0)
+    assert seen == dataclasses.replace(sent, committed_step_id=committed,
+                                       latency=Latency(queue_ms=1.5, engine_ms=2.0, commit_ms=6.5, total_ms=10.0))
+    assert entry.step_result(Limits(), total_ms=3.0).latency.commit_ms == 0.0

@@ -40,7 +40,6 @@ from schemas.errors import (
 )
 from schemas.limits import Limits
 from schemas.messages import SessionStatus, StepResult
-from schemas.results import Latency
 
 
 @dataclass(frozen=True)
@@ -154,12 +153,7 @@ class LinkSource(Protocol):
 
 def decode_result(reply: ReplyEntry, started: float, limits: Limits) -> StepResult:
     """A reply entry as a StepResult, with the current committed id and the client's timing."""
-    result = reply.step_result(limits)
-    total = (time.perf_counter() - started) * 1000.0
-    lat = result.latency
-    latency = Latency(queue_ms=lat.queue_ms, engine_ms=lat.engine_ms,
-                      commit_ms=max(0.0, total - lat.queue_ms - lat.engine_ms), total_ms=total)
-    return result.timed(max(reply.committed, result.committed_step_id) if result.ok else reply.committed, latency)
+    return reply.step_result(limits, total_ms=(time.perf_counter() - started) * 1000.0)
 
 
 async def session_status(redis: Redis, keys: CellKeys, session_id: str) -> SessionStatus:

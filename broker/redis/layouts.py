@@ -219,14 +219,18 @@ class ReplyEntry:
     def to_fields(self) -> Entry:
         return {"kind": self.kind, "job_id": self.job_id, "committed": self.committed, "result": self.result}
 
-    def step_result(self, limits: Limits) -> StepResult:
+    def step_result(self, limits: Limits, *, total_ms: float | None = None) -> StepResult:
         """The ``StepResult`` the entry carries, decoded once (InvalidRequestError if malformed). A
         reference left unresolved (its blob was gone when read: broker/redis/blobs.py) raises
-        step_already_committed: a re-send of the step reads it from the log while its window keeps it."""
+        step_already_committed: a re-send of the step reads it from the log while its window keeps it.
+        ``total_ms``: the client's round trip, which also gives the result this entry's committed
+        step id (``StepResult.from_wire``)."""
         key = blob_key(self.result)
         if key is not None:
             raise blob_gone(f"the step of job {self.job_id}", key)
-        return StepResult.from_wire(decode(self.result, limits))
+        if total_ms is None:
+            return StepResult.from_wire(decode(self.result, limits))
+        return StepResult.from_wire(decode(self.result, limits), committed=self.committed, total_ms=total_ms)
 
 
 @dataclass(frozen=True)
