@@ -35,7 +35,8 @@ class HeldFuture(asyncio.Future[T]):
     the future its task waits on to cancel, and this one declines, so the task's cancellation is
     delivered once the future is done (``outcome_of``) instead of cutting the wait short. Its owner
     still can: ``drop``. Instead of ``asyncio.shield`` (an outer future, two callbacks and one more
-    event-loop turn): 3.4 µs less per call, measured in a loop of one future each."""
+    event-loop turn): 4.9 against 8.2 µs a wait (``python -m bench.hot_path --size full``, the
+    ``commit wait, cancellation held`` row)."""
 
     def cancel(self, msg: Any | None = None) -> bool:
         return False  # the awaiting task was cancelled: it stays cancelled, and waits for the outcome

@@ -228,9 +228,8 @@ class ReplyEntry:
         key = blob_key(self.result)
         if key is not None:
             raise blob_gone(f"the step of job {self.job_id}", key)
-        if total_ms is None:
-            return StepResult.from_wire(decode(self.result, limits))
-        return StepResult.from_wire(decode(self.result, limits), committed=self.committed, total_ms=total_ms)
+        committed = None if total_ms is None else self.committed
+        return StepResult.from_wire(decode(self.result, limits), committed=committed, total_ms=total_ms)
 
 
 @dataclass(frozen=True)
