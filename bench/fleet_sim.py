@@ -73,6 +73,9 @@ class SimConfig:
     # Redis I/O threads of each local master (io-threads, with io-threads-do-reads): 1 is Redis's
     # default, the main thread alone; more take socket reads and writes off the main thread.
     io_threads: int = 1
+    # Workers hand large results to their trainers directly (--serve-results on 127.0.0.1, a free
+    # port each: schemas/results_wire.py); the trainers' clients fetch them when offered, as by default.
+    serve_results: bool = False
 
     def __post_init__(self) -> None:
         for name in ("workers", "masters", "cells_per_master", "worker_procs", "trainer_procs", "token_len",
@@ -139,7 +142,8 @@ class Fleet:
                     plan[cell] = share
         for i, plan in enumerate(plans):
             spec = self._spec("worker", i, cells=plan, latent_floats=c.latent_bytes // 4, delay_ms=c.delay_ms,
-                              heartbeat_ms=c.heartbeat_ms, block_ms=c.block_ms, idle_sweep_s=c.idle_sweep_s)
+                              heartbeat_ms=c.heartbeat_ms, block_ms=c.block_ms, idle_sweep_s=c.idle_sweep_s,
+                              serve_results=c.serve_results)
             self.worker_procs.append(self._spawn("worker", spec))
         self.wait_ready(self.worker_procs, "workers")
 
@@ -264,6 +268,8 @@ def parser() -> argparse.ArgumentParser:
     add("--kinds", default=",".join(d.kinds), help="comma-separated, run in this order: latent, token")
     add("--io-threads", type=int, default=d.io_threads,
         help="Redis I/O threads of each local master (default 1: the main thread alone)")
+    add("--serve-results", action="store_true",
+        help="workers hand large results to trainers directly (one hop: schemas/results_wire.py)")
     add("--redis-url", default=None, help="measure this Redis (redis:// or redis+cluster://, no auth) "
                                           "instead of starting a local cluster")
     add("--json", type=Path, default=None, help="write the report here")

@@ -63,7 +63,8 @@ def _worker_settings(spec: dict[str, Any], cell: str) -> WorkerSettings:
     # each setting is reported in the output, and the idle window measures what they cost.
     config = CellConfig(redis_url=spec["url"], prefix=spec["prefix"], cell=cell, lease_ms=spec["lease_ms"])
     return WorkerSettings(cell_config=config, heartbeat_ms=spec["heartbeat_ms"], block_ms=spec["block_ms"],
-                          idle_sweep_s=spec["idle_sweep_s"], handover_on_stop=False, drain_timeout_s=5.0)
+                          idle_sweep_s=spec["idle_sweep_s"], handover_on_stop=False, drain_timeout_s=5.0,
+                          serve_results="127.0.0.1:0" if spec.get("serve_results") else None)
 
 
 def _engine(spec: dict[str, Any]) -> NullEngine:

@@ -6,7 +6,9 @@ pool), arq (enqueue and wait; poll delay 0.01 s on both sides) and the floor, a 
 asyncio redis-py (also 64 PINGs as one pipeline). Fleet workers run with glibc malloc tuned
 (workers.runner.tune_malloc) and coalesce script calls into pipelines (broker.redis.scripts).
 Results: a tiny one (null engine default, float32 (1, 4)) and the (1, 16, 2, 44, 80) float32
-latent. Every session runs closed loop: next step when the last returned.
+latent. Every session runs closed loop: next step when the last returned. The latent cases run
+again as ``fleet (one hop)``: the worker started with ``--serve-results``, so the trainer fetches
+each latent from it instead of from Redis (schemas/results_wire.py).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from broker.redis.connect import open_redis
 from broker.redis.embedded import free_port
 
 NAME = "round_trip"
+ONE_HOP = "fleet (one hop)"  # workers started with --serve-results: large results skip Redis's second copy
 CONCURRENCY = (1, 64)
 SHAPES = {"tiny": TINY_SHAPE, "latent": LATENT_SHAPE}
 
@@ -102,12 +105,13 @@ async def _fleet_step(session: Any, k: int) -> None:
 
 
 async def fleet_rows(url: str, size: Size, *, shapes: dict[str, tuple[int, ...]] = SHAPES,
-                     system: str = "fleet", env: dict[str, str] | None = None) -> list[Row]:
+                     system: str = "fleet", env: dict[str, str] | None = None,
+                     extra: Sequence[str] = ()) -> list[Row]:
     rows: list[Row] = []
     for shape_name, shape in shapes.items():
         prefix = new_prefix("rt")
         with Children() as children:
-            await start_fleet_workers(children, url, prefix, latent_shape=shape, env=env)
+            await start_fleet_workers(children, url, prefix, latent_shape=shape, env=env, extra=extra)
             async with FleetClient(url, prefix=prefix) as fleet:
                 for n in CONCURRENCY:
                     sessions = [await fleet.create_session("null-world", "world_model_env") for _ in range(n)]
@@ -197,6 +201,9 @@ async def run(size: str) -> list[Row]:
     with private_redis() as server:
         rows = await ping_floor(server.url, sz)
         rows += await fleet_rows(server.url, sz)
+        # The latent again with the worker handing results to the trainer itself (schemas/results_wire.py)
+        rows += await fleet_rows(server.url, sz, shapes={"latent": LATENT_SHAPE}, system=ONE_HOP,
+                                 extra=["--serve-results", "127.0.0.1:0"])
         rows += await http_rows(sz)
         rows += await arq_rows(server.url, sz)
     for row in rows:

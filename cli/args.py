@@ -29,6 +29,7 @@ from cli.demo import DemoConfig
 from cli.env import attach_env, name_variable
 from cli.errors import redact
 from cli.logs import FORMATS, LEVELS
+from schemas.results_wire import parse_address
 from workers.engines.registry import ENGINE_HELP, engine_name
 from workers.ray_fleet.autoscale import Autoscale
 from workers.settings import WorkerSettings
@@ -38,7 +39,8 @@ DESCRIPTION = "rollout-fleet: worker, demo, redis (embedded, foreground) and sta
 WORKER_SETTINGS = ("worker_id", "capacity", "heartbeat_ms", "max_attempts", "drain_timeout_s", "version_wait_s",
                    "metrics_port", "rebalance_interval_s", "rebalance_threshold",
                    "durability", "durability_replicas", "durability_timeout_s", "snapshot_every",
-                   "closed_retention_hours")
+                   "closed_retention_hours", "serve_results", "results_advertise", "results_hold_s",
+                   "results_max_bytes")
 _CELL_HELP = {"redis_url": "Redis URL", "prefix": "key prefix", "cell": "cell hash tag; '*': every cell",
               "lease_ms": "lease in ms: a worker silent this long is failed over (one value per cell)"}
 
@@ -95,6 +97,14 @@ def _port(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _address(text: str) -> str:
+    try:
+        parse_address(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def add_metrics_port(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
     """--metrics-port: off unless given (its $ROLLOUT_FLEET_METRICS_PORT comes from cli.env,
     like every option's variable, and is checked by the same ``_port``)."""
@@ -145,6 +155,17 @@ def _worker(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
     _setting(p, "--snapshot-every", WorkerSettings, "snapshot_every",
              "snapshot a session's engine context every N committed steps (engines that can export "
              "it), so failover replays at most N steps; 0: off")
+    p.add_argument("--serve-results", dest="serve_results", type=_address, default=None, metavar="HOST:PORT",
+                   help="hand large committed results to their trainers from here, one hop instead of two "
+                        "through Redis (port 0: a free one; default: off; durability async only)")
+    p.add_argument("--results-advertise", dest="results_advertise", type=_address, default=None,
+                   metavar="HOST:PORT", help="the address trainers reach --serve-results at (default: the "
+                                             "address it listens on; needed when that is 0.0.0.0 or ::)")
+    _setting(p, "--results-hold", WorkerSettings, "results_hold_s",
+             "seconds a large result waits for its trainer to fetch it before only Redis has it",
+             type=_positive(float))
+    _setting(p, "--results-max-bytes", WorkerSettings, "results_max_bytes",
+             "bytes of large results held for trainers at most (the oldest go first)", type=_positive(int))
     add_metrics_port(p, environ)
 
 

@@ -41,6 +41,7 @@ from schemas.codec import encode
 from schemas.errors import ErrorCode, Fenced, FleetError
 from schemas.messages import StepResult
 from workers.rate_limit import WarningLimiter
+from workers.result_server import HeldResults
 from workers.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -146,6 +147,10 @@ class JobScripts:
         # A commit whose only wait is its coalesced script call (no replica WAIT on this task's
         # connection) holds a cancellation until its answer is in: settled_in_place runs it.
         self.commits_in_place = self.replica_wait is None and scripts.coalesce
+        # Large results kept for their trainers to fetch directly (workers/result_server.py; None:
+        # not served). Only with durability async: replicated publishes a result later, once a
+        # replica has it, and the trainer then reads it from Redis.
+        self.held: HeldResults | None = None
 
     async def commit(self, job: InboxEntry, result: bytes, *, context_length: int, record: bytes = b"",
                      keep_records: int = -1, version: int | None = None) -> tuple[CommitAnswer, int]:
@@ -160,13 +165,28 @@ class JobScripts:
             cancels=job.cancels if result else None,  # a re-publish (empty result) is never cancelled
             input_staged=job.input_staged,
         )
-        if self.replica_wait is None:
-            reply, acked = await self.scripts.commit(call, hold_cancel=self.commits_in_place), 0
-        else:
+        if self.replica_wait is not None:
             reply, acked = await self.scripts.commit_and_wait(call, self.replica_wait)
+        elif self.held is not None and len(result) >= self.scripts.stage_bytes:
+            reply, acked = await self._commit_held(call, self.held), 0
+        else:
+            reply, acked = await self.scripts.commit(call, hold_cancel=self.commits_in_place), 0
         if isinstance(reply, StaleOwner):
             raise Fenced(job.session_id)
         return reply, acked
+
+    async def _commit_held(self, call: CommitCall, held: HeldResults) -> Any:
+        """The commit of a large result that this worker also hands to its trainer: held before the
+        call is sent (the reply may reach the trainer before the answer reaches us), kept only when
+        the answer is ``committed``; an error or a cancellation drops it (the trainer reads Redis)."""
+        held.hold(call.job_id, call.result)
+        committed = False
+        try:
+            reply = await self.scripts.commit(call, hold_cancel=self.commits_in_place)
+            committed = isinstance(reply, Committed)
+            return reply
+        finally:
+            held.settle(call.job_id, committed=committed)
 
     async def publish_committed(self, job: InboxEntry) -> None:
         """Publish the stored result of the job's committed step and acknowledge the job (after a

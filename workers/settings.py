@@ -14,6 +14,7 @@ from broker.redis.config import CellConfig
 from broker.redis.durability import DURABILITY_MODES, Durability, ReplicaWait
 from broker.redis.layouts import ReplyBounds
 from schemas.limits import DEFAULT_LIMITS, Limits
+from schemas.results_wire import parse_address
 
 
 def new_worker_id() -> str:
@@ -66,6 +67,14 @@ class WorkerSettings:
     durability_replicas: int = 1
     durability_timeout_s: float = 30.0
     snapshot_every: int = 16  # snapshot a session's engine context every N committed steps; 0: never
+    # Hand large committed results to trainers directly (workers/result_server.py, schemas/results_wire.py):
+    # listen at serve_results (HOST:PORT, port 0: a free one; None: off), advertised as
+    # results_advertise (default: that address); each result kept results_hold_s for its trainer,
+    # at most results_max_bytes in all. Only with durability async.
+    serve_results: str | None = None
+    results_advertise: str | None = None
+    results_hold_s: float = 5.0
+    results_max_bytes: int = 256 * 1024 * 1024
     limits: Limits = DEFAULT_LIMITS
 
     def __post_init__(self) -> None:
@@ -90,6 +99,28 @@ class WorkerSettings:
             raise ValueError("snapshot_every must be >= 0 (0: no snapshots)")
         if self.heartbeat_ms >= self.cell_config.lease_ms:
             raise ValueError("heartbeat_ms must be shorter than lease_ms")
+        self._check_result_serving()
+
+    def _check_result_serving(self) -> None:
+        if self.results_hold_s <= 0 or self.results_max_bytes <= 0:
+            raise ValueError("results_hold_s and results_max_bytes must be positive")
+        if self.serve_results is None:
+            if self.results_advertise is not None:
+                raise ValueError("results_advertise needs serve_results (--serve-results HOST:PORT)")
+            return
+        for name in ("serve_results", "results_advertise"):
+            value = getattr(self, name)
+            if value is not None:
+                try:
+                    parse_address(value)
+                except ValueError as exc:
+                    raise ValueError(f"{name}: {exc}") from None
+        if self.results_advertise is None and parse_address(self.serve_results)[0] in ("0.0.0.0", "::"):
+            raise ValueError(f"serve_results {self.serve_results} listens on every address: give results_advertise "
+                             "(--results-advertise HOST:PORT), the address trainers reach this worker at")
+        if self.durability is Durability.REPLICATED:
+            raise ValueError("serve_results needs durability async: with replicated durability a result is "
+                             "published once a replica has it, and its trainer reads it from Redis")
 
     def replica_wait(self) -> ReplicaWait | None:
         """What a commit waits for before its reply goes out; None: nothing (durability async)."""

@@ -50,6 +50,7 @@ from workers.rate_limit import WarningLimiter
 from workers.readiness import Readiness
 from workers.reaper import reap_loop
 from workers.rebalance import Movable, Rebalancer
+from workers.result_server import HeldResults, ResultServer
 from workers.settings import WorkerSettings, new_worker_id
 from workers.weight_control import WeightControl
 from workers.worker_metrics import WorkerMetrics
@@ -189,6 +190,7 @@ class Worker:
         self._drain: Drain | None = None
         self._beat_error = ""  # why the last heartbeat failed ("" once one succeeds)
         self._fork_cancel = ForkCancel(lambda: self.executor, self._sessions)  # cancel and fork entries
+        self._results: ResultServer | None = None  # large results handed to trainers directly
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -207,6 +209,15 @@ class Worker:
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self.metrics.start(self.ready_now)  # first: a taken port fails the start before anything else is open
+        if self.settings.serve_results is not None:  # so does the result server's; registering says where
+            self._results = ResultServer(
+                HeldResults(hold_s=self.settings.results_hold_s, max_bytes=self.settings.results_max_bytes),
+                self.settings.serve_results, self.settings.results_advertise)
+            try:
+                await self._results.start()
+            except OSError:
+                self.metrics.close()
+                raise
         self._redis = open_redis(self.settings.cell_config.redis_url, decode_responses=False)
         self._scripts = Scripts(self._redis, self.keys)
         self._scripts.on_refusal = self.metrics.refused  # counted and logged once (rate-limited)
@@ -221,6 +232,8 @@ class Worker:
         self._executor = StepExecutor(self.settings, self._scripts, self.engine, self._batchers,
                                       self.weights.gate, self.metrics)
         self._fenced = FencedEntries(self._executor.jobs)
+        if self._results is not None:
+            self._executor.jobs.held = self._results.held
         lease_ms = self.settings.cell_config.lease_ms
         self._beats = Heartbeats(self._scripts, heartbeat_ms=self.settings.heartbeat_ms, lease_ms=lease_ms)
         beats = self._beats
@@ -293,6 +306,8 @@ class Worker:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)  # a cancel of shutdown itself still lands
         await asyncio.gather(*(batcher.close() for batcher in self._batchers.values()))
+        if self._results is not None:
+            await self._results.close()
         if self._redis is not None:
             with contextlib.suppress(Exception):
                 await self._scripts_or_fail().leave_pools(self.id, pools=self._pools, state=WorkerState.STOPPED)
@@ -336,6 +351,7 @@ class Worker:
             "idle_closed": str(self._idle_sweeper.closed if self._idle_sweeper else 0),
             "drain_stuck": str(self._drain.stuck if self._drain else 0),
             **self.readiness.fields(),
+            **({"results_at": self._results.address} if self._results is not None else {}),
         }
 
     def _beats_or_fail(self) -> Heartbeats:

@@ -13,6 +13,7 @@ from redis.asyncio import Redis
 
 from broker.client.admission_wait import admitted
 from broker.client.cells import placement_order
+from broker.client.direct import DirectFetcher
 from broker.client.link import Bounds, CellLink, decode_result, session_status
 from broker.client.replies import ReplyReader
 from broker.client.session import Session, new_id
@@ -100,7 +101,10 @@ class FleetClient:
     ``session_check_s`` that the session still exists and fails the wait with
     ``session_not_found`` once it is gone. ``trainer`` names whose open sessions this client's new
     sessions count in (an operator may cap them per cell: ``rollout-fleet trainers set-cap``);
-    default: the client id, or ``default`` for a client id that is no trainer name."""
+    default: the client id, or ``default`` for a client id that is no trainer name.
+    ``direct_results``: fetch a large result from the worker that committed it when that worker
+    serves results (``--serve-results``, schemas/results_wire.py), one hop instead of two through Redis;
+    it is read from Redis whenever the worker cannot answer."""
 
     def __init__(
         self,
@@ -117,6 +121,7 @@ class FleetClient:
         step_timeout: float | None = DEFAULT_STEP_TIMEOUT_S,
         session_check_s: float = DEFAULT_SESSION_CHECK_S,
         trainer: str | None = None,
+        direct_results: bool = True,
     ) -> None:
         self.config = (config or CellConfig()).with_overrides(redis_url=url, prefix=prefix, cell=cell,
                                                               lease_ms=lease_ms)
@@ -133,6 +138,9 @@ class FleetClient:
         self.step_timeout = _positive_or_none("step_timeout", step_timeout)
         # While waiting, how often to check that the session still exists (broker/client/link.py).
         self.session_check_s = _positive_or_none("session_check_s", session_check_s) or DEFAULT_SESSION_CHECK_S
+        # Large results fetched from the worker that committed them when it serves them
+        # (broker/client/direct.py), else read from Redis; False: always from Redis.
+        self.direct_results = direct_results
         self._redis: Redis | None = None
         self._links: dict[str, CellLink] = {}
 
@@ -175,7 +183,8 @@ class FleetClient:
             keys = CellKeys(self.config.prefix, cell)
             found = CellLink(self.redis, keys, Scripts(self.redis, keys),
                              ReplyReader(self.redis, keys.reply(self.client_id),
-                                         in_place=keys.in_place_reader(self.client_id)),
+                                         in_place=keys.in_place_reader(self.client_id),
+                                         direct=DirectFetcher(self.redis, keys) if self.direct_results else None),
                              self.client_id, self.limits,
                              Bounds(self.step_timeout, self.session_check_s, self.reconnect_s))
             found.replies.start()

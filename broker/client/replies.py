@@ -10,8 +10,9 @@ from typing import Any
 
 from redis.asyncio import Redis
 
+from broker.client.direct import DirectFetcher
 from broker.redis.backoff import REDIS_ERRORS, Backoff, cancel_and_wait
-from broker.redis.blobs import IN_PLACE_READER_TTL_MS, blob_key, read_reply_blobs
+from broker.redis.blobs import IN_PLACE_READER_TTL_MS, blob_key, in_place_keys, mark_read, read_reply_blobs
 from broker.redis.connect import cluster_client_errors
 from broker.redis.layouts import ReplyEntry
 
@@ -37,10 +38,13 @@ class ReplyReader:
     """
 
     def __init__(self, redis: Redis, stream: str, *, in_place: str | None = None, block_ms: int = 1000,
-                 batch: int = 512, trim_interval_s: float = TRIM_INTERVAL_S) -> None:
+                 batch: int = 512, trim_interval_s: float = TRIM_INTERVAL_S,
+                 direct: DirectFetcher | None = None) -> None:
         self.redis = redis
         self.stream = stream
         self.in_place = in_place
+        self.direct = direct  # fetches in-place results from the worker that committed them first
+        self._sources: dict[str, str] = {}  # job id -> the worker it was sent to (for ``direct``)
         self.block_ms = block_ms
         self.batch = batch
         self.trim_interval_s = trim_interval_s
@@ -50,19 +54,30 @@ class ReplyReader:
         self._task: asyncio.Task[None] | None = None
         self._last_id = b"0-0"
         self._deletes: set[asyncio.Task[None]] = set()
+        self._marks: set[asyncio.Task[None]] = set()  # in-place replies fetched directly, marked read
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._in_place_due = float("-inf")  # the loop clock at which in_place is renewed
 
-    def expect(self, job_id: str) -> asyncio.Future[ReplyEntry]:
+    def expect(self, job_id: str, *, worker_id: str | None = None) -> asyncio.Future[ReplyEntry]:
+        """A future for the reply of ``job_id``; ``worker_id``: the worker the job is sent to (see
+        :meth:`sent_to`)."""
         # The reader task's loop (the one that resolves the future), not a lookup per step.
         loop = self._loop if self._task is not None and self._loop is not None else asyncio.get_running_loop()
         fut: asyncio.Future[ReplyEntry] = loop.create_future()
         self._waiters[job_id] = fut
+        if worker_id is not None and self.direct is not None:
+            self._sources[job_id] = worker_id
         return fut
+
+    def sent_to(self, job_id: str, worker_id: str) -> None:
+        """The worker ``job_id`` went to (after a move): a large result is asked of it first."""
+        if self.direct is not None and job_id in self._waiters:
+            self._sources[job_id] = worker_id
 
     def forget(self, job_id: str) -> None:
         self._waiters.pop(job_id, None)
+        self._sources.pop(job_id, None)
 
     def start(self) -> None:
         if self._task is None:
@@ -74,18 +89,7 @@ class ReplyReader:
         if self._task is not None:
             await cancel_and_wait(self._task)
             self._task = None
-        # What was read last leaves with the reader, after a trim still in flight. A trim still in
-        # flight would outlive the connection pool its owner closes next, and open a fresh
-        # connection nobody closes: let it finish (briefly), cancel what is left.
-        deadline = asyncio.get_running_loop().time() + DELETE_WAIT_S
-        for _ in range(2):
-            if self._deletes:
-                await asyncio.wait(set(self._deletes), timeout=max(0.0, deadline - asyncio.get_running_loop().time()))
-            if not self._deletes:
-                self._trim(force=True)
-        for task in list(self._deletes):
-            task.cancel()
-        await asyncio.gather(*self._deletes, return_exceptions=True)
+        await self._finish_deletes()
         if self.in_place is not None and self._in_place_due != float("-inf"):  # later commits copy again
             with contextlib.suppress(Exception):  # a key left behind expires with its TTL
                 async with asyncio.timeout(DELETE_WAIT_S):
@@ -94,6 +98,27 @@ class ReplyReader:
             if not fut.done():
                 fut.cancel()
         self._waiters.clear()
+        self._sources.clear()
+        if self.direct is not None:
+            await self.direct.close()
+
+    async def _finish_deletes(self) -> None:
+        """What was read last leaves with the reader, after a trim still in flight. A trim (or a
+        mark of replies read) still in flight would outlive the connection pool its owner closes
+        next, and open a fresh connection nobody closes: let it finish (briefly), cancel what is
+        left."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + DELETE_WAIT_S
+        for _ in range(2):
+            if self._deletes:
+                await asyncio.wait(set(self._deletes), timeout=max(0.0, deadline - loop.time()))
+            if not self._deletes:
+                self._trim(force=True)
+        if self._marks:
+            await asyncio.wait(set(self._marks), timeout=max(0.0, deadline - loop.time()))
+        for task in [*self._deletes, *self._marks]:
+            task.cancel()
+        await asyncio.gather(*self._deletes, *self._marks, return_exceptions=True)
 
     async def _run(self) -> None:
         backoff = Backoff()
@@ -127,6 +152,7 @@ class ReplyReader:
 
     async def _dispatch(self, items: list[tuple[bytes, dict[bytes, bytes]]]) -> None:
         for reply in await self._resolved([ReplyEntry.from_fields(fields) for _, fields in items]):
+            self._sources.pop(reply.job_id, None)
             fut = self._waiters.pop(reply.job_id, None)
             if fut is not None and not fut.done():
                 fut.set_result(reply)
@@ -156,19 +182,51 @@ class ReplyReader:
         wanted = [(i, reply.result) for i, reply in enumerate(replies) if blob_key(reply.result) is not None]
         if not wanted:
             return replies
+        out = list(replies)
+        if self.direct is not None and self._sources:
+            wanted = await self._fetched_directly(wanted, out)
+            if not wanted:
+                return out
         failures = REDIS_ERRORS + cluster_client_errors(self.redis)
         try:
             values = await read_reply_blobs(self.redis, [ref for _, ref in wanted])
         except failures as exc:
             log.warning("result blobs of %d replies unreadable: %s", len(wanted), exc)
-            return replies
-        out = list(replies)
+            return out
         for (i, ref), data in zip(wanted, values, strict=True):
             if isinstance(data, Exception):
                 log.warning("result blob %s of job %s unreadable: %s", blob_key(ref), replies[i].job_id, data)
             elif data is not None:
                 out[i] = dataclasses.replace(replies[i], result=bytes(data))
         return out
+
+    async def _fetched_directly(self, wanted: list[tuple[int, bytes]],
+                                out: list[ReplyEntry]) -> list[tuple[int, bytes]]:
+        """Fetch the in-place results of ``wanted`` from the workers their jobs went to
+        (broker/client/direct.py), into ``out``; returns those left for Redis. A fetched result's
+        reply is marked read in Redis off the reply's path (:func:`mark_read`)."""
+        assert self.direct is not None
+        asked: list[tuple[int, bytes, str]] = []
+        for i, ref in wanted:
+            worker_id = self._sources.get(out[i].job_id)
+            if worker_id is not None and in_place_keys(ref) is not None:
+                asked.append((i, ref, worker_id))
+        if not asked:
+            return wanted
+        direct = self.direct
+        got = await asyncio.gather(*(direct.fetch(worker_id, out[i].job_id) for i, _, worker_id in asked))
+        served: list[bytes] = []
+        done: set[int] = set()
+        for (i, ref, _), data in zip(asked, got, strict=True):
+            if data is not None:
+                out[i] = dataclasses.replace(out[i], result=data)
+                served.append(ref)
+                done.add(i)
+        if served:
+            task = asyncio.create_task(mark_read(self.redis, served))
+            self._marks.add(task)
+            task.add_done_callback(self._marks.discard)
+        return [(i, ref) for i, ref in wanted if i not in done]
 
     async def _delete_through(self, last_id: bytes) -> None:
         """``XTRIM MINID`` (exact) just past ``last_id``: every entry up to it goes, none after it. A

@@ -206,7 +206,7 @@ class Session:
         started = time.perf_counter()
         job_id = new_id()
         replies = self.link.replies
-        waiter = replies.expect(job_id)
+        waiter = replies.expect(job_id, worker_id=self.owner)
         earlier = self._unanswered.pop(step_id, None) if contextual else None
         # Expected before the enqueue is sent: a reply published meanwhile cannot slip by.
         earlier_waiter = replies.expect(earlier) if earlier is not None else None
@@ -229,6 +229,7 @@ class Session:
             job_id, waiter, reply = earlier, earlier_waiter, Queued("", reply.committed_step_id)
         else:
             self._forget_earlier(earlier)
+            replies.sent_to(job_id, self.owner)  # the owner that queued it, after any move
         if isinstance(reply, Stored):
             replies.forget(job_id)
             result = self.link.decode_result(ReplyEntry("step", job_id, reply.committed_step_id, reply.result),

@@ -35,6 +35,7 @@ check costs a commit one ``EXISTS``, and only for a staged result: a token step 
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from redis.asyncio import Redis
@@ -49,6 +50,7 @@ from schemas.errors import ErrorCode, FleetError, error_for
 
 # From the transport bench (python -m bench.transport --size full): below ~32 KiB the Lua copy
 # costs less than the extra SET command it would save; from there on it grows by ~1.4 us per KiB.
+log = logging.getLogger(__name__)
 STAGE_BYTES = 32 * 1024
 # How long a staged result waits for its commit: the commit is the next command on the same
 # connection, so this only bounds what a worker that died between the two leaves behind.
@@ -152,6 +154,25 @@ async def read_reply_blobs(redis: Redis, refs: list[bytes]) -> list[Any]:
         else:
             out.append(kept if kept is not None else handed)
     return out
+
+
+async def mark_read(redis: Redis, refs: list[bytes]) -> None:
+    """Mark in-place replies read whose bytes came another way (from the worker that committed
+    them: broker/client/direct.py): ``DEL`` of the reply blob each may have been handed over to and
+    ``HDEL`` of its marker field, in one round trip, no bytes. One that fails is left to the TTLs
+    (the marker's, the handed-over blob's): logged, never raised."""
+    try:
+        async with redis.pipeline(transaction=False) as pipe:
+            for ref in refs:
+                place = in_place_keys(ref)
+                if place is None:
+                    continue
+                blob, reply_blob = place
+                pipe.delete(reply_blob)
+                pipe.hdel(CellKeys.in_place_marker(blob), reply_blob)
+            await pipe.execute(raise_on_error=False)
+    except Exception as exc:
+        log.info("%d in-place replies not marked read (their TTLs will): %s", len(refs), exc)
 
 
 def gone_message(what: str, key: str) -> str:
