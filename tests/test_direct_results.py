@@ -77,6 +77,18 @@ async def test_a_large_result_comes_from_its_worker_and_redis_sends_it_once(flee
     assert np.array_equal(again.output["video_latent"], results[3].output["video_latent"])
 
 
+async def test_concurrent_sessions_fetch_their_results_together(fleet: FleetClient, workers: WorkerPool) -> None:
+    await workers.add(NullEngine(NullEngineConfig(latent_shape=LATENT)), **SERVE)
+    sessions = [await fleet.create_session(model="null-world", mode="world_model_env", result_window=2)
+                for _ in range(8)]
+    for step in range(3):
+        results = await asyncio.gather(*(s.step(step, **world_step(step)) for s in sessions))
+        assert all(r.ok for r in results), [r.error for r in results]
+        for s, result in zip(sessions, results, strict=True):
+            assert np.array_equal(result.output["video_latent"], await _stored_latent(fleet, s.session_id, step))
+    assert _fetcher(fleet).fetched == 24 and _fetcher(fleet).missed == 0
+
+
 async def test_a_worker_that_cannot_answer_leaves_the_result_to_redis(fleet: FleetClient,
                                                                       workers: WorkerPool) -> None:
     running = await workers.add(NullEngine(NullEngineConfig(latent_shape=LATENT)), **SERVE)
@@ -177,19 +189,19 @@ async def test_a_fetcher_answers_none_for_a_worker_without_an_address_or_a_dead_
     keys = CellKeys(prefix)
     try:
         direct = DirectFetcher(redis, keys, timeout_s=1.0)
-        assert await direct.fetch("w-unknown", "j") is None  # no results_at: not asked
+        assert await direct.fetch("w-unknown", ["j"]) == [None]  # no results_at: not asked
         held = HeldResults(hold_s=60.0, max_bytes=10_000)
         server = ResultServer(held, "127.0.0.1:0")
         await server.start()
         port = server.port
         await server.close()
         await redis.hset(keys.worker("w-gone"), "results_at", f"127.0.0.1:{port}")
-        assert await direct.fetch("w-gone", "j") is None and direct.missed == 1
+        assert await direct.fetch("w-gone", ["j", "k"]) == [None, None] and direct.missed == 2
         await redis.hset(keys.worker("w-bad"), "results_at", "no address")
-        assert await direct.fetch("w-bad", "j") is None
+        assert await direct.fetch("w-bad", ["j"]) == [None]
         # a peer that is no result server (Redis itself) breaks the protocol: not used
         await redis.hset(keys.worker("w-redis"), "results_at", f"127.0.0.1:{redis_server.port}")
-        assert await direct.fetch("w-redis", "j") is None and direct.missed == 2 and direct.fetched == 0
+        assert await direct.fetch("w-redis", ["j"]) == [None] and direct.missed == 3 and direct.fetched == 0
         await direct.close()
     finally:
         await redis.aclose()

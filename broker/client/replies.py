@@ -213,15 +213,20 @@ class ReplyReader:
                 asked.append((i, ref, worker_id))
         if not asked:
             return wanted
+        by_worker: dict[str, list[tuple[int, bytes]]] = {}
+        for i, ref, worker_id in asked:
+            by_worker.setdefault(worker_id, []).append((i, ref))
         direct = self.direct
-        got = await asyncio.gather(*(direct.fetch(worker_id, out[i].job_id) for i, _, worker_id in asked))
+        got = await asyncio.gather(*(direct.fetch(worker_id, [out[i].job_id for i, _ in jobs])
+                                     for worker_id, jobs in by_worker.items()))
         served: list[bytes] = []
         done: set[int] = set()
-        for (i, ref, _), data in zip(asked, got, strict=True):
-            if data is not None:
-                out[i] = dataclasses.replace(out[i], result=data)
-                served.append(ref)
-                done.add(i)
+        for jobs, answers in zip(by_worker.values(), got, strict=True):
+            for (i, ref), data in zip(jobs, answers, strict=True):
+                if data is not None:
+                    out[i] = dataclasses.replace(out[i], result=data)
+                    served.append(ref)
+                    done.add(i)
         if served:
             task = asyncio.create_task(mark_read(self.redis, served))
             self._marks.add(task)
