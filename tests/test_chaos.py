@@ -27,6 +27,7 @@ from workers.engines.reference import ReferenceEngine, ReferenceEngineConfig
 pytestmark = [pytest.mark.asyncio, pytest.mark.slow]
 LONG = os.environ.get("ROLLOUT_FLEET_CHAOS_LONG") == "1"
 SHAPE = (1, 4, 2, 8, 10)
+STAGED_SHAPE = (1, 16, 2, 16, 20)  # 40 KiB of float32: over STAGE_BYTES, so staged (and served in one hop)
 TOK = ReferenceTokenizer()
 
 
@@ -52,9 +53,10 @@ def inputs(mode: str, k: int, i: int, large: bool = False) -> dict[str, Any]:
     return step
 
 
-def fault_free(modes: list[str], steps: int, large: bool = False) -> list[list[Any]]:
+def fault_free(modes: list[str], steps: int, large: bool = False,
+               shape: tuple[int, ...] = SHAPE) -> list[list[Any]]:
     """The same rollouts straight through one engine, one session after another."""
-    engine = ReferenceEngine(ReferenceEngineConfig(latent_shape=SHAPE))
+    engine = ReferenceEngine(ReferenceEngineConfig(latent_shape=shape))
     out = []
     for k, mode in enumerate(modes):
         model = "reference-world" if mode == "world_model_env" else "reference-lm"
@@ -134,11 +136,23 @@ async def test_sigkill_chaos_with_staged_observations_loses_nothing(fleet_procs:
     await sigkill_chaos(fleet_procs, 8, 24, every_s=1.5, large=True)
 
 
+async def test_sigkill_chaos_with_results_in_one_hop_loses_nothing(fleet_procs: Fleet) -> None:
+    """The same chaos with latents large enough to be staged and workers that hand them to the
+    trainer themselves (--serve-results): a worker killed after its commit leaves its result to
+    Redis, and every result still equals the fault-free run's."""
+    fleet_procs.supervisor()
+    fetched = await sigkill_chaos(fleet_procs, 8, 24, every_s=1.5, shape=STAGED_SHAPE,
+                                  extra=["--serve-results", "127.0.0.1:0"])
+    assert fetched > 0, "no result came from its worker"
+
+
 async def sigkill_chaos(fleet_procs: Fleet, sessions_n: int, steps: int, *, every_s: float,
-                        large: bool = False) -> None:
+                        large: bool = False, shape: tuple[int, ...] = SHAPE, extra: list[str] | None = None) -> int:
     """Drive ``sessions_n`` sessions while workers are SIGKILLed and replaced; compare every result
-    with a fault-free run. ``large``: world observations big enough to be staged."""
-    engine_args = ["--latent-shape", ",".join(map(str, SHAPE))]
+    with a fault-free run. ``large``: world observations big enough to be staged; ``shape``: the
+    world latent; ``extra``: more worker flags. Returns how many results the client fetched from
+    their workers directly."""
+    engine_args = ["--latent-shape", ",".join(map(str, shape)), *(extra or [])]
     for _ in range(3):
         fleet_procs.worker(*engine_args, engine="reference")
     await fleet_procs.wait_active(3)
@@ -159,7 +173,7 @@ async def sigkill_chaos(fleet_procs: Fleet, sessions_n: int, steps: int, *, ever
         print(f"chaos: {sessions_n} sessions x {steps} steps, {kills} workers SIGKILLed and replaced")
         assert kills >= 2, "the run ended before the chaos started"
         assert await fleet.redis.xlen(fleet.keys.dead) == 0  # nothing was dead-lettered on the way
-        expected = await asyncio.to_thread(fault_free, modes, steps, large)
+        expected = await asyncio.to_thread(fault_free, modes, steps, large, shape)
         for k, s in enumerate(sessions):
             assert [r.error for r in results[k] if not r.ok] == []  # the trainer saw at most a delay
             assert [r.step_id for r in results[k]] == list(range(steps))  # nothing lost
@@ -171,6 +185,8 @@ async def sigkill_chaos(fleet_procs: Fleet, sessions_n: int, steps: int, *, ever
         if large:
             records = [key async for key in fleet.redis.scan_iter(match=fleet.keys.log("*") + ":inrec:*")]
             assert len(records) == modes.count("world_model_env") * steps
+        direct = fleet.link(fleet.keys.cell).replies.direct
+        return direct.fetched if direct is not None else 0
 
 
 async def test_a_zombie_worker_cannot_commit_after_failover(fleet_procs: Fleet) -> None:
