@@ -66,6 +66,9 @@ async def test_a_large_result_comes_from_its_worker_and_redis_sends_it_once(flee
         assert np.array_equal(result.output["video_latent"], await _stored_latent(fleet, s.session_id, step))
     held = running.worker._results
     assert held is not None and len(held.held) == 0 and held.held.bytes == 0  # each taken once
+    registry = running.worker.metrics.fleet.registry
+    assert registry.get_sample_value("rollout_fleet_results_direct_total", {"outcome": "served"}) == 4
+    assert registry.get_sample_value("rollout_fleet_results_held_bytes") == 0
     keys = fleet.keys_of(s.session_id)
 
     async def unmarked() -> bool:  # each reply marked read, off the reply's path

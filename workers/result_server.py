@@ -10,8 +10,8 @@ trainer to take once, so Redis never copies them out again:
   answer, at most ``wait_s``;
 - :meth:`HeldResults.settle` keeps them once the commit answered ``committed`` and drops them on any
   other answer, error or cancellation: a trainer that finds nothing here reads Redis;
-- the first request takes them (a reply has one reader); what nobody took goes after ``hold_s``, and
-  the oldest go first once ``max_bytes`` would be passed.
+- the first request takes them (a reply has one reader); what nobody took goes after ``hold_s`` (at
+  the next hold or request), and the oldest go first once ``max_bytes`` would be passed.
 
 A connection that sends anything but requests is closed; one whose peer vanished is noticed by TCP
 keepalive within seconds (broker/redis/connect.py keepalive_options).
@@ -24,6 +24,7 @@ import collections
 import contextlib
 import logging
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from broker.redis.connect import keepalive_options
@@ -43,10 +44,12 @@ class _Held:
 class HeldResults:
     """The large results of this worker's commits, by job id, until their trainer takes them."""
 
-    def __init__(self, *, hold_s: float, max_bytes: int, wait_s: float = 2.0) -> None:
+    def __init__(self, *, hold_s: float, max_bytes: int, wait_s: float = 2.0,
+                 on_take: Callable[[bool], None] | None = None) -> None:
         self.hold_s = hold_s
         self.max_bytes = max_bytes
         self.wait_s = wait_s
+        self.on_take = on_take  # told each request's outcome (served or not), for the worker's metrics
         self._held: collections.OrderedDict[str, _Held] = collections.OrderedDict()  # oldest first
         self.bytes = 0
         self.served = 0  # results taken by a trainer
@@ -79,20 +82,28 @@ class HeldResults:
     async def take(self, job_id: str) -> bytes | None:
         """The committed bytes of ``job_id``, once (None: not held here, not committed, or its
         commit not answered within ``wait_s``)."""
+        self._expire(asyncio.get_running_loop().time(), room=0)
         held = self._held.get(job_id)
         if held is None:
-            self.missed += 1
+            self._missed()
             return None
         if not held.committed.done():
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.wait_s):
                     await asyncio.shield(held.committed)
         if not held.committed.done() or not held.committed.result() or self._held.get(job_id) is not held:
-            self.missed += 1
+            self._missed()
             return None
         self._drop(job_id)
         self.served += 1
+        if self.on_take is not None:
+            self.on_take(True)
         return held.data
+
+    def _missed(self) -> None:
+        self.missed += 1
+        if self.on_take is not None:
+            self.on_take(False)
 
     def _drop(self, job_id: str) -> None:
         held = self._held.pop(job_id, None)

@@ -50,7 +50,7 @@ from workers.rate_limit import WarningLimiter
 from workers.readiness import Readiness
 from workers.reaper import reap_loop
 from workers.rebalance import Movable, Rebalancer
-from workers.result_server import HeldResults, ResultServer
+from workers.result_server import ResultServer
 from workers.settings import WorkerSettings, new_worker_id
 from workers.weight_control import WeightControl
 from workers.worker_metrics import WorkerMetrics
@@ -210,9 +210,8 @@ class Worker:
         self._loop = asyncio.get_running_loop()
         self.metrics.start(self.ready_now)  # first: a taken port fails the start before anything else is open
         if self.settings.serve_results is not None:  # so does the result server's; registering says where
-            self._results = ResultServer(
-                HeldResults(hold_s=self.settings.results_hold_s, max_bytes=self.settings.results_max_bytes),
-                self.settings.serve_results, self.settings.results_advertise)
+            self._results = ResultServer(self.metrics.held_results(self.settings), self.settings.serve_results,
+                                         self.settings.results_advertise)
             try:
                 await self._results.start()
             except OSError:

@@ -25,6 +25,8 @@ from broker.redis.keys import CellKeys
 from broker.redis.refusals import RedisRefused
 from workers.engines.base import Engine
 from workers.rate_limit import WarningLimiter
+from workers.result_server import HeldResults
+from workers.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
 OTHER_MODEL = "other"
@@ -62,6 +64,15 @@ class WorkerMetrics:
         server, self._server = self._server, None
         if server is not None:
             server.close()
+
+    def held_results(self, settings: WorkerSettings) -> HeldResults:
+        """The large results a worker with ``--serve-results`` holds for its trainers, counted in
+        ``rollout_fleet_results_direct`` and ``rollout_fleet_results_held_bytes``."""
+        served, not_held = self.fleet.results_direct.labels("served"), self.fleet.results_direct.labels("not_held")
+        held = HeldResults(hold_s=settings.results_hold_s, max_bytes=settings.results_max_bytes,
+                           on_take=lambda ok: (served if ok else not_held).inc())
+        self.fleet.results_held_bytes.set_function(lambda: held.bytes)
+        return held
 
     def model(self, model: str) -> str:
         return model if model in self.models else OTHER_MODEL

@@ -79,6 +79,11 @@ class FleetMetrics:
         self.redis_refusals = Counter("rollout_fleet_redis_refusals", "Redis calls refused because Redis "
                                       "would not write (reason: oom, misconf, readonly, noreplicas, busy; "
                                       "broker/redis/refusals.py)", ["reason"], registry=r)
+        self.results_direct = Counter("rollout_fleet_results_direct", "Large results trainers asked this "
+                                      "worker for (--serve-results), by outcome: served, or not_held (the "
+                                      "trainer read Redis instead)", ["outcome"], registry=r)
+        self.results_held_bytes = Gauge("rollout_fleet_results_held_bytes", "Bytes of committed large results "
+                                        "this worker holds for their trainers", registry=r)
         self.engine_ready = Gauge("rollout_fleet_engine_ready", "1 when the engine answers its readiness "
                                   "check, 0 when it does not (the worker then takes no new sessions)",
                                   registry=r)
