@@ -37,9 +37,10 @@ def _ratio(num: Key, den: Key, metric: str) -> Measure:
 
 
 def _fleet_systems(by: Measured, bench: str, case: str) -> list[str]:
-    """"fleet" and each "fleet (N trainers)" measured for this case."""
+    """"fleet", each "fleet (N trainers)" and "fleet (one hop)" measured for this case."""
     return [system for (b, c, system) in by if b == bench and c == case
-            and (system == "fleet" or (system.startswith("fleet (") and system.endswith(" trainers)")))]
+            and (system in ("fleet", "fleet (one hop)")
+                 or (system.startswith("fleet (") and system.endswith(" trainers)")))]
 
 
 def _with(system: str, anchor: str) -> str:
