@@ -25,10 +25,12 @@ import yaml
 
 from broker.ops.metrics import ENV_PORT, READY_PATH, FleetMetrics
 from cli.main import parse_invocation
+from schemas.results_wire import parse_address
+from workers.settings import WorkerSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 KUBE = ROOT / "deploy" / "kubernetes"
-KUSTOMIZATIONS = ("base", "overlays/cpu", "overlays/external-redis")
+KUSTOMIZATIONS = ("base", "overlays/cpu", "overlays/external-redis", "overlays/one-hop")
 # The oldest release most clusters still run, and the newest the package bundles schemas for.
 K8S_VERSIONS = ("1.29", "1.37")
 KEDA_CRD = ROOT / "tests" / "data" / "keda" / "keda.sh_scaledobjects.yaml"
@@ -191,6 +193,30 @@ def test_base_workers_ask_for_one_gpu_each_and_the_cpu_overlay_for_none() -> Non
     _, cpu = worker_container("overlays/cpu")
     assert "nvidia.com/gpu" not in cpu["resources"]["limits"]
     assert parse_invocation(cpu["args"], container_env(cpu)).args.device == "cpu"
+
+
+def test_the_one_hop_overlay_serves_results_at_the_pod_ip_to_trainer_pods_only() -> None:
+    """Workers listen on a declared port and advertise it at their pod IP (the downward API, defined
+    before the variable that expands it); the network policy admits that port from trainer pods
+    alone and keeps the metrics port open. The base serves no results."""
+    _, container = worker_container("overlays/one-hop")
+    args = parse_invocation(container["args"], container_env(container)).args
+    names = [var["name"] for var in container["env"]]
+    pod_ip = next(var for var in container["env"] if var["name"] == "POD_IP")
+    assert pod_ip["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert names.index("POD_IP") < names.index("ROLLOUT_FLEET_RESULTS_ADVERTISE")
+    host, port = parse_address(args.serve_results)
+    assert host == "0.0.0.0" and args.results_advertise == f"$(POD_IP):{port}"
+    assert port in [p["containerPort"] for p in container["ports"] if p["name"] == "results"]
+    settings = WorkerSettings(serve_results=args.serve_results, results_advertise=f"10.1.2.3:{port}")
+    assert settings.results_advertise == f"10.1.2.3:{port}"
+    policy = one(rendered("overlays/one-hop"), "NetworkPolicy", "rollout-fleet-worker-results")
+    assert policy["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "worker"
+    opened = {rule["ports"][0]["port"]: rule.get("from") for rule in policy["spec"]["ingress"]}
+    assert opened[port] == [{"podSelector": {"matchLabels": {"rollout-fleet/trainer": "true"}}}]
+    assert opened[args.metrics_port] is None  # metrics and /ready stay reachable
+    _, base = worker_container("base")
+    assert parse_invocation(base["args"], container_env(base)).args.serve_results is None
 
 
 @pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
