@@ -109,6 +109,17 @@ class DirectFetcher:
         self.missed += len(got) - served
         return got
 
+    def may_serve(self, worker_id: str) -> bool:
+        """False for a worker known to serve no results, or whose connection failed a moment ago:
+        asking it would only cost a task and a timeout context per read."""
+        if worker_id not in self._addresses:
+            return True
+        address = self._addresses[worker_id]
+        if address is None:
+            return False
+        conn = self._connections.get(address)
+        return conn is None or asyncio.get_running_loop().time() >= conn.failed_until
+
     async def close(self) -> None:
         for conn in self._connections.values():
             conn.close()

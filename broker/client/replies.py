@@ -206,17 +206,14 @@ class ReplyReader:
         (broker/client/direct.py), into ``out``; returns those left for Redis. A fetched result's
         reply is marked read in Redis off the reply's path (:func:`mark_read`)."""
         assert self.direct is not None
-        asked: list[tuple[int, bytes, str]] = []
+        direct = self.direct
+        by_worker: dict[str, list[tuple[int, bytes]]] = {}
         for i, ref in wanted:
             worker_id = self._sources.get(out[i].job_id)
-            if worker_id is not None and in_place_keys(ref) is not None:
-                asked.append((i, ref, worker_id))
-        if not asked:
+            if worker_id is not None and direct.may_serve(worker_id) and in_place_keys(ref) is not None:
+                by_worker.setdefault(worker_id, []).append((i, ref))
+        if not by_worker:
             return wanted
-        by_worker: dict[str, list[tuple[int, bytes]]] = {}
-        for i, ref, worker_id in asked:
-            by_worker.setdefault(worker_id, []).append((i, ref))
-        direct = self.direct
         got = await asyncio.gather(*(direct.fetch(worker_id, [out[i].job_id for i, _ in jobs])
                                      for worker_id, jobs in by_worker.items()))
         served: list[bytes] = []

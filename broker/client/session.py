@@ -209,7 +209,7 @@ class Session:
         waiter = replies.expect(job_id, worker_id=self.owner)
         earlier = self._unanswered.pop(step_id, None) if contextual else None
         # Expected before the enqueue is sent: a reply published meanwhile cannot slip by.
-        earlier_waiter = replies.expect(earlier) if earlier is not None else None
+        earlier_waiter = replies.expect(earlier, worker_id=self.owner) if earlier is not None else None
         try:
             async with self._order:
                 reply = await self._send_step(
