@@ -12,7 +12,6 @@ trainer one timeout, not one per step.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import socket
 from dataclasses import dataclass, field
@@ -27,17 +26,17 @@ from broker.redis.keys import CellKeys
 from schemas.results_wire import ProtocolError, parse_address, read_response, request
 
 log = logging.getLogger(__name__)
-FETCH_TIMEOUT_S = 2.0  # connect, ask and read one result
+FETCH_TIMEOUT_S = 2.0  # connect, ask and read the results of one reply read
 RETRY_AFTER_S = 10.0  # a worker whose connection failed is read from Redis this long
-MAX_WORKERS_KNOWN = 4096
+MAX_WORKERS_KNOWN = 4096  # worker ids whose address is remembered (incarnations: addresses never change)
 # The connection's read buffer: a 450 KB answer arrives without pausing the socket at asyncio's
 # default 64 KiB (a pause and a resume per 128 KiB read).
-READ_LIMIT = 8 * 1024 * 1024  # worker ids whose address is remembered (incarnations: addresses never change)
+READ_LIMIT = 8 * 1024 * 1024
 
 
 @dataclass
 class _Connection:
-    """One worker's connection; its requests go one at a time."""
+    """One worker's connection; one batch of requests at a time (its lock)."""
 
     address: tuple[str, int]
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -149,8 +148,3 @@ class DirectFetcher:
             conn.failed_until = asyncio.get_running_loop().time() + self.retry_after_s
         log.info("result of worker %s read from Redis: %s", worker_id, str(exc) or type(exc).__name__)
 
-
-async def close_quietly(fetcher: DirectFetcher | None) -> None:
-    if fetcher is not None:
-        with contextlib.suppress(Exception):
-            await fetcher.close()
