@@ -14,7 +14,7 @@ trainer to take once, so Redis never copies them out again:
   the next hold or request), and the oldest go first once ``max_bytes`` would be passed.
 
 A connection that sends anything but requests is closed; one whose peer vanished is noticed by TCP
-keepalive within seconds (broker/redis/connect.py keepalive_options).
+keepalive within seconds (broker/redis/connect.py tune_stream).
 """
 
 from __future__ import annotations
@@ -23,11 +23,10 @@ import asyncio
 import collections
 import contextlib
 import logging
-import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from broker.redis.connect import keepalive_options
+from broker.redis.connect import tune_stream
 from schemas.results_wire import ProtocolError, format_address, parse_address, read_request, response_head
 
 log = logging.getLogger(__name__)
@@ -161,13 +160,7 @@ class ResultServer:
         task = asyncio.current_task()
         if task is not None:
             self._connections.add(task)
-        sock = writer.get_extra_info("socket")
-        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-                for option, value in keepalive_options().items():
-                    sock.setsockopt(socket.IPPROTO_TCP, option, value)
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        tune_stream(writer)
         try:
             while True:
                 job_id = await read_request(reader)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +20,7 @@ from redis.asyncio import Redis
 
 from broker.redis.aio import resolve
 from broker.redis.backoff import REDIS_ERRORS
-from broker.redis.connect import keepalive_options
+from broker.redis.connect import tune_stream
 from broker.redis.keys import CellKeys
 from schemas.results_wire import ProtocolError, parse_address, read_response, request
 
@@ -48,12 +47,7 @@ class _Connection:
         """The answers to ``job_ids``, asked in one write (the worker answers them in turn)."""
         if self.writer is None or self.reader is None:
             self.reader, self.writer = await asyncio.open_connection(*self.address, limit=READ_LIMIT)
-            sock = self.writer.get_extra_info("socket")
-            if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-                for option, value in keepalive_options().items():
-                    sock.setsockopt(socket.IPPROTO_TCP, option, value)
+            tune_stream(self.writer)
         self.writer.write(b"".join(request(job_id) for job_id in job_ids))
         await self.writer.drain()
         return [await read_response(self.reader) for _ in job_ids]

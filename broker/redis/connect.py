@@ -23,6 +23,8 @@ with redis-py 5.3.1 a task cancelled while blocked in a read wrapped in that tim
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import socket
 from collections.abc import Mapping
 from typing import Any, cast
@@ -162,6 +164,21 @@ def keepalive_options() -> dict[int, int]:
     wanted = {"TCP_KEEPIDLE": KEEPALIVE_IDLE_S, "TCP_KEEPINTVL": KEEPALIVE_INTERVAL_S,
               "TCP_KEEPCNT": KEEPALIVE_PROBES, "TCP_USER_TIMEOUT": USER_TIMEOUT_MS}
     return {getattr(socket, name): value for name, value in wanted.items() if hasattr(socket, name)}
+
+
+def tune_stream(writer: asyncio.StreamWriter) -> None:
+    """The same deadlines on a TCP stream of the fleet's own (a worker's result port and its
+    trainers' connections to it, workers/result_server.py): keepalive with :func:`keepalive_options`,
+    so a dead peer is noticed within seconds, and no Nagle delay. A socket that refuses an option
+    keeps its default."""
+    sock = writer.get_extra_info("socket")
+    if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for option, value in keepalive_options().items():
+            sock.setsockopt(socket.IPPROTO_TCP, option, value)
 
 
 def connection_deadlines(url: str) -> dict[str, Any]:
