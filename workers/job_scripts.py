@@ -29,6 +29,7 @@ from broker.redis.keys import INBOX_GROUP
 from broker.redis.layouts import DEAD_LETTER_MAXLEN, ReplyEntry
 from broker.redis.script_replies import (
     CancelledCommit,
+    CommitReply,
     Committed,
     Duplicate,
     DuplicateUnstored,
@@ -175,7 +176,7 @@ class JobScripts:
             raise Fenced(job.session_id)
         return reply, acked
 
-    async def _commit_held(self, call: CommitCall, held: HeldResults) -> Any:
+    async def _commit_held(self, call: CommitCall, held: HeldResults) -> CommitReply:
         """The commit of a large result that this worker also hands to its trainer: held before the
         call is sent (the reply may reach the trainer before the answer reaches us), kept only when
         the answer is ``committed``; an error or a cancellation drops it (the trainer reads Redis)."""
