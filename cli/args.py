@@ -29,7 +29,7 @@ from cli.demo import DemoConfig
 from cli.env import attach_env, name_variable
 from cli.errors import redact
 from cli.logs import FORMATS, LEVELS
-from schemas.results_wire import parse_address
+from schemas.results_wire import parse_address, parse_host_or_address
 from workers.engines.registry import ENGINE_HELP, engine_name
 from workers.ray_fleet.autoscale import Autoscale
 from workers.settings import WorkerSettings
@@ -105,6 +105,14 @@ def _address(text: str) -> str:
     return text
 
 
+def _host_or_address(text: str) -> str:
+    try:
+        parse_host_or_address(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def add_metrics_port(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
     """--metrics-port: off unless given (its $ROLLOUT_FLEET_METRICS_PORT comes from cli.env,
     like every option's variable, and is checked by the same ``_port``)."""
@@ -158,9 +166,10 @@ def _worker(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
     p.add_argument("--serve-results", dest="serve_results", type=_address, default=None, metavar="HOST:PORT",
                    help="hand large committed results to their trainers from here, one hop instead of two "
                         "through Redis (port 0: a free one; default: off; durability async only)")
-    p.add_argument("--results-advertise", dest="results_advertise", type=_address, default=None,
-                   metavar="HOST:PORT", help="the address trainers reach --serve-results at (default: the "
-                                             "address it listens on; needed when that is 0.0.0.0 or ::)")
+    p.add_argument("--results-advertise", dest="results_advertise", type=_host_or_address, default=None,
+                   metavar="HOST[:PORT]", help="the address trainers reach --serve-results at; a HOST alone gets "
+                                               "the port it listens on (default: the address it listens on; "
+                                               "needed when that is 0.0.0.0 or ::)")
     _setting(p, "--results-hold", WorkerSettings, "results_hold_s",
              "seconds a large result waits for its trainer to fetch it before only Redis has it",
              type=_positive(float))
@@ -351,6 +360,9 @@ def _ray(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
     p.add_argument("--placement", choices=("pack", "spread"), default="pack",
                    help="up: the workers of one up or scale on as few nodes as fit, or spread (default: %(default)s)")
     _setting(p, "--drain-timeout", WorkerSettings, "drain_timeout_s", "up: each worker's drain bound")
+    p.add_argument("--serve-results", dest="serve_results", type=_address, default=None, metavar="HOST:PORT",
+                   help="up: every worker hands large results to its trainers itself, one hop instead of two "
+                        "(0.0.0.0:0: a free port each, advertised at its node's address; default: off)")
     p.add_argument("--worker-env", action="append", default=[], metavar="NAME",
                    help="up: a variable of this environment the workers get too (a token, ROLLOUT_FLEET_CAPACITY); "
                         "repeatable")

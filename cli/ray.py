@@ -84,7 +84,8 @@ def _worker_env(cell: CellConfig, args: argparse.Namespace, environ: Mapping[str
     if missing:
         raise UsageError(f"--worker-env: {', '.join(missing)} not set in this environment")
     return worker_env(cell, args.engine, engine_options=args.engine_opt, drain_timeout_s=args.drain_timeout_s,
-                      gpu=args.num_gpus > 0, extra={name: environ[name] for name in args.worker_env})
+                      gpu=args.num_gpus > 0, serve_results=args.serve_results,
+                      extra={name: environ[name] for name in args.worker_env})
 
 
 def _status(fleet: Any, cell: CellConfig, args: argparse.Namespace, environ: Mapping[str, str]) -> int:

@@ -34,6 +34,7 @@ HELD = 1
 NOT_HELD = 0
 MAX_JOB_ID_BYTES = 256
 MAX_RESULT_BYTES = 1 << 32  # a larger length is a broken peer, not a result
+WILDCARD_HOSTS = ("0.0.0.0", "::")  # listen on every address: never one to advertise
 _REQUEST = struct.Struct(">H")
 _RESPONSE = struct.Struct(">BQ")
 
@@ -87,14 +88,37 @@ async def read_response(reader: asyncio.StreamReader) -> bytes | None:
 
 def parse_address(text: str) -> tuple[str, int]:
     """``host:port`` (an IPv6 host in brackets) as (host, port); ValueError when it is not one."""
-    host, sep, port_text = text.rpartition(":")
-    if not sep or not host or not port_text.isdigit():
+    host, port = parse_host_or_address(text)
+    if port is None:
         raise ValueError(f"expected HOST:PORT, got {text!r}")
+    return host, port
+
+
+def parse_host_or_address(text: str) -> tuple[str, int | None]:
+    """``host:port`` as (host, port), or a ``host`` alone as (host, None): what a worker advertises
+    when the port is the one it got (``--serve-results HOST:0``). An IPv6 host is in brackets
+    (``[fd00::5]``, ``[fd00::5]:7070``), so that its last group is never read as a port."""
+    if text.startswith("[") and text.endswith("]"):
+        host, port_text = text[1:-1], None
+    elif ":" not in text:
+        host, port_text = text, None
+    else:
+        host, _, port_text = text.rpartition(":")
+        if host.startswith("[") and host.endswith("]"):
+            host = host[1:-1]
+        elif ":" in host:
+            raise ValueError(f"an IPv6 host goes in brackets ([HOST]:PORT), got {text!r}")
+        if not port_text.isdigit():
+            raise ValueError(f"expected HOST:PORT, got {text!r}")
+    if not host or any(c.isspace() or c in "[]/" for c in host):
+        raise ValueError(f"expected HOST:PORT, got {text!r}")
+    if port_text is None:
+        if host.isdigit():
+            raise ValueError(f"{text!r} is a port alone: give HOST or HOST:PORT")
+        return host, None
     port = int(port_text)
     if not 0 <= port <= 65535:
         raise ValueError(f"port {port} is not 0..65535")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
     return host, port
 
 

@@ -21,7 +21,7 @@ from broker.redis.scripts import Scripts
 from schemas.errors import Fenced
 from schemas.limits import DEFAULT_LIMITS
 from schemas.messages import Mode
-from schemas.results_wire import read_response, request
+from schemas.results_wire import parse_address, parse_host_or_address, read_response, request
 from tests.support import WorkerPool, until, world_step
 from workers.engines.null import NullEngine, NullEngineConfig
 from workers.job_scripts import JobScripts
@@ -220,7 +220,47 @@ async def test_result_serving_settings_are_checked_at_the_edge() -> None:
         WorkerSettings(serve_results="7000")
     with pytest.raises(ValueError, match="needs serve_results"):
         WorkerSettings(results_advertise="10.0.0.5:7000")
+    # a host alone: advertised with the port the worker listens on
+    assert WorkerSettings(serve_results="0.0.0.0:0", results_advertise="10.0.0.5").results_advertise == "10.0.0.5"
+    assert WorkerSettings(serve_results="[::]:0", results_advertise="[fd00::5]").serve_results
+    for advertise, says in (("0.0.0.0", "wildcard"), ("[::]:7000", "wildcard"), ("7000", "a port alone"),
+                            ("fd00::5", "brackets"), ("a b", "HOST:PORT")):
+        with pytest.raises(ValueError, match=says):
+            WorkerSettings(serve_results="0.0.0.0:0", results_advertise=advertise)
     assert np.prod(LATENT) * 4 > STAGE_BYTES
+
+
+@pytest.mark.parametrize(("text", "parsed"), [
+    ("10.0.0.5:7070", ("10.0.0.5", 7070)), ("[fd00::5]:0", ("fd00::5", 0)), ("host-a", ("host-a", None)),
+    ("[fd00::5]", ("fd00::5", None)), ("$(POD_IP):7070", ("$(POD_IP)", 7070)),
+    ("fd00::5", None), ("7000", None), (":7000", None), ("h:70000", None), ("h:x", None), ("[]:1", None)])
+async def test_addresses_and_hosts_parse_or_are_refused(text: str, parsed: tuple[str, int | None] | None) -> None:
+    if parsed is None:
+        with pytest.raises(ValueError):
+            parse_host_or_address(text)
+    else:
+        assert parse_host_or_address(text) == parsed
+    if parsed is None or parsed[1] is None:
+        with pytest.raises(ValueError):
+            parse_address(text)  # where a port is needed (--serve-results), a host alone is refused
+    else:
+        assert parse_address(text) == parsed
+
+
+async def test_a_host_alone_is_advertised_with_the_port_the_worker_got(fleet: FleetClient,
+                                                                      workers: WorkerPool) -> None:
+    """``--serve-results 0.0.0.0:0 --results-advertise HOST``: how workers that share a host (Ray's
+    nodes) each listen on a free port and say where; the trainer fetches from there."""
+    running = await workers.add(NullEngine(NullEngineConfig(latent_shape=LATENT)), serve_results="0.0.0.0:0",
+                                results_advertise="127.0.0.1")
+    server = running.worker._results
+    assert server is not None and server.port != 0
+    results_at = await fleet.redis.hget(fleet.keys.worker(running.id), "results_at")
+    assert results_at == f"127.0.0.1:{server.port}".encode()
+    s = await fleet.create_session(model="null-world", mode="world_model_env", result_window=2)
+    results = [await s.step(step, **world_step(step)) for step in range(2)]
+    assert all(r.ok for r in results), [r.error for r in results]
+    assert _fetcher(fleet).fetched == 2 and _fetcher(fleet).missed == 0
 
 
 async def test_only_a_commit_that_committed_is_held_for_its_trainer(scripts: Scripts) -> None:

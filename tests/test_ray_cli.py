@@ -12,7 +12,7 @@ from broker.redis.config import CellConfig
 from broker.redis.embedded import free_port
 from cli.main import main
 from workers.ray_fleet import FleetSpec, Placement, worker_env
-from workers.ray_fleet.spec import check_name, parse_worker_name, worker_name
+from workers.ray_fleet.spec import check_name, node_advertise, parse_worker_name, worker_name
 
 HAS_RAY = importlib.util.find_spec("ray") is not None
 ENV = {"ROLLOUT_FLEET_REDIS_URL": "redis://:hunter2@127.0.0.1:1/0"}
@@ -46,7 +46,7 @@ def test_an_address_nothing_answers_at_is_one_line_at_once(capsys: pytest.Captur
 
 
 @pytest.mark.parametrize("argv", [["ray", "up", "--workers", "-1"], ["ray", "up", "--num-gpus", "-1"],
-                                  ["ray", "up", "--placement", "random"]])
+                                  ["ray", "up", "--placement", "random"], ["ray", "up", "--serve-results", "7070"]])
 def test_bad_values_are_refused_by_the_parser(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_:
         main(argv, ENV)
@@ -73,6 +73,27 @@ def test_the_workers_environment_carries_the_cell_and_the_engine() -> None:
     run = parse_invocation(["worker"], env)
     assert run.cell == cell and run.args.engine == "reference" and run.args.device == "cuda"
     assert run.args.engine_opt == ["seed=3", "name=a b"] and run.args.drain_timeout_s == 12.5
+
+
+def test_workers_on_ray_serve_results_at_their_nodes_address() -> None:
+    """``ray up --serve-results 0.0.0.0:0``: every worker listens on a free port of its node and
+    advertises the node's address with it (workers/ray_fleet/actor.py applies node_advertise)."""
+    from cli.main import parse_invocation
+
+    up = parse_invocation(["ray", "up", "--workers", "2", "--serve-results", "0.0.0.0:0"], ENV)
+    env = worker_env(up.cell, "null", serve_results=up.args.serve_results)
+    assert env["ROLLOUT_FLEET_SERVE_RESULTS"] == "0.0.0.0:0"
+    on_node = {**env, **node_advertise(env, "10.0.3.7")}
+    worker = parse_invocation(["worker"], on_node).args
+    assert (worker.serve_results, worker.results_advertise) == ("0.0.0.0:0", "10.0.3.7")
+    assert node_advertise(env, "fd00::7") == {"ROLLOUT_FLEET_RESULTS_ADVERTISE": "[fd00::7]"}
+    # what the worker was told stands: an address of its own, or an advertise given with --worker-env
+    assert node_advertise({**env, "ROLLOUT_FLEET_RESULTS_ADVERTISE": "lb.example"}, "10.0.3.7") == {}
+    assert node_advertise({**env, "ROLLOUT_FLEET_SERVE_RESULTS": "10.0.3.7:7070"}, "10.0.3.7") == {}
+    assert node_advertise(worker_env(up.cell, "null"), "10.0.3.7") == {}  # not serving: nothing
+    assert "ROLLOUT_FLEET_SERVE_RESULTS" not in worker_env(up.cell, "null")
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        worker_env(up.cell, "null", serve_results="7070")
 
 
 def test_the_spec_crosses_into_ray_as_plain_values() -> None:

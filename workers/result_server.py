@@ -27,7 +27,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from broker.redis.connect import tune_stream
-from schemas.results_wire import ProtocolError, format_address, parse_address, read_request, response_head
+from schemas.results_wire import (
+    ProtocolError,
+    format_address,
+    parse_address,
+    parse_host_or_address,
+    read_request,
+    response_head,
+)
 
 log = logging.getLogger(__name__)
 WRITE_TIMEOUT_S = 10.0  # a trainer that stops reading an answer loses its connection
@@ -122,7 +129,8 @@ class HeldResults:
 
 class ResultServer:
     """Serves :class:`HeldResults` at ``listen`` (``host:port``, port 0: a free one) and advertises
-    ``advertise`` (default: the address it listens on, with the port it got)."""
+    ``advertise`` (``host:port``, or a host alone: with the port it listens on; default: the
+    address it listens on, with the port it got)."""
 
     def __init__(self, held: HeldResults, listen: str, advertise: str | None = None) -> None:
         self.held = held
@@ -134,7 +142,10 @@ class ResultServer:
     @property
     def address(self) -> str:
         """Where trainers fetch from (after :meth:`start`)."""
-        return self._advertise or format_address(self.host, self.port)
+        if self._advertise is None:
+            return format_address(self.host, self.port)
+        host, port = parse_host_or_address(self._advertise)
+        return format_address(host, self.port if port is None else port)
 
     async def start(self) -> None:
         try:

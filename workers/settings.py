@@ -14,7 +14,7 @@ from broker.redis.config import CellConfig
 from broker.redis.durability import DURABILITY_MODES, Durability, ReplicaWait
 from broker.redis.layouts import ReplyBounds
 from schemas.limits import DEFAULT_LIMITS, Limits
-from schemas.results_wire import parse_address
+from schemas.results_wire import WILDCARD_HOSTS, parse_address, parse_host_or_address
 
 
 def new_worker_id() -> str:
@@ -69,7 +69,8 @@ class WorkerSettings:
     snapshot_every: int = 16  # snapshot a session's engine context every N committed steps; 0: never
     # Hand large committed results to trainers directly (workers/result_server.py, schemas/results_wire.py):
     # listen at serve_results (HOST:PORT, port 0: a free one; None: off), advertised as
-    # results_advertise (default: that address); each result kept results_hold_s for its trainer,
+    # results_advertise (HOST:PORT, or HOST alone: with the port it listens on; default: the
+    # address it listens on); each result kept results_hold_s for its trainer,
     # at most results_max_bytes in all. Only with durability async.
     serve_results: str | None = None
     results_advertise: str | None = None
@@ -108,16 +109,21 @@ class WorkerSettings:
             if self.results_advertise is not None:
                 raise ValueError("results_advertise needs serve_results (--serve-results HOST:PORT)")
             return
-        for name in ("serve_results", "results_advertise"):
-            value = getattr(self, name)
-            if value is not None:
-                try:
-                    parse_address(value)
-                except ValueError as exc:
-                    raise ValueError(f"{name}: {exc}") from None
-        if self.results_advertise is None and parse_address(self.serve_results)[0] in ("0.0.0.0", "::"):
+        try:
+            listen_host = parse_address(self.serve_results)[0]
+        except ValueError as exc:
+            raise ValueError(f"serve_results: {exc}") from None
+        if self.results_advertise is not None:
+            try:
+                advertise_host = parse_host_or_address(self.results_advertise)[0]
+            except ValueError as exc:
+                raise ValueError(f"results_advertise: {exc}") from None
+            if advertise_host in WILDCARD_HOSTS:
+                raise ValueError(f"results_advertise {self.results_advertise}: trainers cannot reach a wildcard "
+                                 "address; give this worker's own address")
+        elif listen_host in WILDCARD_HOSTS:
             raise ValueError(f"serve_results {self.serve_results} listens on every address: give results_advertise "
-                             "(--results-advertise HOST:PORT), the address trainers reach this worker at")
+                             "(--results-advertise HOST or HOST:PORT), the address trainers reach this worker at")
         if self.durability is Durability.REPLICATED:
             raise ValueError("serve_results needs durability async: with replicated durability a result is "
                              "published once a replica has it, and its trainer reads it from Redis")

@@ -37,8 +37,11 @@ def answer(out: subprocess.CompletedProcess[str]) -> dict[str, Any]:
 
 def test_up_status_scale_down_from_the_command_line(ray_cluster: Any, cell: CellConfig) -> None:
     up = answer(cli(ray_cluster, cell, "up", "--workers", "2", "--num-gpus", "0", "--engine", "null",
-                    "--engine-opt", "delay_ms=5", "--placement", "spread",
+                    "--engine-opt", "delay_ms=5", "--placement", "spread", "--serve-results", "0.0.0.0:0",
                     "--worker-env", "ROLLOUT_FLEET_HEARTBEAT_MS", "--json"))
+    import ray
+
+    node_ips = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
     try:
         assert [(w["index"], w["live"]) for w in up["workers"]] == [(0, True), (1, True)]
         assert up["spec"]["engine"] == "null" and up["spec"]["placement"] == "spread"
@@ -47,6 +50,9 @@ def test_up_status_scale_down_from_the_command_line(ray_cluster: Any, cell: Cell
             assert argv[1:4] == [b"-m", b"cli.main", b"worker"] and argv[4:] in ([], [b""]), argv
             environ = Path(f"/proc/{worker['pid']}/environ").read_bytes().split(b"\0")
             assert f"ROLLOUT_FLEET_REDIS_URL={cell.redis_url}".encode() in environ
+            # large results in one hop: a free port each, advertised at the worker's node's address
+            assert b"ROLLOUT_FLEET_SERVE_RESULTS=0.0.0.0:0" in environ
+            assert f"ROLLOUT_FLEET_RESULTS_ADVERTISE={node_ips[worker['node_id']]}".encode() in environ
         again = cli(ray_cluster, cell, "up", "--workers", "1")
         assert again.returncode == 2 and "fleet 'cli' is already up" in again.stderr, again.stderr
         status = answer(cli(ray_cluster, cell, "status", "--json"))

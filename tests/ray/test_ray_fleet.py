@@ -18,12 +18,14 @@ import pytest
 from broker import FleetClient
 from broker.client.session import Session
 from broker.redis.config import CellConfig
+from schemas.results_wire import parse_address
 from tests.ray.conftest import HEARTBEAT, NODE, fleet_actors, fleet_groups
 from tests.support import world_step
 from workers.ray_fleet import FleetSpec, RayFleet, RayFleetError, live_in_cell, wait_live, worker_env
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300, func_only=True)]
 STEPS = 24
+LATENT = (1, 16, 2, 44, 80)  # 450,560 float32 bytes: a large result, staged and served in one hop
 STEP_DELAY = {"delay_ms": 40}  # null engine: each batch takes this long, so steps are in flight when a node goes
 
 
@@ -119,6 +121,39 @@ async def wait_restarted(fleet: RayFleet, cell: CellConfig, lost: dict[int, str]
                 return
         assert time.monotonic() < deadline, f"the lost workers did not come back: {rows}"
         await asyncio.sleep(0.5)
+
+
+async def test_workers_on_ray_hand_large_results_to_their_trainer_in_one_hop(ray_cluster: Any,
+                                                                            cell: CellConfig) -> None:
+    """``up`` with serve_results 0.0.0.0:0: each worker listens on a free port of its node and
+    advertises its node's address with it; a trainer takes every large result from the worker that
+    committed it, Redis none."""
+    import ray
+
+    env = worker_env(cell, "null", engine_options={"latent_shape": list(LATENT)}, drain_timeout_s=20,
+                     serve_results="0.0.0.0:0", extra=HEARTBEAT)
+    fleet = RayFleet("t-one-hop")
+    report = await asyncio.to_thread(fleet.up, FleetSpec(worker_env=env, drain_timeout_s=20), 2)
+    try:
+        await wait_live(cell, fleet, 2, 90)
+        node_ips = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
+        async with FleetClient(cell.redis_url, prefix=cell.prefix) as client:
+            advertised = set()
+            for row in report.workers:
+                raw = await client.redis.hget(client.keys.worker(row["worker_id"]), "results_at")
+                assert raw is not None, f"worker {row['index']} does not say where it serves results"
+                host, port = parse_address(raw.decode())
+                assert host == node_ips[row["node_id"]] and port != 0
+                advertised.add((host, port))
+            assert len(advertised) == 2  # two workers, a port each
+            sessions = await open_sessions(client, 4)
+            assert len({s.owner for s in sessions}) == 2
+            await run_steps(sessions, range(3))
+            direct = client.link(client.keys.cell).replies.direct
+            assert direct is not None and (direct.fetched, direct.missed) == (12, 0)
+    finally:
+        await asyncio.to_thread(fleet.down)
+    assert fleet_actors("t-one-hop") == [] and fleet_groups("t-one-hop") == []
 
 
 async def test_scale_up_then_down_drains_while_steps_run(ray_cluster: Any, cell: CellConfig) -> None:

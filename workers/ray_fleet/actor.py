@@ -33,6 +33,8 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
+from workers.ray_fleet.spec import node_advertise
+
 log = logging.getLogger(__name__)
 
 WORKER_ARGV = ("-m", "cli.main", "worker")  # every option comes from the environment
@@ -71,8 +73,11 @@ class WorkerActor:
             raise RuntimeError(f"worker {index}: its process did not start within {START_TIMEOUT_S:g} s")
 
     def _spawn(self) -> subprocess.Popen[bytes]:
+        import ray
+
         self.worker_id = f"{self._id_stem}-{self.index}-{uuid.uuid4().hex[:6]}"
         env = {**os.environ, **self._env, WORKER_ID_VAR: self.worker_id}
+        env.update(node_advertise(env, ray.util.get_node_ip_address()))  # large results in one hop, if served
         return subprocess.Popen([sys.executable, *WORKER_ARGV], env=env, preexec_fn=_die_with_parent)
 
     def _keep(self) -> None:

@@ -16,11 +16,14 @@ from enum import StrEnum
 from typing import Any
 
 from broker.redis.config import ENV_VARS, CellConfig
+from schemas.results_wire import WILDCARD_HOSTS, parse_address
 from workers.ray_fleet.autoscale import Autoscale
 
 NAMESPACE = "rollout-fleet"  # every fleet's Ray actors live here, whatever namespace their driver has
 DEFAULT_NAME = "rollout-fleet"
 ENV_PREFIX = "ROLLOUT_FLEET_"
+SERVE_RESULTS_VAR = ENV_PREFIX + "SERVE_RESULTS"  # the worker's --serve-results (cli.env: its dest's variable)
+RESULTS_ADVERTISE_VAR = ENV_PREFIX + "RESULTS_ADVERTISE"
 _VARIABLE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 
@@ -84,13 +87,16 @@ class FleetSpec:
 
 
 def worker_env(cell: CellConfig, engine: str, *, engine_options: Mapping[str, Any] | Sequence[str] = (),
-               drain_timeout_s: float | None = None, gpu: bool = False,
+               drain_timeout_s: float | None = None, gpu: bool = False, serve_results: str | None = None,
                extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """The ``ROLLOUT_FLEET_*`` variables of a worker of ``cell`` running ``engine``.
 
     ``engine_options``: a mapping (non-strings JSON-encoded, as the CLI parses them) or ``KEY=VALUE``
     strings as ``--engine-opt`` takes them. ``gpu``: the reference engines run on ``cuda``.
-    ``extra``: any other worker variable (``ROLLOUT_FLEET_CAPACITY``...), applied last."""
+    ``serve_results``: the worker's ``--serve-results HOST:PORT`` (large results in one hop;
+    ``0.0.0.0:0`` on Ray: each worker a free port, advertised at its node's address, see
+    :func:`node_advertise`). ``extra``: any other worker variable (``ROLLOUT_FLEET_CAPACITY``...),
+    applied last."""
     env = {ENV_VARS[name]: str(getattr(cell, name)) for name in ENV_VARS}
     env[ENV_PREFIX + "ENGINE"] = engine
     pairs = list(engine_options) if not isinstance(engine_options, Mapping) else [
@@ -102,7 +108,21 @@ def worker_env(cell: CellConfig, engine: str, *, engine_options: Mapping[str, An
         env[ENV_PREFIX + "DRAIN_TIMEOUT_S"] = str(drain_timeout_s)
     if gpu and engine == "reference":
         env[ENV_PREFIX + "DEVICE"] = "cuda"
+    if serve_results is not None:
+        parse_address(serve_results)  # a bad one fails here, not in every worker of the fleet
+        env[SERVE_RESULTS_VAR] = serve_results
     return {**env, **(extra or {})}
+
+
+def node_advertise(env: Mapping[str, str], node_ip: str) -> dict[str, str]:
+    """The variable a worker started with ``env`` on the node at ``node_ip`` also gets: a worker
+    that serves results on every address of its node (``--serve-results 0.0.0.0:PORT``) and was
+    given no ``--results-advertise`` advertises the node's address, with the port it listens on
+    (several workers of one node listen on port 0, a free port each). Nothing otherwise."""
+    listen = env.get(SERVE_RESULTS_VAR)
+    if not listen or env.get(RESULTS_ADVERTISE_VAR) or parse_address(listen)[0] not in WILDCARD_HOSTS:
+        return {}
+    return {RESULTS_ADVERTISE_VAR: f"[{node_ip}]" if ":" in node_ip else node_ip}
 
 
 def check_name(name: str) -> str:
