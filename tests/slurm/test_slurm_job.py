@@ -1,5 +1,6 @@
 """docs/deploy/slurm.md's batch script, unchanged, as a job of a real Slurm: one worker per GPU
-(two tasks, two GPUs), the Redis URL from the env file, trainers stepping through them; a worker
+(two tasks, two GPUs), the Redis URL from the env file, trainers stepping through them (large
+results in one hop, each worker on a free port advertised at the node's address); a worker
 SIGKILLed mid-run has its sessions failed over and is started again in place by the task's loop;
 ``scancel`` drains both workers, whose sessions move to a worker outside the job; no step is lost
 or run twice (every session's committed step is the last one stepped, every step answered ok)."""
@@ -9,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -19,6 +21,7 @@ from broker import FleetClient
 from broker.client.session import Session
 from broker.ops.status import cell_status
 from broker.redis.embedded import RedisServer, free_port
+from schemas.results_wire import parse_address
 from tests.procs import Fleet
 from tests.slurm.conftest import GPUS, Slurm
 from tests.support import world_step
@@ -29,6 +32,8 @@ ROOT = Path(__file__).resolve().parents[2]
 WORLD = "null-world"
 SESSIONS = 4
 STEP_TIMEOUT_S = 60.0
+LATENT = (1, 16, 2, 44, 80)  # staged: a large result, served by the worker that committed it
+LATENT_OPT = "latent_shape=[" + ",".join(map(str, LATENT)) + "]"  # every worker's (a replay checks the latents)
 WAIT_S = 90.0  # a worker process starts in a few seconds on an idle machine; this one is shared
 
 
@@ -40,7 +45,9 @@ def job_files(slurm: Slurm, redis_url: str, prefix: str) -> tuple[Path, Path]:
     env_file.touch(mode=0o600)
     env_file.write_text("\n".join([
         f"ROLLOUT_FLEET_REDIS_URL={redis_url}", f"ROLLOUT_FLEET_PREFIX={prefix}",
-        "ROLLOUT_FLEET_ENGINE=null", "ROLLOUT_FLEET_ENGINE_OPT=",  # set and empty: no engine option
+        # latents of 450 KB, handed to the trainer in one hop from a free port of each worker
+        "ROLLOUT_FLEET_ENGINE=null", f"ROLLOUT_FLEET_ENGINE_OPT={LATENT_OPT}",
+        "ROLLOUT_FLEET_SERVE_RESULTS=0.0.0.0:0",
         "ROLLOUT_FLEET_HEARTBEAT_MS=200", "ROLLOUT_FLEET_LEASE_MS=1000",
         "ROLLOUT_FLEET_DRAIN_TIMEOUT_S=10", "ROLLOUT_FLEET_REBALANCE_INTERVAL_S=0",  # moves by the drain only
         f"ROLLOUT_FLEET_METRICS_BASE={free_port(count=GPUS)}", ""]))
@@ -121,6 +128,19 @@ async def test_the_batch_script_runs_heals_and_drains_on_scancel(slurm: Slurm, r
         async with FleetClient(url, prefix=prefix) as fleet:
             sessions = [await fleet.create_session(model=WORLD, mode="world_model_env") for _ in range(SESSIONS)]
             assert await step_all(sessions, 0) <= set(in_job)
+            # One hop: each job worker advertises the node's first address and a port of its own,
+            # and every result of the first step came from its worker.
+            node_ip = subprocess.run(["hostname", "-I"], capture_output=True, text=True, check=True).stdout.split()[0]
+            advertised = set()
+            for worker_id in in_job:
+                raw = await fleet.redis.hget(fleet.keys.worker(worker_id), "results_at")
+                assert raw is not None, f"{worker_id} serves no results"
+                host, port = parse_address(raw.decode())
+                assert host == node_ip and port != 0
+                advertised.add(port)
+            assert len(advertised) == GPUS
+            direct = fleet.link(fleet.keys.cell).replies.direct
+            assert direct is not None and direct.fetched == SESSIONS
             # A crash: SIGKILL one worker; its sessions fail over, and its task starts it again.
             pids = job_worker_pids(slurm, job)
             assert len(pids) == GPUS, pids
@@ -129,7 +149,7 @@ async def test_the_batch_script_runs_heals_and_drains_on_scancel(slurm: Slurm, r
             restarted = await live_workers(url, prefix, 1, not_in=frozenset(in_job))
             assert len(job_worker_pids(slurm, job)) == GPUS
             # A worker outside the job, then scancel: both job workers drain, handing their sessions to it.
-            outside.worker("--rebalance-interval", "0")
+            outside.worker("--rebalance-interval", "0", "--engine-opt", LATENT_OPT)
             (outsider,) = await live_workers(url, prefix, 1, not_in=frozenset(in_job + restarted))
             slurm.run("scancel", job)
             await until_job_gone(slurm, job)
