@@ -97,20 +97,21 @@ def _port(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _address(text: str) -> str:
-    try:
-        parse_address(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
+def _checked_by(parse: Callable[[str], object]) -> Callable[[str], str]:
+    """An option's type: its text as given, once ``parse`` accepts it (its ValueError: one line)."""
+    def check(text: str) -> str:
+        try:
+            parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return text
+
+    check.__name__ = parse.__name__  # what argparse names in "invalid ... value"
+    return check
 
 
-def _host_or_address(text: str) -> str:
-    try:
-        parse_host_or_address(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
+_address = _checked_by(parse_address)  # --serve-results HOST:PORT
+_host_or_address = _checked_by(parse_host_or_address)  # --results-advertise HOST[:PORT]
 
 
 def add_metrics_port(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:

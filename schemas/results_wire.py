@@ -88,7 +88,7 @@ async def read_response(reader: asyncio.StreamReader) -> bytes | None:
 
 def parse_address(text: str) -> tuple[str, int]:
     """``host:port`` (an IPv6 host in brackets) as (host, port); ValueError when it is not one."""
-    host, port = parse_host_or_address(text)
+    host, port = _split_address(text)
     if port is None:
         raise ValueError(f"expected HOST:PORT, got {text!r}")
     return host, port
@@ -98,6 +98,14 @@ def parse_host_or_address(text: str) -> tuple[str, int | None]:
     """``host:port`` as (host, port), or a ``host`` alone as (host, None): what a worker advertises
     when the port is the one it got (``--serve-results HOST:0``). An IPv6 host is in brackets
     (``[fd00::5]``, ``[fd00::5]:7070``), so that its last group is never read as a port."""
+    host, port = _split_address(text)
+    if port is None and host.isdigit():
+        raise ValueError(f"{text!r} is a port alone: give HOST or HOST:PORT")
+    return host, port
+
+
+def _split_address(text: str) -> tuple[str, int | None]:
+    """(host, port), or (host, None) for a host alone; ValueError for what is neither."""
     if text.startswith("[") and text.endswith("]"):
         host, port_text = text[1:-1], None
     elif ":" not in text:
@@ -113,8 +121,6 @@ def parse_host_or_address(text: str) -> tuple[str, int | None]:
     if not host or any(c.isspace() or c in "[]/" for c in host):
         raise ValueError(f"expected HOST:PORT, got {text!r}")
     if port_text is None:
-        if host.isdigit():
-            raise ValueError(f"{text!r} is a port alone: give HOST or HOST:PORT")
         return host, None
     port = int(port_text)
     if not 0 <= port <= 65535:
