@@ -124,6 +124,10 @@ async def test_a_client_without_direct_results_reads_redis_and_the_worker_lets_g
         assert second.ok, second.error
     server = running.worker._results
     assert server is not None and len(server.held) <= 1 and server.held.served == 0
+    # the first result went unasked: counted, so that trainers that cannot reach the port show
+    assert server.held.unclaimed == 1
+    registry = running.worker.metrics.fleet.registry
+    assert registry.get_sample_value("rollout_fleet_results_unclaimed_total") == 1
 
 
 async def test_held_results_are_served_once_and_only_when_committed() -> None:
@@ -163,6 +167,10 @@ async def test_held_results_are_bounded_in_time_and_bytes() -> None:
     held.hold("e", b"x" * 1000)  # larger than the whole budget: not kept
     held.settle("e", committed=True)
     assert await held.take("e") is None
+    assert held.unclaimed == 3  # a, b, c: committed and dropped untaken; d never committed
+    await asyncio.sleep(0.1)
+    held.hold("f", b"x")  # d expires uncommitted: not a result anyone could have taken
+    assert held.unclaimed == 3
 
 
 async def test_the_server_closes_a_connection_that_sends_no_request_and_serves_the_next() -> None:

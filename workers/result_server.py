@@ -11,7 +11,9 @@ trainer to take once, so Redis never copies them out again:
 - :meth:`HeldResults.settle` keeps them once the commit answered ``committed`` and drops them on any
   other answer, error or cancellation: a trainer that finds nothing here reads Redis;
 - the first request takes them (a reply has one reader); what nobody took goes after ``hold_s`` (at
-  the next hold or request), and the oldest go first once ``max_bytes`` would be passed.
+  the next hold or request), and the oldest go first once ``max_bytes`` would be passed: a
+  committed result dropped so is *unclaimed* (counted: a trainer that cannot reach this port shows
+  there, not as a request).
 
 A connection that sends anything but requests is closed; one whose peer vanished is noticed by TCP
 keepalive within seconds (broker/redis/connect.py tune_stream).
@@ -51,15 +53,20 @@ class HeldResults:
     """The large results of this worker's commits, by job id, until their trainer takes them."""
 
     def __init__(self, *, hold_s: float, max_bytes: int, wait_s: float = 2.0,
-                 on_take: Callable[[bool], None] | None = None) -> None:
+                 on_take: Callable[[bool], None] | None = None,
+                 on_unclaimed: Callable[[], None] | None = None) -> None:
         self.hold_s = hold_s
         self.max_bytes = max_bytes
         self.wait_s = wait_s
         self.on_take = on_take  # told each request's outcome (served or not), for the worker's metrics
+        self.on_unclaimed = on_unclaimed  # told of each committed result dropped before a trainer took it
         self._held: collections.OrderedDict[str, _Held] = collections.OrderedDict()  # oldest first
         self.bytes = 0
         self.served = 0  # results taken by a trainer
         self.missed = 0  # requests answered "not held"
+        # committed results nobody took within hold_s (or pushed out by max_bytes): trainers that
+        # cannot reach this worker's port, or that read Redis (direct_results=False)
+        self.unclaimed = 0
 
     def __len__(self) -> int:
         return len(self._held)
@@ -119,11 +126,16 @@ class HeldResults:
                 held.committed.set_result(False)
 
     def _expire(self, now: float, *, room: int) -> None:
-        """Drop what expired, then the oldest while ``room`` more bytes would pass ``max_bytes``."""
+        """Drop what expired, then the oldest while ``room`` more bytes would pass ``max_bytes``;
+        a committed one dropped so counts as unclaimed."""
         while self._held:
             job_id, held = next(iter(self._held.items()))
             if held.expires > now and self.bytes + room <= self.max_bytes:
                 break
+            if held.committed.done() and held.committed.result():
+                self.unclaimed += 1
+                if self.on_unclaimed is not None:
+                    self.on_unclaimed()
             self._drop(job_id)
 
 

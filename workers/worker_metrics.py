@@ -67,10 +67,12 @@ class WorkerMetrics:
 
     def held_results(self, settings: WorkerSettings) -> HeldResults:
         """The large results a worker with ``--serve-results`` holds for its trainers, counted in
-        ``rollout_fleet_results_direct`` and ``rollout_fleet_results_held_bytes``."""
+        ``rollout_fleet_results_direct``, ``rollout_fleet_results_unclaimed`` and
+        ``rollout_fleet_results_held_bytes``."""
         served, not_held = self.fleet.results_direct.labels("served"), self.fleet.results_direct.labels("not_held")
+        unclaimed = self.fleet.results_unclaimed
         held = HeldResults(hold_s=settings.results_hold_s, max_bytes=settings.results_max_bytes,
-                           on_take=lambda ok: (served if ok else not_held).inc())
+                           on_take=lambda ok: (served if ok else not_held).inc(), on_unclaimed=unclaimed.inc)
         self.fleet.results_held_bytes.set_function(lambda: held.bytes)
         return held
 

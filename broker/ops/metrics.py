@@ -82,6 +82,10 @@ class FleetMetrics:
         self.results_direct = Counter("rollout_fleet_results_direct", "Large results trainers asked this "
                                       "worker for (--serve-results), by outcome: served, or not_held (the "
                                       "trainer read Redis instead)", ["outcome"], registry=r)
+        self.results_unclaimed = Counter("rollout_fleet_results_unclaimed", "Committed large results this "
+                                         "worker held that no trainer took within --results-hold (or that "
+                                         "--results-max-bytes pushed out): their trainers read Redis",
+                                         registry=r)
         self.results_held_bytes = Gauge("rollout_fleet_results_held_bytes", "Bytes of committed large results "
                                         "this worker holds for their trainers", registry=r)
         self.engine_ready = Gauge("rollout_fleet_engine_ready", "1 when the engine answers its readiness "
