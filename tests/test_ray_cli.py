@@ -91,6 +91,8 @@ def test_workers_on_ray_serve_results_at_their_nodes_address() -> None:
     assert node_advertise({**env, "ROLLOUT_FLEET_RESULTS_ADVERTISE": "lb.example"}, "10.0.3.7") == {}
     assert node_advertise({**env, "ROLLOUT_FLEET_SERVE_RESULTS": "10.0.3.7:7070"}, "10.0.3.7") == {}
     assert node_advertise(worker_env(up.cell, "null"), "10.0.3.7") == {}  # not serving: nothing
+    # a bad address (from --worker-env) is the worker's to refuse, in its log: the actor still starts it
+    assert node_advertise({**env, "ROLLOUT_FLEET_SERVE_RESULTS": "7070"}, "10.0.3.7") == {}
     assert "ROLLOUT_FLEET_SERVE_RESULTS" not in worker_env(up.cell, "null")
     with pytest.raises(ValueError, match="HOST:PORT"):
         worker_env(up.cell, "null", serve_results="7070")

@@ -120,9 +120,13 @@ def node_advertise(env: Mapping[str, str], node_ip: str) -> dict[str, str]:
     given no ``--results-advertise`` advertises the node's address, with the port it listens on
     (several workers of one node listen on port 0, a free port each). Nothing otherwise."""
     listen = env.get(SERVE_RESULTS_VAR)
-    if not listen or env.get(RESULTS_ADVERTISE_VAR) or parse_address(listen)[0] not in WILDCARD_HOSTS:
+    if not listen or env.get(RESULTS_ADVERTISE_VAR):
         return {}
-    return {RESULTS_ADVERTISE_VAR: f"[{node_ip}]" if ":" in node_ip else node_ip}
+    try:
+        host = parse_address(listen)[0]
+    except ValueError:  # the worker refuses it with a line of its own, in its log
+        return {}
+    return {RESULTS_ADVERTISE_VAR: f"[{node_ip}]" if ":" in node_ip else node_ip} if host in WILDCARD_HOSTS else {}
 
 
 def check_name(name: str) -> str:
