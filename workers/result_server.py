@@ -147,7 +147,9 @@ class ResultServer:
     def __init__(self, held: HeldResults, listen: str, advertise: str | None = None) -> None:
         self.held = held
         self.host, self.port = parse_address(listen)
-        self._advertise = advertise  # checked by WorkerSettings: a wildcard listen address needs one
+        # (host, port or None: the port it listens on); checked by WorkerSettings, which wants one
+        # for a wildcard listen address
+        self._advertise = None if advertise is None else parse_host_or_address(advertise)
         self._server: asyncio.Server | None = None
         self._connections: set[asyncio.Task[None]] = set()
 
@@ -156,7 +158,7 @@ class ResultServer:
         """Where trainers fetch from (after :meth:`start`)."""
         if self._advertise is None:
             return format_address(self.host, self.port)
-        host, port = parse_host_or_address(self._advertise)
+        host, port = self._advertise
         return format_address(host, self.port if port is None else port)
 
     async def start(self) -> None:
