@@ -25,6 +25,16 @@ call (``scriptCall``), the scripts' own work (the difference: the Lua interprete
 arguments and replies) and outside the scripts (reading requests, writing replies, the worker's
 read, the trims). Needs valgrind (``callgrind_control``, ``callgrind_annotate``); ~2 minutes at
 ``--size full``.
+
+``--xadd-enqueue`` measures the floor of the lead in docs/sizing.md (an owner that checks a step
+when it reads it, the enqueue becoming one ``XADD`` to its inbox) instead of a revision: the other
+side runs this checkout's scripts too, but enqueues each step as one ``XADD`` of the entry's fields
+``enqueue.lua`` writes for it (sent in one pipeline per batch), nothing read, checked or written
+besides. Whatever such an owner would have to add (its checks, the session's idle timer, the
+refusal of a stale client's entry) comes on top of that floor.
+
+    python -m bench.step_scripts --size full --xadd-enqueue
+    python -m bench.step_scripts --size full --xadd-enqueue --callgrind
 """
 
 from __future__ import annotations
@@ -100,15 +110,21 @@ def _pid(server: RedisServer) -> int:
     return server.process.pid
 
 
-class Side:
-    """One private Redis with one worker, ``sessions`` token sessions and one version of the scripts."""
+XADD_SIDE = "xadd enqueue"  # the other side's name with --xadd-enqueue
 
-    def __init__(self, redis: Redis, sources: dict[str, str] | None) -> None:
+
+class Side:
+    """One private Redis with one worker, ``sessions`` token sessions and one version of the scripts;
+    ``xadd_enqueue``: each step enqueued as one plain ``XADD`` of its entry instead of ``enqueue.lua``."""
+
+    def __init__(self, redis: Redis, sources: dict[str, str] | None, *, xadd_enqueue: bool = False) -> None:
         self.redis = redis
         self.keys = CellKeys("rf", "bench")
         self.scripts = Scripts(redis, self.keys, sources=sources)
+        self.xadd_enqueue = xadd_enqueue
         self.sessions: list[str] = []
         self.next_step: dict[str, int] = {}
+        self.entry_fields: dict[str, tuple[bytes, bytes]] = {}  # per session: its epoch and generation
         self.turn = 0
         self.script_us = 0.0
         self.main_us = 0.0
@@ -123,18 +139,23 @@ class Side:
                 raise RuntimeError(f"session {sid} was not placed on the bench worker: {created}")
             self.sessions.append(sid)
             self.next_step[sid] = 0
+            epoch, gen = await self.redis.hmget(self.keys.session(sid), ["epoch", "gen"])
+            self.entry_fields[sid] = (epoch, gen)
 
     async def round(self, batch: int) -> None:
         """One batch of steps, enqueued, read and committed; raises unless every one commits."""
         start = self.turn * batch % len(self.sessions)
         self.turn += 1
         group = [self.sessions[(start + i) % len(self.sessions)] for i in range(batch)]
-        queued = await asyncio.gather(*(
-            self.scripts.enqueue(sid, WORKER, step_id=self.next_step[sid], contextual=True,
-                                 job_id=f"j-{sid}-{self.next_step[sid]}", reply_to=REPLY_TO, payload=PAYLOAD)
-            for sid in group))
-        if not all(isinstance(reply, Queued) for reply in queued):
-            raise RuntimeError(f"an enqueue was refused: {queued}")
+        if self.xadd_enqueue:
+            await self._xadd(group)
+        else:
+            queued = await asyncio.gather(*(
+                self.scripts.enqueue(sid, WORKER, step_id=self.next_step[sid], contextual=True,
+                                     job_id=f"j-{sid}-{self.next_step[sid]}", reply_to=REPLY_TO, payload=PAYLOAD)
+                for sid in group))
+            if not all(isinstance(reply, Queued) for reply in queued):
+                raise RuntimeError(f"an enqueue was refused: {queued}")
         read = await self.redis.xreadgroup(INBOX_GROUP, WORKER, {self.keys.inbox(WORKER): ">"}, count=batch)
         entries = read[0][1] if read else []
         calls = [CommitCall(session_id=fields[b"session_id"].decode(), worker_id=WORKER, epoch=int(fields[b"epoch"]),
@@ -149,6 +170,20 @@ class Side:
         for sid in group:
             self.next_step[sid] += 1
 
+    async def _xadd(self, group: list[str]) -> None:
+        """The batch's steps as plain inbox entries, in one pipeline: the fields ``enqueue.lua`` writes
+        for a common step (its four default fields left out), none of its reads or checks."""
+        pipe = self.redis.pipeline(transaction=False)
+        now = str(int(time.time() * 1000))
+        for sid in group:
+            step = self.next_step[sid]
+            epoch, gen = self.entry_fields[sid]
+            pipe.xadd(self.keys.inbox(WORKER), {
+                "kind": "step", "job_id": f"j-{sid}-{step}", "session_id": sid, "step_id": str(step),
+                "contextual": "1", "epoch": epoch, "gen": gen, "mode": MODE, "model": MODEL,
+                "reply_to": REPLY_TO, "enqueued_ms": now, "attempt": "0", "payload": PAYLOAD})
+        await pipe.execute()
+
     async def counters(self) -> tuple[float, float]:
         """(EVALSHA µs so far, main-thread CPU µs so far)."""
         stats = await self.redis.info("commandstats")
@@ -157,16 +192,20 @@ class Side:
         return script, 1e6 * (float(cpu["used_cpu_user_main_thread"]) + float(cpu["used_cpu_sys_main_thread"]))
 
 
-async def measure(size: str, baseline: str, batch: int, callgrind: Callgrind | None = None) -> list[Row]:
+async def measure(size: str, baseline: str, batch: int, callgrind: Callgrind | None = None, *,
+                  xadd_enqueue: bool = False) -> list[Row]:
+    """This checkout's scripts against ``baseline``'s, or (``xadd_enqueue``) against this checkout's
+    commit behind a plain ``XADD`` enqueue, the other side then named :data:`XADD_SIDE`."""
     cfg = SIZE[size]
-    sources = revision_sources(baseline)
+    baseline, sources = (XADD_SIDE, None) if xadd_enqueue else (baseline, revision_sources(baseline))
     wrapper = callgrind.wrapper() if callgrind is not None else []
     with private_redis(wrapper) as this_server, private_redis(wrapper) as base_server:
         pids = {"this checkout": _pid(this_server), baseline: _pid(base_server)}
         clients = [open_redis(this_server.url, decode_responses=False), open_redis(base_server.url,
                                                                                    decode_responses=False)]
         try:
-            sides = {"this checkout": Side(clients[0], None), baseline: Side(clients[1], sources)}
+            sides = {"this checkout": Side(clients[0], None),
+                     baseline: Side(clients[1], sources, xadd_enqueue=xadd_enqueue)}
             for side in sides.values():
                 await side.start(cfg.sessions)
                 for _ in range(max(2, cfg.rounds)):  # warm: scripts loaded, streams and hashes grown
@@ -228,22 +267,28 @@ def instruction_rows(counted: dict[str, dict[str, int]], steps: int, batch: int,
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=f"python -m bench.{NAME}", description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", choices=sorted(SIZE), default="smoke")
-    parser.add_argument("--baseline", default="HEAD",
-                        help="the revision whose create.lua, enqueue.lua and commit.lua to compare")
+    parser.add_argument("--baseline", default=None,
+                        help="the revision whose create.lua, enqueue.lua and commit.lua to compare (default HEAD)")
     parser.add_argument("--batch", type=int, default=8, help="steps per script call (one event-loop turn's)")
     parser.add_argument("--callgrind", action="store_true",
                         help="count the servers' instructions under valgrind's callgrind instead of timing them")
+    parser.add_argument("--xadd-enqueue", action="store_true",
+                        help="compare with this checkout's commit behind a plain XADD enqueue instead of a revision")
     args = parser.parse_args(argv)
     if args.batch < 1:
         print(f"{NAME}: --batch must be at least 1", file=sys.stderr)
+        return 2
+    if args.xadd_enqueue and args.baseline is not None:
+        print(f"{NAME}: --xadd-enqueue compares with this checkout, not with --baseline", file=sys.stderr)
         return 2
     if args.callgrind and (missing := Callgrind.missing()):
         print(f"{NAME}: {missing}", file=sys.stderr)
         return 2
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="rollout-fleet-callgrind-") as directory:
-        rows = asyncio.run(measure(args.size, args.baseline, args.batch,
-                                   Callgrind(directory, FUNCTIONS) if args.callgrind else None))
+        rows = asyncio.run(measure(args.size, args.baseline or "HEAD", args.batch,
+                                   Callgrind(directory, FUNCTIONS) if args.callgrind else None,
+                                   xadd_enqueue=args.xadd_enqueue))
     print(format_table(rows))
     print(f"({time.monotonic() - started:.0f} s)")
     return 0

@@ -33,6 +33,28 @@ async def test_a_round_is_one_batched_call_of_each_script_and_commits_every_step
 
 
 @pytest.mark.asyncio
+async def test_the_xadd_enqueue_side_runs_no_enqueue_script_and_its_commits_land() -> None:
+    """--xadd-enqueue's side: one plain XADD per step instead of the enqueue script, entries that the
+    real commit script accepts (their epoch and generation the session's), every step committed."""
+    with private_redis() as server:
+        redis = open_redis(server.url, decode_responses=False)
+        try:
+            side = step_scripts.Side(redis, None, xadd_enqueue=True)
+            await side.start(16)
+            await side.round(8)
+            await redis.config_resetstat()
+            for _ in range(2):
+                await side.round(8)
+            stats = await redis.info("commandstats")
+            assert stats["cmdstat_evalsha"]["calls"] == 2  # the commit batches alone
+            assert stats["cmdstat_xadd"]["calls"] == 2 * 8 * 2  # the inbox entry (plain) and the reply per step
+            steps = [int(await redis.hget(side.keys.session(sid), "committed_step_id")) for sid in side.sessions]
+            assert sorted(steps) == [0] * 8 + [1] * 8
+        finally:
+            await redis.aclose()
+
+
+@pytest.mark.asyncio
 async def test_both_sides_measure_the_same_steps() -> None:
     rows = await step_scripts.measure("smoke", "HEAD", 4)
     sides = [row for row in rows if row.system.startswith("scripts @")]
@@ -40,6 +62,10 @@ async def test_both_sides_measure_the_same_steps() -> None:
     assert sides[0].values["steps"] == sides[1].values["steps"] > 0
     assert all(row.values["scripts_us"] > 0 and row.values["main_thread_us"] > 0 for row in sides)
     assert rows[-1].system == "this checkout / HEAD" and rows[-1].values["scripts"] > 0
+    rows = await step_scripts.measure("smoke", "HEAD", 4, xadd_enqueue=True)
+    assert [row.system for row in rows] == ["scripts @ this checkout", "scripts @ xadd enqueue",
+                                            "this checkout / xadd enqueue"]
+    assert rows[0].values["steps"] == rows[1].values["steps"] > 0
 
 
 def test_a_revision_that_does_not_exist_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
@@ -48,6 +74,8 @@ def test_a_revision_that_does_not_exist_is_one_line(capsys: pytest.CaptureFixtur
     assert "cannot read prelude.lua at 'no-such-revision'" in str(exc.value)
     assert step_scripts.main(["--batch", "0"]) == 2
     assert "--batch must be at least 1" in capsys.readouterr().err
+    assert step_scripts.main(["--xadd-enqueue", "--baseline", "HEAD"]) == 2
+    assert "--xadd-enqueue compares with this checkout, not with --baseline" in capsys.readouterr().err
 
 
 @pytest.mark.asyncio
