@@ -31,10 +31,13 @@ when it reads it, the enqueue becoming one ``XADD`` to its inbox) instead of a r
 side runs this checkout's scripts too, but enqueues each step as one ``XADD`` of the entry's fields
 ``enqueue.lua`` writes for it (sent in one pipeline per batch), nothing read, checked or written
 besides. Whatever such an owner would have to add (its checks, the session's idle timer, the
-refusal of a stale client's entry) comes on top of that floor.
+refusal of a stale client's entry) comes on top of that floor. ``--xadd-enqueue packed`` writes
+the entry as three fields instead of thirteen: ``session_id``, the other small fields joined into
+one (``m``, NUL-separated) and ``payload``; the round's read takes them apart again. Each field is
+two bulk strings in the worker's read, which Redis writes one by one.
 
     python -m bench.step_scripts --size full --xadd-enqueue
-    python -m bench.step_scripts --size full --xadd-enqueue --callgrind
+    python -m bench.step_scripts --size full --xadd-enqueue packed --callgrind
 """
 
 from __future__ import annotations
@@ -110,14 +113,15 @@ def _pid(server: RedisServer) -> int:
     return server.process.pid
 
 
-XADD_SIDE = "xadd enqueue"  # the other side's name with --xadd-enqueue
+XADD_SIDES = {"full": "xadd enqueue", "packed": "xadd enqueue, packed entry"}  # the other side, by --xadd-enqueue
 
 
 class Side:
     """One private Redis with one worker, ``sessions`` token sessions and one version of the scripts;
-    ``xadd_enqueue``: each step enqueued as one plain ``XADD`` of its entry instead of ``enqueue.lua``."""
+    ``xadd_enqueue``: each step enqueued as one plain ``XADD`` of its entry instead of ``enqueue.lua``,
+    its fields as ``enqueue.lua`` writes them (``full``) or three (``packed``)."""
 
-    def __init__(self, redis: Redis, sources: dict[str, str] | None, *, xadd_enqueue: bool = False) -> None:
+    def __init__(self, redis: Redis, sources: dict[str, str] | None, *, xadd_enqueue: str | None = None) -> None:
         self.redis = redis
         self.keys = CellKeys("rf", "bench")
         self.scripts = Scripts(redis, self.keys, sources=sources)
@@ -158,11 +162,7 @@ class Side:
                 raise RuntimeError(f"an enqueue was refused: {queued}")
         read = await self.redis.xreadgroup(INBOX_GROUP, WORKER, {self.keys.inbox(WORKER): ">"}, count=batch)
         entries = read[0][1] if read else []
-        calls = [CommitCall(session_id=fields[b"session_id"].decode(), worker_id=WORKER, epoch=int(fields[b"epoch"]),
-                            step_id=int(fields[b"step_id"]), entry_id=entry_id.decode(), result=RESULT,
-                            context_length=int(fields[b"step_id"]) + 1, job_id=fields[b"job_id"].decode(),
-                            reply_to=REPLY_TO, reply_ttl_ms=60_000, record=RECORD)
-                 for entry_id, fields in entries]
+        calls = [self._commit_call(entry_id, fields) for entry_id, fields in entries]
         committed = await asyncio.gather(*(self.scripts.commit(call) for call in calls))
         if len(committed) != batch or not all(isinstance(reply, Committed) for reply in committed):
             raise RuntimeError(f"a commit did not land: {committed}")
@@ -170,16 +170,35 @@ class Side:
         for sid in group:
             self.next_step[sid] += 1
 
+    @staticmethod
+    def _commit_call(entry_id: bytes, fields: dict[bytes, bytes]) -> CommitCall:
+        """The worker's commit of an inbox entry, its fields full or packed (``m``)."""
+        if b"m" in fields:
+            _, job_id, step_id, _, epoch = fields[b"m"].split(b"\0")[:5]
+        else:
+            job_id, step_id, epoch = fields[b"job_id"], fields[b"step_id"], fields[b"epoch"]
+        return CommitCall(session_id=fields[b"session_id"].decode(), worker_id=WORKER, epoch=int(epoch),
+                          step_id=int(step_id), entry_id=entry_id.decode(), result=RESULT,
+                          context_length=int(step_id) + 1, job_id=job_id.decode(), reply_to=REPLY_TO,
+                          reply_ttl_ms=60_000, record=RECORD)
+
     async def _xadd(self, group: list[str]) -> None:
         """The batch's steps as plain inbox entries, in one pipeline: the fields ``enqueue.lua`` writes
-        for a common step (its four default fields left out), none of its reads or checks."""
+        for a common step (its four default fields left out), full or packed, none of its reads or
+        checks."""
         pipe = self.redis.pipeline(transaction=False)
-        now = str(int(time.time() * 1000))
+        now = str(int(time.time() * 1000)).encode()
         for sid in group:
-            step = self.next_step[sid]
+            step = str(self.next_step[sid]).encode()
+            job_id = b"j-" + sid.encode() + b"-" + step
             epoch, gen = self.entry_fields[sid]
+            if self.xadd_enqueue == "packed":
+                packed = b"\0".join((b"step", job_id, step, b"1", epoch, gen, MODE.encode(), MODEL.encode(),
+                                      REPLY_TO.encode(), now, b"0"))
+                pipe.xadd(self.keys.inbox(WORKER), {"session_id": sid, "m": packed, "payload": PAYLOAD})
+                continue
             pipe.xadd(self.keys.inbox(WORKER), {
-                "kind": "step", "job_id": f"j-{sid}-{step}", "session_id": sid, "step_id": str(step),
+                "kind": "step", "job_id": job_id, "session_id": sid, "step_id": step,
                 "contextual": "1", "epoch": epoch, "gen": gen, "mode": MODE, "model": MODEL,
                 "reply_to": REPLY_TO, "enqueued_ms": now, "attempt": "0", "payload": PAYLOAD})
         await pipe.execute()
@@ -193,11 +212,13 @@ class Side:
 
 
 async def measure(size: str, baseline: str, batch: int, callgrind: Callgrind | None = None, *,
-                  xadd_enqueue: bool = False) -> list[Row]:
-    """This checkout's scripts against ``baseline``'s, or (``xadd_enqueue``) against this checkout's
-    commit behind a plain ``XADD`` enqueue, the other side then named :data:`XADD_SIDE`."""
+                  xadd_enqueue: str | None = None) -> list[Row]:
+    """This checkout's scripts against ``baseline``'s, or (``xadd_enqueue``: ``full`` or ``packed``)
+    against this checkout's commit behind a plain ``XADD`` enqueue, the other side then named as in
+    :data:`XADD_SIDES`."""
     cfg = SIZE[size]
-    baseline, sources = (XADD_SIDE, None) if xadd_enqueue else (baseline, revision_sources(baseline))
+    baseline, sources = ((XADD_SIDES[xadd_enqueue], None) if xadd_enqueue
+                         else (baseline, revision_sources(baseline)))
     wrapper = callgrind.wrapper() if callgrind is not None else []
     with private_redis(wrapper) as this_server, private_redis(wrapper) as base_server:
         pids = {"this checkout": _pid(this_server), baseline: _pid(base_server)}
@@ -272,8 +293,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=8, help="steps per script call (one event-loop turn's)")
     parser.add_argument("--callgrind", action="store_true",
                         help="count the servers' instructions under valgrind's callgrind instead of timing them")
-    parser.add_argument("--xadd-enqueue", action="store_true",
-                        help="compare with this checkout's commit behind a plain XADD enqueue instead of a revision")
+    parser.add_argument("--xadd-enqueue", nargs="?", const="full", choices=sorted(XADD_SIDES),
+                        help="compare with this checkout's commit behind a plain XADD enqueue instead of a revision,"
+                             " the entry's fields as enqueue.lua writes them (full, the default) or three (packed)")
     args = parser.parse_args(argv)
     if args.batch < 1:
         print(f"{NAME}: --batch must be at least 1", file=sys.stderr)

@@ -33,14 +33,20 @@ async def test_a_round_is_one_batched_call_of_each_script_and_commits_every_step
 
 
 @pytest.mark.asyncio
-async def test_the_xadd_enqueue_side_runs_no_enqueue_script_and_its_commits_land() -> None:
+@pytest.mark.parametrize(("entry", "fields"), [("full", 13), ("packed", 3)])
+async def test_the_xadd_enqueue_side_runs_no_enqueue_script_and_its_commits_land(entry: str, fields: int) -> None:
     """--xadd-enqueue's side: one plain XADD per step instead of the enqueue script, entries that the
     real commit script accepts (their epoch and generation the session's), every step committed."""
     with private_redis() as server:
         redis = open_redis(server.url, decode_responses=False)
         try:
-            side = step_scripts.Side(redis, None, xadd_enqueue=True)
+            side = step_scripts.Side(redis, None, xadd_enqueue=entry)
             await side.start(16)
+            inbox = side.keys.inbox(step_scripts.WORKER)
+            await side._xadd(side.sessions[:1])  # the entry as written, then taken out before any round
+            [(entry_id, written)] = await redis.xrange(inbox)
+            assert len(written) == fields and written[b"session_id"] == side.sessions[0].encode()
+            assert await redis.xdel(inbox, entry_id) == 1
             await side.round(8)
             await redis.config_resetstat()
             for _ in range(2):
@@ -62,7 +68,7 @@ async def test_both_sides_measure_the_same_steps() -> None:
     assert sides[0].values["steps"] == sides[1].values["steps"] > 0
     assert all(row.values["scripts_us"] > 0 and row.values["main_thread_us"] > 0 for row in sides)
     assert rows[-1].system == "this checkout / HEAD" and rows[-1].values["scripts"] > 0
-    rows = await step_scripts.measure("smoke", "HEAD", 4, xadd_enqueue=True)
+    rows = await step_scripts.measure("smoke", "HEAD", 4, xadd_enqueue="full")
     assert [row.system for row in rows] == ["scripts @ this checkout", "scripts @ xadd enqueue",
                                             "this checkout / xadd enqueue"]
     assert rows[0].values["steps"] == rows[1].values["steps"] > 0
