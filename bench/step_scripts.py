@@ -57,7 +57,9 @@ from redis.asyncio import Redis
 from bench.common import Callgrind, Row, format_table, private_redis
 from broker.redis.connect import open_redis
 from broker.redis.embedded import RedisServer
+from broker.redis.inbox import InboxEntry
 from broker.redis.keys import INBOX_GROUP, CellKeys
+from broker.redis.layouts import READS_FIELD, READS_PACKED
 from broker.redis.lua_files import PRELUDE_MARK, prelude_for
 from broker.redis.script_replies import Committed, Created, Queued
 from broker.redis.scripts import CommitCall, Scripts
@@ -134,8 +136,9 @@ class Side:
         self.main_us = 0.0
 
     async def start(self, sessions: int) -> None:
+        # described as a worker of this release describes itself: it reads packed inbox entries
         await self.scripts.register(WORKER, capacity=sessions, pools=[self.keys.pool(MODE, MODEL)], ttl_ms=600_000,
-                                    fields={"state": "active"})
+                                    fields={"state": "active", READS_FIELD: READS_PACKED})
         for i in range(sessions):
             sid = f"s-{i:06d}-step-scripts"
             created = await self.scripts.create(sid, MODE, MODEL, lease_ms=600_000, retention="full", result_window=1)
@@ -172,11 +175,13 @@ class Side:
 
     @staticmethod
     def _commit_call(entry_id: bytes, fields: dict[bytes, bytes]) -> CommitCall:
-        """The worker's commit of an inbox entry, its fields full or packed (``m``)."""
+        """The worker's commit of an inbox entry: one ``enqueue.lua`` wrote (either layout), or one
+        ``--xadd-enqueue packed`` did (``m``)."""
         if b"m" in fields:
             _, job_id, step_id, _, epoch = fields[b"m"].split(b"\0")[:5]
         else:
-            job_id, step_id, epoch = fields[b"job_id"], fields[b"step_id"], fields[b"epoch"]
+            entry = InboxEntry.from_fields(entry_id, fields)
+            job_id, step_id, epoch = entry.job_id.encode(), str(entry.step_id).encode(), str(entry.epoch).encode()
         return CommitCall(session_id=fields[b"session_id"].decode(), worker_id=WORKER, epoch=int(epoch),
                           step_id=int(step_id), entry_id=entry_id.decode(), result=RESULT,
                           context_length=int(step_id) + 1, job_id=job_id.decode(), reply_to=REPLY_TO,

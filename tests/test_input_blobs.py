@@ -124,7 +124,7 @@ async def test_a_refused_enqueue_leaves_no_staging_and_changes_nothing(scripts: 
 async def test_an_enqueue_whose_staging_is_missing_changes_nothing(scripts: Scripts) -> None:
     redis, k = scripts.redis, scripts.keys
     await _session(scripts)
-    keys = [k.session("s1"), k.inbox("w1"), k.log("s1"), k.announced, k.staged_input("s1", "t"),
+    keys = [k.session("s1"), k.inbox("w1"), k.log("s1"), k.announced, k.worker("w1"), k.staged_input("s1", "t"),
             k.input_blob("s1", "j0")]
     raw = await redis.eval(lua_source("enqueue"), len(keys), *keys, 0, "j0", "", "s1", "w1", 0, 0, "1", "c")
     assert raw == [b"unstaged", -1]

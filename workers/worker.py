@@ -30,7 +30,7 @@ from broker.redis.backoff import (
 from broker.redis.connect import open_redis
 from broker.redis.inbox import BadEntry, InboxEntry, JobKind, parse_inbox_entry
 from broker.redis.keys import INBOX_GROUP
-from broker.redis.layouts import SessionHash
+from broker.redis.layouts import READS_FIELD, READS_PACKED, SessionHash
 from broker.redis.memory_policy import warn_if_evicting
 from broker.redis.refusals import refusal_of
 from broker.redis.scripts import Scripts
@@ -351,6 +351,7 @@ class Worker:
             "drain_stuck": str(self._drain.stuck if self._drain else 0),
             **self.readiness.fields(),
             **({"results_at": self._results.address} if self._results is not None else {}),
+            READS_FIELD: READS_PACKED,  # enqueue.lua may write this worker packed inbox entries
         }
 
     def _beats_or_fail(self) -> Heartbeats:

@@ -1,6 +1,18 @@
 """Inbox entries (``rf:{c}:inbox:<wid>`` STREAM): the jobs a worker runs, written by enqueue.lua
 (steps), control.lua (reset, close), cancel.lua and fork.lua, moved whole by failover.lua and dead-lettered whole by
-retire.lua. A malformed entry becomes a BadEntry, never a crash."""
+retire.lua. A malformed entry becomes a BadEntry, never a crash.
+
+A step entry comes in two layouts, and a worker of this release reads both. The classic one has a
+field per value. The packed one (its layout is :mod:`broker.redis.layouts`' ``PACKED``) keeps
+``session_id``, ``epoch``, ``job_id``, ``reply_to`` and ``payload`` as fields of their own and
+joins the rest into one field, NUL-separated, the model last (the one part that could hold a
+NUL): a master writes, keeps and sends 6 fields a step instead of 13 (docs/sizing.md). enqueue.lua
+writes it only to an owner whose worker hash says it reads one (``READS_FIELD``, written by this
+release's workers); failover.lua unpacks it when it moves it to an owner that does not, and
+retire.lua when it dead-letters it, so an earlier release's worker or replay never meets one. The
+fields an earlier release's worker needs to answer an entry it cannot read (``session_id``,
+``job_id``, ``reply_to``) and those failover finds and re-stamps (``session_id``, ``epoch``) stay
+fields of their own."""
 
 from __future__ import annotations
 
@@ -8,7 +20,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from broker.redis.inputs import is_staged
-from broker.redis.layouts import DeadLetter, Fields, LayoutError, dead_letter_payload, integer, text
+from broker.redis.layouts import PACKED, DeadLetter, Fields, LayoutError, dead_letter_payload, integer, text, unpacked
 from schemas.limits import MAX_STEP_ID
 from schemas.messages import Mode
 from schemas.records import quick_init
@@ -65,25 +77,33 @@ class InboxEntry:
         lookups, once per job on the worker's hot path; anything else goes to :meth:`_checked`,
         which reads it field by field and names what is wrong."""
         try:
-            kind = _KIND_OF[fields[b"kind"]]
-            step_id = int(fields[b"step_id"])
+            packed = fields.get(PACKED)
+            if packed is not None:
+                kind_b, step_b, contextual, gen, mode, enqueued_ms, attempt, model = packed.split(b"\0", 7)
+            else:
+                kind_b, step_b, contextual, gen = (fields[b"kind"], fields[b"step_id"], fields[b"contextual"],
+                                                   fields[b"gen"])
+                mode, model, enqueued_ms, attempt = (fields[b"mode"], fields[b"model"], fields[b"enqueued_ms"],
+                                                     fields[b"attempt"])
+            kind = _KIND_OF[kind_b]
+            step_id = int(step_b)
             low = _LOWEST_STEP_ID.get(kind)
             if low <= step_id <= MAX_STEP_ID if low is not None else step_id == -1:
                 return cls(
                     entry_id=entry_id.decode() if isinstance(entry_id, bytes) else entry_id,
                     kind=kind, job_id=fields[b"job_id"].decode(), session_id=fields[b"session_id"].decode(),
-                    step_id=step_id, contextual=fields[b"contextual"].decode() == "1",
-                    epoch=int(fields[b"epoch"]), gen=int(fields[b"gen"]), mode=_MODE_OF[fields[b"mode"]],
-                    model=fields[b"model"].decode(), reply_to=fields[b"reply_to"].decode(),
-                    enqueued_ms=int(fields[b"enqueued_ms"]), attempt=int(fields[b"attempt"]),
+                    step_id=step_id, contextual=contextual.decode() == "1",
+                    epoch=int(fields[b"epoch"]), gen=int(gen), mode=_MODE_OF[mode],
+                    model=model.decode(), reply_to=fields[b"reply_to"].decode(),
+                    enqueued_ms=int(enqueued_ms), attempt=int(attempt),
                     payload=fields.get(b"payload", b""), retention=fields.get(b"retention", b"full").decode(),
                     min_version=int(fields.get(b"min_version", b"0")),
                     priority=_PRIORITY_OF[fields.get(b"priority", _DEFAULT_PRIORITY)],
                     cancels=int(fields.get(b"cancels", b"0")),
                 )
-        except (KeyError, TypeError, ValueError):  # UnicodeDecodeError is a ValueError
+        except (KeyError, TypeError, ValueError):  # UnicodeDecodeError is a ValueError; so is a short unpack
             pass
-        return cls._checked(entry_id, fields)
+        return cls._checked(entry_id, unpacked(fields))
 
     @classmethod
     def _checked(cls, entry_id: bytes | str, fields: Fields) -> InboxEntry:

@@ -7,6 +7,7 @@ Inbox entries live in :mod:`broker.redis.inbox`. Fields arrive as redis-py gives
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -278,6 +279,29 @@ def too_large_to_keep(size: int) -> str:
     return f"payload too large to keep: {size} bytes, over the dead-letter budget of {DEAD_LETTER_PAYLOAD_BYTES} bytes"
 
 
+# The packed step entry (broker/redis/inbox.py): its field, and its parts in order (enqueue.lua writes
+# them; prelude.lua unpacked_entry reads them as this does).
+PACKED = b"packed"
+PACKED_PARTS = ("kind", "step_id", "contextual", "gen", "mode", "enqueued_ms", "attempt", "model")
+# The worker hash field by which a worker says it reads packed entries, and its value.
+READS_FIELD = "inbox"
+READS_PACKED = "packed"
+
+
+def unpacked(fields: Fields) -> Fields:
+    """A packed entry's fields as the classic layout has them; any other entry as it is. Raises
+    LayoutError for a packed field of too few parts."""
+    packed = fields.get(PACKED)
+    if packed is None:
+        return fields
+    parts = packed.split(b"\0", len(PACKED_PARTS) - 1)
+    if len(parts) != len(PACKED_PARTS):
+        raise LayoutError(f"field 'packed' has {len(parts)} parts, not {len(PACKED_PARTS)}")
+    out = {name: value for name, value in fields.items() if name != PACKED}
+    out.update(zip((name.encode() for name in PACKED_PARTS), parts, strict=True))
+    return out
+
+
 def _optional_step(fields: Fields) -> int | None:
     step = text(fields, "step_id", "")
     return int(step) if step.lstrip("-").isdigit() else None
@@ -329,6 +353,9 @@ class DeadLetter:
 
     @classmethod
     def from_entry(cls, entry_id: bytes | str, fields: Fields) -> DeadLetter:
+        with contextlib.suppress(LayoutError):  # an earlier release's retire.lua kept a packed entry whole
+            fields = unpacked(fields)
+
         def lenient(name: str, default: str = "") -> str:  # dead letters are read whatever they hold
             raw = fields.get(name.encode())
             return raw.decode("utf-8", "replace") if raw is not None else default

@@ -337,7 +337,7 @@ class Scripts:
     async def enqueue(self, session_id: str, owner: str, *, step_id: int, contextual: bool, job_id: str,
                       reply_to: str, payload: bytes, attempt: int = 0, min_version: int = 0) -> EnqueueReply:
         k = self.keys
-        keys, before = [k.session(session_id), k.inbox(owner), k.log(session_id), k.announced], None
+        keys, before = [k.session(session_id), k.inbox(owner), k.log(session_id), k.announced, k.worker(owner)], None
         if stages(payload, self.stage_bytes):  # broker/redis/inputs.py
             staging, before = enqueue_staging(k, session_id, job_id, payload)
             keys, payload = keys + staging, b""
@@ -451,7 +451,7 @@ class Scripts:
         raw = await self._call(
             "failover",
             [k.workers, k.capacity, k.pool(mode, model), k.session(session_id), k.inbox(old), k.inbox(new),
-             k.sessions, k.owned],
+             k.sessions, k.owned, k.worker(new)],
             [old, new, lease_ms, session_id, reason, INBOX_GROUP],
         )
         return decode_failover(raw)

@@ -5,13 +5,15 @@
 -- reason 'handover': the old owner itself hands the session over (drain), no lease wait.
 -- reason 'rebalance': the old owner moves a session to a less loaded worker (workers/rebalance.py);
 -- checked like a handover.
--- Uses: prelude.lua (now_ms, share_with_room)
+-- Uses: prelude.lua (now_ms, share_with_room, unpacked_entry, reads_packed)
 -- KEYS: 1 workers zset, 2 capacity hash, 3 pool zset (mode, model), 4 session hash, 5 old inbox,
---       6 new inbox, 7 sessions hash, 8 owned hash
+--       6 new inbox, 7 sessions hash, 8 owned hash, 9 new owner's worker hash
 -- ARGV: 1 old worker id, 2 new worker id, 3 lease ms, 4 session_id, 5 reason, 6 inbox group
 -- Fields (broker/redis/layouts.py, inbox.py): reads session owner, epoch; writes session owner,
 --       epoch, updated_ms, drops unplaced_ms; moves inbox entries whole (matched by session_id,
---       epoch re-stamped); moves one session of the owned hash from the old owner to the new
+--       epoch re-stamped; a packed entry unpacked for a new owner whose worker hash does not say it
+--       reads one, broker/redis/inbox.py); moves one session of the owned hash from the old owner
+--       to the new
 -- Returns {'moved', new_epoch, jobs_moved} | {'skip', owner} | {'gone'} | {'alive'}
 --       | {'retry', why}
 local workers_key = KEYS[1]
@@ -22,6 +24,7 @@ local old_inbox_key = KEYS[5]
 local new_inbox_key = KEYS[6]
 local sessions_key = KEYS[7]
 local owned_key = KEYS[8]
+local new_worker_key = KEYS[9]
 local old_owner = ARGV[1]
 local new_owner = ARGV[2]
 local lease = tonumber(ARGV[3])
@@ -52,6 +55,7 @@ if not load or not share_with_room(capacity_key, owned_key, pool_key, new_owner,
 end
 local epoch = tonumber(s[2]) + 1
 local moved = 0
+local new_reads_packed = reads_packed(new_worker_key)
 local entries = redis.call('XRANGE', old_inbox_key, '-', '+')
 for _, entry in ipairs(entries) do
   local id, fields = entry[1], entry[2]
@@ -66,6 +70,9 @@ for _, entry in ipairs(entries) do
       if fields[i] == 'epoch' then
         fields[i + 1] = epoch
       end
+    end
+    if not new_reads_packed then
+      fields = unpacked_entry(fields)
     end
     redis.call('XADD', new_inbox_key, '*', unpack(fields))
     redis.call('XACK', old_inbox_key, inbox_group, id)

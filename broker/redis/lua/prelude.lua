@@ -384,3 +384,51 @@ end
 local function zmscore_many(key, members)
   return in_slices(members, function(first, last) return redis.call('ZMSCORE', key, unpack(members, first, last)) end)
 end
+
+-- The packed step entry (broker/redis/inbox.py): enqueue.lua joins a step's small values into the
+-- one field PACKED_FIELD, NUL-separated in the order of PACKED_PARTS (the model last: the one part
+-- that could hold a NUL), for an owner whose worker hash has READS_FIELD = READS_PACKED.
+-- unpacked_entry(fields): an entry's field list (as XRANGE gives it) with a packed field replaced
+-- by its parts, each a field of its own (what an earlier release's worker or replay reads); the
+-- list itself when nothing is packed, or when the packed field is malformed (the worker that reads
+-- it dead-letters it as such).
+local PACKED_FIELD, READS_FIELD, READS_PACKED = 'packed', 'inbox', 'packed'
+local PACKED_PARTS = {'kind', 'step_id', 'contextual', 'gen', 'mode', 'enqueued_ms', 'attempt', 'model'}
+local function unpacked_entry(fields)
+  for i = 1, #fields - 1, 2 do
+    if fields[i] == PACKED_FIELD then
+      local value, parts, at = fields[i + 1], {}, 1
+      for n = 1, #PACKED_PARTS - 1 do
+        local cut = string.find(value, '\0', at, true)
+        if not cut then
+          return fields
+        end
+        parts[n], at = string.sub(value, at, cut - 1), cut + 1
+      end
+      parts[#PACKED_PARTS] = string.sub(value, at)
+      local out = {}
+      for j = 1, #fields - 1, 2 do
+        if j ~= i then
+          out[#out + 1], out[#out + 2] = fields[j], fields[j + 1]
+        end
+      end
+      for n = 1, #PACKED_PARTS do
+        out[#out + 1], out[#out + 2] = PACKED_PARTS[n], parts[n]
+      end
+      return out
+    end
+  end
+  return fields
+end
+
+-- Whether the worker whose worker hash is `worker_key` reads packed entries (its READS_FIELD is
+-- READS_PACKED; a hash that expired reads as no): one HGET per worker per script call.
+local reads_packed_memo = {}
+local function reads_packed(worker_key)
+  local reads = reads_packed_memo[worker_key]
+  if reads == nil then
+    reads = redis.call('HGET', worker_key, READS_FIELD) == READS_PACKED
+    reads_packed_memo[worker_key] = reads
+  end
+  return reads
+end

@@ -1,7 +1,7 @@
 -- Remove a worker that owns no sessions any more (dead, or drained): its heartbeat entry, its
 -- capacity, its description, its pools and its inbox. Entries left in the inbox belong to no live
 -- session; they go to the dead-letter stream with the reason 'orphaned', never silently away.
--- Uses: prelude.lua (now_ms, BLOB_MARK)
+-- Uses: prelude.lua (now_ms, BLOB_MARK, unpacked_entry)
 -- KEYS: 1 workers zset, 2 capacity hash, 3 worker hash, 4 inbox, 5 dead-letter stream, 6 owned hash,
 --       7 pressure hash, 8 .. 7 + ARGV 6: pools (the capacity hash's worker@pool fields go with
 --       them), then the input blob (CellKeys.input_blob) of each inbox entry whose payload was
@@ -15,7 +15,8 @@
 -- An inbox entry with a staged payload whose blob the call does not list (it reached the inbox
 -- after the caller read it) stops the call before any write: 'unlisted', read again and call again.
 -- Fields (broker/redis/layouts.py DeadLetter): each orphan is dead-lettered as reason, worker_id,
---       failed_ms followed by the inbox entry's own fields (broker/redis/inbox.py)
+--       failed_ms followed by the inbox entry's own fields (broker/redis/inbox.py), a packed entry's
+--       unpacked (prelude.lua unpacked_entry: a replay of any release reads the letter)
 -- Returns {'retired', orphans} | {'alive'} | {'unlisted'}
 local workers_key = KEYS[1]
 local capacity_key = KEYS[2]
@@ -85,7 +86,7 @@ local function kept_payload(entry_id, payload)
   return kept, why
 end
 for _, entry in ipairs(entries) do
-  local fields = entry[2]
+  local fields = unpacked_entry(entry[2])
   for i = 1, #fields - 1, 2 do
     if fields[i] == 'payload' then
       local why
