@@ -276,6 +276,10 @@ end
 -- on from there (an upper bound: trimming only shortens it, so a count under the budget needs no
 -- read), and its TTL is set once, by flush_replies, to what the last entry added asks for, as a
 -- PEXPIRE after each entry would leave it. Returns the entry's id.
+-- The entry leaves out `kind` when it is 'step' (ReplyEntry reads a missing one as 'step', as every
+-- release since the field layouts were written down does), and the XADD asks for no trim when the
+-- stream has room for it (MAXLEN ~ would trim nothing then): fewer arguments for the master to
+-- convert and parse, and two bulk strings fewer for the reader.
 local function add_reply(key, ttl_ms, stream_bytes, large_bytes, large_ttl_ms, kind, job_id, committed, result,
                          size, blob, streams)
   size = size or #result
@@ -305,10 +309,19 @@ local function add_reply(key, ttl_ms, stream_bytes, large_bytes, large_ttl_ms, k
       end
     end
   end
-  local id = redis.call('XADD', key, 'MAXLEN', '~', string.format('%d', maxlen), '*', 'kind', kind, 'job_id', job_id,
-    'committed', committed, 'result', result)
+  local id
+  if over > 0 then
+    id = redis.call('XADD', key, 'MAXLEN', '~', string.format('%d', maxlen), '*', 'kind', kind, 'job_id', job_id,
+      'committed', committed, 'result', result)
+  elseif kind == 'step' then
+    id = redis.call('XADD', key, '*', 'job_id', job_id, 'committed', committed, 'result', result)
+  else
+    id = redis.call('XADD', key, '*', 'kind', kind, 'job_id', job_id, 'committed', committed, 'result', result)
+  end
   local ttl = reply_ttl(size, ttl_ms, large_bytes, large_ttl_ms)  -- text passed on as it is
-  if streams then
+  if known then
+    known.length, known.ttl = length + 1, ttl
+  elseif streams then
     streams[key] = {length = length + 1, ttl = ttl}
   else
     redis.call('PEXPIRE', key, ttl)
