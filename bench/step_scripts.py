@@ -31,10 +31,11 @@ when it reads it, the enqueue becoming one ``XADD`` to its inbox) instead of a r
 side runs this checkout's scripts too, but enqueues each step as one ``XADD`` of the entry's fields
 ``enqueue.lua`` writes for it (sent in one pipeline per batch), nothing read, checked or written
 besides. Whatever such an owner would have to add (its checks, the session's idle timer, the
-refusal of a stale client's entry) comes on top of that floor. ``--xadd-enqueue packed`` writes
-the entry as three fields instead of thirteen: ``session_id``, the other small fields joined into
-one (``m``, NUL-separated) and ``payload``; the round's read takes them apart again. Each field is
-two bulk strings in the worker's read, which Redis writes one by one.
+refusal of a stale client's entry) comes on top of that floor. Since 2026-12-08 that entry is the
+packed one (six fields; thirteen before). ``--xadd-enqueue packed`` writes three fields instead:
+``session_id``, every other small field joined into one (``m``, NUL-separated) and ``payload``;
+the round's read takes them apart again. Each field is two bulk strings in the worker's read,
+which Redis writes one by one.
 
     python -m bench.step_scripts --size full --xadd-enqueue
     python -m bench.step_scripts --size full --xadd-enqueue packed --callgrind
@@ -59,7 +60,7 @@ from broker.redis.connect import open_redis
 from broker.redis.embedded import RedisServer
 from broker.redis.inbox import InboxEntry
 from broker.redis.keys import INBOX_GROUP, CellKeys
-from broker.redis.layouts import READS_FIELD, READS_PACKED
+from broker.redis.layouts import PACKED, PACKED_PARTS, READS_FIELD, READS_PACKED
 from broker.redis.lua_files import PRELUDE_MARK, prelude_for
 from broker.redis.script_replies import Committed, Created, Queued
 from broker.redis.scripts import CommitCall, Scripts
@@ -115,6 +116,7 @@ def _pid(server: RedisServer) -> int:
     return server.process.pid
 
 
+COLLECT_LUA_GARBAGE = "collectgarbage('collect') return 0"
 XADD_SIDES = {"full": "xadd enqueue", "packed": "xadd enqueue, packed entry"}  # the other side, by --xadd-enqueue
 
 
@@ -188,9 +190,9 @@ class Side:
                           reply_ttl_ms=60_000, record=RECORD)
 
     async def _xadd(self, group: list[str]) -> None:
-        """The batch's steps as plain inbox entries, in one pipeline: the fields ``enqueue.lua`` writes
-        for a common step (its four default fields left out), full or packed, none of its reads or
-        checks."""
+        """The batch's steps as plain inbox entries, in one pipeline: the entry ``enqueue.lua`` writes
+        for a common step to this worker (packed: broker/redis/layouts.py ``PACKED``), or the three
+        fields of ``packed``; none of its reads or checks."""
         pipe = self.redis.pipeline(transaction=False)
         now = str(int(time.time() * 1000)).encode()
         for sid in group:
@@ -202,10 +204,11 @@ class Side:
                                       REPLY_TO.encode(), now, b"0"))
                 pipe.xadd(self.keys.inbox(WORKER), {"session_id": sid, "m": packed, "payload": PAYLOAD})
                 continue
+            parts = {"kind": b"step", "step_id": step, "contextual": b"1", "gen": gen, "mode": MODE.encode(),
+                     "enqueued_ms": now, "attempt": b"0", "model": MODEL.encode()}
             pipe.xadd(self.keys.inbox(WORKER), {
-                "kind": "step", "job_id": job_id, "session_id": sid, "step_id": step,
-                "contextual": "1", "epoch": epoch, "gen": gen, "mode": MODE, "model": MODEL,
-                "reply_to": REPLY_TO, "enqueued_ms": now, "attempt": "0", "payload": PAYLOAD})
+                "session_id": sid, "epoch": epoch, "job_id": job_id, "reply_to": REPLY_TO,
+                PACKED: b"\0".join(parts[name] for name in PACKED_PARTS), "payload": PAYLOAD})
         await pipe.execute()
 
     async def counters(self) -> tuple[float, float]:
@@ -236,6 +239,9 @@ async def measure(size: str, baseline: str, batch: int, callgrind: Callgrind | N
                 await side.start(cfg.sessions)
                 for _ in range(max(2, cfg.rounds)):  # warm: scripts loaded, streams and hashes grown
                     await side.round(batch)
+                # Both start from a collected Lua heap: neither pays in its window for garbage the
+                # warm-up left (a collection is ~6,000 instructions a step at smoke size).
+                await side.redis.eval(COLLECT_LUA_GARBAGE, 0)
             if callgrind is not None:
                 for pid in pids.values():
                     callgrind.on(pid)

@@ -33,7 +33,7 @@ async def test_a_round_is_one_batched_call_of_each_script_and_commits_every_step
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize(("entry", "fields"), [("full", 13), ("packed", 3)])
+@pytest.mark.parametrize(("entry", "fields"), [("full", 6), ("packed", 3)])
 async def test_the_xadd_enqueue_side_runs_no_enqueue_script_and_its_commits_land(entry: str, fields: int) -> None:
     """--xadd-enqueue's side: one plain XADD per step instead of the enqueue script, entries that the
     real commit script accepts (their epoch and generation the session's), every step committed."""
