@@ -1,8 +1,9 @@
 """The field layouts of the cell's hashes and stream entries, each owned here (encode and decode).
 
 The Lua scripts write the same fields; each script's header names the ones it reads and writes.
-Inbox entries live in :mod:`broker.redis.inbox`. Fields arrive as redis-py gives them without
-``decode_responses``: bytes names, bytes values.
+Inbox entries live in :mod:`broker.redis.inbox`; the packed step entry's layout (``PACKED``) is
+here, as a dead letter an earlier release wrote may carry it. Fields arrive as redis-py gives them
+without ``decode_responses``: bytes names, bytes values.
 """
 
 from __future__ import annotations
