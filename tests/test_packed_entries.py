@@ -41,6 +41,18 @@ async def _entries(scripts: Scripts, wid: str) -> list[tuple[bytes, dict[bytes, 
     return [(entry_id, fields) for entry_id, fields in await scripts.redis.xrange(scripts.keys.inbox(wid))]
 
 
+async def _first_entry(scripts: Scripts, wid: str, *, packed: bool,
+                       priority: str = "bulk") -> tuple[bytes, dict[bytes, bytes]]:
+    """The entry of step 0 of a new session on a new worker ``wid``, as the inbox holds it."""
+    await _register(scripts, wid, "m", packed=packed)
+    created = await scripts.create("s1", MODE, "m", lease_ms=5000, retention="full", result_window=1,
+                                   priority=priority)
+    assert created == Created(wid)
+    await _enqueue(scripts, "s1", wid, 0)
+    [(entry_id, fields)] = await _entries(scripts, wid)
+    return entry_id, fields
+
+
 def _same_job(a: InboxEntry, b: InboxEntry, **differ: object) -> None:
     """``a`` and ``b`` are one job, but for the entry id and what ``differ`` names (``b``'s values)."""
     fields = {name: getattr(a, name) for name in a.__dataclass_fields__ if name != "entry_id"}
@@ -48,10 +60,7 @@ def _same_job(a: InboxEntry, b: InboxEntry, **differ: object) -> None:
 
 
 async def test_an_owner_that_reads_packed_entries_gets_six_fields_read_as_the_classic_entry(scripts: Scripts) -> None:
-    await _register(scripts, "w-new", "m", packed=True)
-    assert await scripts.create("s1", MODE, "m", lease_ms=5000, retention="full", result_window=1) == Created("w-new")
-    await _enqueue(scripts, "s1", "w-new", 0)
-    [(entry_id, fields)] = await _entries(scripts, "w-new")
+    entry_id, fields = await _first_entry(scripts, "w-new", packed=True)
     assert set(fields) == PACKED_FIELDS
     entry = InboxEntry.from_fields(entry_id, fields)
     assert (entry.kind, entry.session_id, entry.step_id, entry.job_id, entry.reply_to) == (JobKind.STEP, "s1", 0, "j0",
@@ -65,21 +74,13 @@ async def test_an_owner_that_reads_packed_entries_gets_six_fields_read_as_the_cl
 
 
 async def test_an_owner_that_does_not_say_so_gets_the_classic_entry(scripts: Scripts) -> None:
-    await _register(scripts, "w-old", "m", packed=False)
-    assert await scripts.create("s1", MODE, "m", lease_ms=5000, retention="full", result_window=1) == Created("w-old")
-    await _enqueue(scripts, "s1", "w-old", 0)
-    [(entry_id, fields)] = await _entries(scripts, "w-old")
+    entry_id, fields = await _first_entry(scripts, "w-old", packed=False)
     assert set(fields) == CLASSIC
     assert InboxEntry.from_fields(entry_id, fields).job_id == "j0"
 
 
 async def test_a_packed_entry_keeps_the_fields_that_differ_from_their_defaults(scripts: Scripts) -> None:
-    await _register(scripts, "w-new", "m", packed=True)
-    created = await scripts.create("s1", MODE, "m", lease_ms=5000, retention="full", result_window=1,
-                                   priority="interactive")
-    assert created == Created("w-new")
-    await _enqueue(scripts, "s1", "w-new", 0)
-    [(entry_id, fields)] = await _entries(scripts, "w-new")
+    entry_id, fields = await _first_entry(scripts, "w-new", packed=True, priority="interactive")
     assert set(fields) == PACKED_FIELDS | {b"retention", b"min_version", b"priority", b"cancels"}
     assert InboxEntry.from_fields(entry_id, fields).priority is Priority.INTERACTIVE
 
