@@ -79,6 +79,7 @@ class InboxEntry:
         try:
             packed = fields.get(PACKED)
             if packed is not None:
+                # PACKED_PARTS in order, unpacked inline on this hot path (layouts.unpacked is the slow one)
                 kind_b, step_b, contextual, gen, mode, enqueued_ms, attempt, model = packed.split(b"\0", 7)
             else:
                 kind_b, step_b, contextual, gen = (fields[b"kind"], fields[b"step_id"], fields[b"contextual"],

@@ -276,10 +276,11 @@ end
 -- on from there (an upper bound: trimming only shortens it, so a count under the budget needs no
 -- read), and its TTL is set once, by flush_replies, to what the last entry added asks for, as a
 -- PEXPIRE after each entry would leave it. Returns the entry's id.
--- The entry leaves out `kind` when it is 'step' (ReplyEntry reads a missing one as 'step', as every
--- release since the field layouts were written down does), and the XADD asks for no trim when the
--- stream has room for it (MAXLEN ~ would trim nothing then): fewer arguments for the master to
--- convert and parse, and two bulk strings fewer for the reader.
+-- While the stream has room for the entry, the XADD asks for no trim (MAXLEN ~ would trim nothing
+-- then) and the entry leaves out `kind` when it is 'step' (ReplyEntry reads a missing one as 'step',
+-- as every release since the field layouts were written down does): fewer arguments for the master
+-- to convert and parse, and two bulk strings fewer for the reader. A stream at its budget, rare,
+-- gets the whole entry and the trim.
 local function add_reply(key, ttl_ms, stream_bytes, large_bytes, large_ttl_ms, kind, job_id, committed, result,
                          size, blob, streams)
   size = size or #result
